@@ -1,0 +1,196 @@
+"""The `sluice` command: serve, demo and sim-backend.
+
+Every `serve`/`demo` flag also reads `SLUICE_<FLAG>` (dashes become underscores) and the same
+key in a `--config file.toml` (dashes or underscores). A flag beats the environment, which
+beats the file, which beats the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from app.config import Settings
+from app.sim.settings import SimSettings
+
+HELP: dict[str, str] = {
+    "backend": "OpenAI-compatible backend URL (repeatable)",
+    "policy": "routing policy",
+    "tokenizer": "tokenizer.json path, model directory or hub id (default: bundled DeepSeek-V4)",
+    "chat_template": "Jinja2 chat template file (default: discovered next to the tokenizer)",
+    "tokenize_mode": "offload (threads, fallback, saturation policy) or inline (naive baseline)",
+    "saturation": "what a request does when threads and fallback are busy",
+    "forward": "passthrough: forward the JSON body; tokens: send token ids to the backend",
+    "health_check_path": "path probed on each backend (404 there falls back to /v1/models)",
+    "first_byte_timeout": "seconds to wait for a backend's response headers",
+    "idle_timeout": "seconds allowed between two chunks of a streamed response",
+    "stall_instrument": "time every task step to find stalls (small cost per step)",
+    "admin_token": "bearer token required by PUT /api/policy (default: none required)",
+}
+
+
+def _field_types(cls: type[Any]) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _converter(tp: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """The argparse `type` and `choices` for one dataclass field type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _converter(inner[0])
+    if origin is typing.Literal:
+        return str, tuple(str(a) for a in typing.get_args(tp))
+    if tp is bool:
+        return _parse_bool, None
+    if tp in (int, float, str):
+        return tp, None
+    raise TypeError(f"no converter for {tp!r}")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type[Any], skip: Sequence[str] = ()
+) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        tp = _field_types(cls)[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        if tp is bool:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=HELP.get(f.name, f"default: {f.default}"),
+            )
+            continue
+        if typing.get_origin(tp) is tuple:
+            continue
+        conv, choices = _converter(tp)
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=conv,
+            choices=choices,
+            default=None,
+            help=HELP.get(f.name, f"default: {f.default}"),
+        )
+
+
+def _load_toml(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    with Path(path).open("rb") as fh:
+        data = tomllib.load(fh)
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def _resolve(cls: type[Any], args: argparse.Namespace, file_values: dict[str, Any]) -> Any:
+    """Build `cls` from flags, then SLUICE_* variables, then the TOML file, then defaults."""
+    hints = _field_types(cls)
+    values: dict[str, Any] = {}
+    unknown = set(file_values) - {f.name for f in dataclasses.fields(cls)} - {"backend"}
+    if unknown:
+        raise SystemExit(f"sluice: unknown key(s) in --config: {', '.join(sorted(unknown))}")
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        from_flag = getattr(args, f.name, None)
+        env = os.environ.get("SLUICE_" + f.name.upper())
+        if from_flag is not None:
+            values[f.name] = from_flag
+        elif typing.get_origin(tp) is tuple:
+            continue
+        elif env is not None:
+            conv, choices = _converter(tp)
+            try:
+                value = conv(env)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise SystemExit(f"sluice: SLUICE_{f.name.upper()}: {exc}") from None
+            if choices is not None and value not in choices:
+                raise SystemExit(
+                    f"sluice: SLUICE_{f.name.upper()} must be one of {', '.join(choices)}"
+                )
+            values[f.name] = value
+        elif f.name in file_values:
+            values[f.name] = file_values[f.name]
+    return cls(**values)
+
+
+def _backends(args: argparse.Namespace, file_values: dict[str, Any]) -> tuple[str, ...]:
+    if args.backend:
+        return tuple(args.backend)
+    env = os.environ.get("SLUICE_BACKEND") or os.environ.get("SLUICE_BACKENDS")
+    if env:
+        return tuple(url.strip() for url in env.split(",") if url.strip())
+    listed = file_values.get("backends", file_values.get("backend", ()))
+    if isinstance(listed, str):
+        listed = [listed]
+    return tuple(str(url) for url in listed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy in front of OpenAI-compatible backends")
+    serve.add_argument("--config", help="TOML file with any of the flags below")
+    serve.add_argument("--backend", action="append", help=HELP["backend"])
+    _add_dataclass_flags(serve, Settings, skip=("demo_backends", "demo_rps"))
+
+    demo = sub.add_parser("demo", help="simulated backends + proxy + dashboard + light traffic")
+    demo.add_argument("--config", help="TOML file with any of the flags below")
+    _add_dataclass_flags(demo, Settings, skip=("backends",))
+
+    sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
+    _add_dataclass_flags(sim, SimSettings)
+    return parser
+
+
+def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSettings]:
+    args = build_parser().parse_args(argv)
+    if args.command == "sim-backend":
+        return args.command, _resolve(SimSettings, args, {})
+    try:
+        file_values = _load_toml(args.config)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SystemExit(f"sluice: cannot read --config: {exc}") from None
+    settings: Settings = _resolve(Settings, args, file_values)
+    if args.command == "serve":
+        backends = _backends(args, file_values)
+        if not backends:
+            raise SystemExit("sluice serve: give at least one --backend URL")
+        settings = dataclasses.replace(settings, backends=backends)
+    return args.command, settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    command, settings = parse(argv)
+    from app import main as runner
+
+    if isinstance(settings, SimSettings):
+        return runner.run_sim_backend(settings)
+    if command == "demo":
+        return runner.run_demo(settings)
+    return runner.run_serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Settings: one frozen object built from flags, SLUICE_* environment variables and a TOML file.
+
+Precedence, highest first: command-line flag, environment variable, `--config` file, default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["cache_aware", "power_of_two", "round_robin", "random", "consistent_hash"]
+TokenizeMode = Literal["offload", "inline"]
+Saturation = Literal["wait", "bail-out"]
+ForwardMode = Literal["passthrough", "tokens"]
+
+POLICIES: tuple[Policy, ...] = (
+    "cache_aware",
+    "power_of_two",
+    "round_robin",
+    "random",
+    "consistent_hash",
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Listening sockets.
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = 8001
+
+    # Backends and routing.
+    backends: tuple[str, ...] = ()
+    policy: Policy = "power_of_two"
+    health_check_path: str = "/health"
+    health_check_interval: float = 3.0
+    health_check_timeout: float = 2.0
+    breaker_failures: int = 3
+    breaker_cooldown: float = 10.0
+
+    # Forwarding.
+    connect_timeout: float = 3.0
+    first_byte_timeout: float = 300.0
+    idle_timeout: float = 60.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_connections: int = 1024
+    shutdown_grace: float = 10.0
+
+    # Preprocessing.
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    tokenize_mode: TokenizeMode = "offload"
+    tokenize_threads: int = 2
+    tokenize_queue: int = 8
+    saturation: Saturation = "wait"
+    l0_max_entries: int = 10000
+    l0_max_text_bytes: int = 65536
+    l1_max_memory: int = 52428800
+    max_model_len: int | None = None
+    forward: ForwardMode = "passthrough"
+    admin_token: str | None = None
+
+    # Observation.
+    stall_threshold_ms: float = 10.0
+    stall_instrument: bool = True
+
+    log_level: str = "info"
+
+    # Demo only.
+    demo_backends: int = 3
+    demo_rps: float = 2.0

@@ -1,0 +1,1 @@
+"""The operator's dashboard: a QuartTrio app on its own port."""

@@ -1,0 +1,1 @@
+"""Watching the data path: Prometheus metrics, event-loop stalls, time series."""

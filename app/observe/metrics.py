@@ -1,0 +1,120 @@
+"""Every Prometheus metric Sluice exports; the names are part of the contract (DESIGN.md).
+
+One `Metrics` object per running proxy, each with its own registry, so that several proxies
+in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
+LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+
+        # Preprocessing.
+        self.tokenize_seconds = Histogram(
+            "sluice_tokenize_seconds",
+            "Time to obtain a prompt's token ids, by the path that produced them",
+            ["path"],
+            buckets=TOKENIZE_BUCKETS,
+            registry=r,
+        )
+        self.template_seconds = Histogram(
+            "sluice_template_seconds",
+            "Time to render a chat template",
+            buckets=TOKENIZE_BUCKETS,
+            registry=r,
+        )
+        self.l0_hits = Counter(
+            "sluice_tokenizer_cache_l0_hits", "L0 exact-match cache hits", registry=r
+        )
+        self.l0_misses = Counter(
+            "sluice_tokenizer_cache_l0_misses", "L0 exact-match cache misses", registry=r
+        )
+        self.l0_entries = Gauge(
+            "sluice_tokenizer_cache_l0_entries", "Entries in the L0 cache", registry=r
+        )
+        self.l0_memory_bytes = Gauge(
+            "sluice_tokenizer_cache_l0_memory_bytes", "Bytes held by the L0 cache", registry=r
+        )
+        self.l1_hits = Counter(
+            "sluice_tokenizer_cache_l1_hits", "L1 prefix cache hits", registry=r
+        )
+        self.l1_misses = Counter(
+            "sluice_tokenizer_cache_l1_misses", "L1 prefix cache misses", registry=r
+        )
+        self.l1_memory_bytes = Gauge(
+            "sluice_tokenizer_cache_l1_memory_bytes", "Bytes held by the L1 cache", registry=r
+        )
+        self.l1_mismatches = Counter(
+            "sluice_tokenizer_cache_l1_mismatches",
+            "L1 results that differed from a full encode and were discarded",
+            registry=r,
+        )
+        self.tokenize_saturated = Counter(
+            "sluice_tokenize_saturated",
+            "Requests that found threads and the fallback permit busy",
+            ["outcome"],
+            registry=r,
+        )
+        self.tokenize_queue_depth = Gauge(
+            "sluice_tokenize_queue_depth", "Requests waiting for a tokenizer thread", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens counted per API key", ["api_key"], registry=r
+        )
+
+        # Event loop.
+        self.loop_lag_seconds = Histogram(
+            "sluice_event_loop_lag_seconds",
+            "How late the lag probe woke up",
+            buckets=LOOP_BUCKETS,
+            registry=r,
+        )
+        self.loop_stalls = Counter(
+            "sluice_event_loop_stalls",
+            "Task steps longer than the stall threshold",
+            ["task"],
+            registry=r,
+        )
+        self.loop_stall_seconds = Histogram(
+            "sluice_event_loop_stall_seconds",
+            "Duration of task steps longer than the stall threshold",
+            buckets=LOOP_BUCKETS,
+            registry=r,
+        )
+
+        # Backends and routing.
+        self.backend_inflight = Gauge(
+            "sluice_backend_inflight_requests", "Requests in flight", ["backend"], registry=r
+        )
+        self.backend_healthy = Gauge(
+            "sluice_backend_healthy", "1 if the backend takes traffic", ["backend"], registry=r
+        )
+        self.backend_requests = Counter(
+            "sluice_backend_requests",
+            "Requests forwarded, by backend and HTTP status (0: no response)",
+            ["backend", "code"],
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            "sluice_route_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.proxy_overhead_seconds = Histogram(
+            "sluice_proxy_overhead_seconds",
+            "Time the proxy adds before the request is handed to a backend",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""The ASGI data path: parse -> preprocess -> route -> forward."""

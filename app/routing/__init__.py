@@ -1,0 +1,1 @@
+"""Backends (health, load, circuit breaker) and the policies that choose between them."""

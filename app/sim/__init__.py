@@ -1,0 +1,1 @@
+"""A simulated GPU inference server, modelled on llm-d-inference-sim."""

@@ -1,0 +1,30 @@
+"""Settings of one simulated GPU backend (`sluice sim-backend`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    host: str = "127.0.0.1"
+    port: int = 9000
+    model: str = "deepseek-ai/DeepSeek-V4-sim"
+    max_model_len: int = 131072
+    # Continuous batching: at most this many sequences run; the rest wait.
+    max_num_seqs: int = 32
+    # prefill = prefill_overhead + uncached_prompt_tokens * prefill_per_token
+    prefill_overhead: float = 0.005
+    prefill_per_token: float = 0.00002
+    # decode = (output_tokens - 1) * inter_token_latency
+    inter_token_latency: float = 0.005
+    default_max_tokens: int = 16
+    # Prefix KV cache: this many blocks of `block_size` tokens, LRU.
+    kv_cache_blocks: int = 4096
+    block_size: int = 16
+    # Faults.
+    error_rate: float = 0.0
+    hang: bool = False
+    close_mid_stream: bool = False
+    start_unhealthy: bool = False
+    seed: int = 0
