@@ -94,3 +94,14 @@ async def send_error(
     headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
     await send_json(send, status, error_body(message, type_, param, code), headers)
+
+
+async def answer_lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge startup and shutdown: nothing of ours needs the lifespan hooks."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

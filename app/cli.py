@@ -183,13 +183,14 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSetting
 
 def main(argv: Sequence[str] | None = None) -> int:
     command, settings = parse(argv)
-    from app import main as runner
+    # Imported here so that `--help` and argument errors answer without loading the stack.
+    from app.main import run_demo, run_serve, run_sim_backend
 
     if isinstance(settings, SimSettings):
-        return runner.run_sim_backend(settings)
+        return run_sim_backend(settings)
     if command == "demo":
-        return runner.run_demo(settings)
-    return runner.run_serve(settings)
+        return run_demo(settings)
+    return run_serve(settings)
 
 
 if __name__ == "__main__":

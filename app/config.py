@@ -8,18 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Policy = Literal["cache_aware", "power_of_two", "round_robin", "random", "consistent_hash"]
+Policy = Literal["power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
-
-POLICIES: tuple[Policy, ...] = (
-    "cache_aware",
-    "power_of_two",
-    "round_robin",
-    "random",
-    "consistent_hash",
-)
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,7 @@ class Metrics:
         self.l0_memory_bytes = Gauge(
             "sluice_tokenizer_cache_l0_memory_bytes", "Bytes held by the L0 cache", registry=r
         )
-        self.l1_hits = Counter(
-            "sluice_tokenizer_cache_l1_hits", "L1 prefix cache hits", registry=r
-        )
+        self.l1_hits = Counter("sluice_tokenizer_cache_l1_hits", "L1 prefix cache hits", registry=r)
         self.l1_misses = Counter(
             "sluice_tokenizer_cache_l1_misses", "L1 prefix cache misses", registry=r
         )

@@ -1,0 +1,228 @@
+"""One `trio.run`, one nursery: proxy server, dashboard server, health checker
+(and, for `sluice demo`, the simulated backends and their traffic).
+
+SIGINT/SIGTERM: stop accepting, let in-flight responses finish within the grace period,
+then cancel everything and exit 0. A second signal cancels at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from app.config import Settings
+from app.dashboard.app import create_dashboard
+from app.observe.metrics import Metrics
+from app.proxy.app import ProxyApp
+from app.routing.backends import BackendPool
+from app.routing.health import HealthChecker
+from app.routing.policies import make_policy
+from app.sim.server import serve_sim
+from app.sim.settings import SimSettings
+from app.sim.traffic import run_traffic
+
+log = logging.getLogger("sluice")
+
+
+def hypercorn_config(host: str, port: int, grace: float) -> Config:
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.include_server_header = False
+    config.graceful_timeout = grace
+    config.keep_alive_timeout = 75
+    return config
+
+
+def make_client(settings: Settings) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=settings.connect_timeout,
+            read=None,  # first-byte and idle timeouts are enforced per phase in forward.py
+            write=settings.connect_timeout,
+            pool=settings.connect_timeout,
+        ),
+        limits=httpx.Limits(
+            max_connections=settings.max_connections,
+            max_keepalive_connections=settings.max_connections,
+        ),
+        trust_env=False,
+    )
+
+
+class Sluice:
+    """The proxy, its dashboard and its watchers, ready to run in a nursery."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.pool = BackendPool(
+            settings.backends,
+            failures_to_open=settings.breaker_failures,
+            cooldown=settings.breaker_cooldown,
+            probe_path=settings.health_check_path,
+        )
+        self.policy = make_policy(settings.policy)
+        self.shutdown = trio.Event()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "time": trio.current_time(),
+            "policy": self.policy.name,
+            "backends": self.pool.snapshot(trio.current_time()),
+        }
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[tuple[str, str]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until `shutdown` is set; report (proxy URL, dashboard URL) once listening."""
+        settings = self.settings
+        async with make_client(settings) as client, trio.open_nursery() as nursery:
+            checker = HealthChecker(
+                self.pool,
+                client,
+                self.metrics,
+                interval=settings.health_check_interval,
+                timeout=settings.health_check_timeout,
+            )
+            await nursery.start(checker.run)
+            proxy = ProxyApp(settings, self.pool, self.policy, client, self.metrics)
+            dashboard = create_dashboard(self.snapshot)
+            async with trio.open_nursery() as servers:
+                proxy_urls = await servers.start(
+                    _serve,
+                    proxy,
+                    hypercorn_config(settings.host, settings.port, settings.shutdown_grace),
+                    self.shutdown.wait,
+                )
+                dashboard_urls = await servers.start(
+                    _serve,
+                    dashboard,
+                    hypercorn_config(settings.dashboard_host, settings.dashboard_port, 1.0),
+                    self.shutdown.wait,
+                )
+                task_status.started((proxy_urls[0], dashboard_urls[0]))
+                await self.shutdown.wait()
+                # Hypercorn has stopped accepting; idle keep-alive connections would hold
+                # it for the whole grace period, so stop as soon as requests are done.
+                with trio.move_on_after(settings.shutdown_grace):
+                    await proxy.wait_idle()
+                servers.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+
+async def _serve(
+    app: Any,
+    config: Config,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+
+
+async def _stop_on_signal(
+    shutdown: trio.Event, cancel: trio.CancelScope, *, task_status: trio.TaskStatus[None]
+) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            if shutdown.is_set():
+                log.info("second signal: stopping now")
+                cancel.cancel()
+                return
+            log.info("%s: finishing in-flight requests, then stopping", signal.Signals(signum).name)
+            shutdown.set()
+
+
+async def _run_then_cancel(
+    sluice: Sluice, cancel: trio.CancelScope, *, task_status: trio.TaskStatus[tuple[str, str]]
+) -> None:
+    """Once the servers have drained, nothing else in the process may outlive them."""
+    await sluice.run(task_status=task_status)
+    cancel.cancel()
+
+
+def _print_urls(proxy_url: str, dashboard_url: str) -> None:
+    print(f"Sluice proxy:     {proxy_url}", flush=True)
+    print(f"Sluice dashboard: {dashboard_url}", flush=True)
+
+
+async def serve_main(settings: Settings) -> None:
+    sluice = Sluice(settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
+        _print_urls(*await nursery.start(_run_then_cancel, sluice, nursery.cancel_scope))
+
+
+async def demo_main(settings: Settings) -> None:
+    async with trio.open_nursery() as nursery:
+        backend_urls = [
+            await nursery.start(serve_sim, SimSettings(port=0, seed=index))
+            for index in range(settings.demo_backends)
+        ]
+        sluice = Sluice(_demo_settings(settings, tuple(backend_urls)))
+        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
+        proxy_url, dashboard_url = await nursery.start(
+            _run_then_cancel, sluice, nursery.cancel_scope
+        )
+        print("Sluice demo: simulated backends " + ", ".join(backend_urls), flush=True)
+        _print_urls(proxy_url, dashboard_url)
+        print("Press Ctrl-C to stop.", flush=True)
+        async with trio.open_nursery() as clients:
+            clients.start_soon(run_traffic, proxy_url, settings.demo_rps)
+            await sluice.shutdown.wait()
+            clients.cancel_scope.cancel()
+
+
+def _demo_settings(settings: Settings, backends: tuple[str, ...]) -> Settings:
+    return dataclasses.replace(
+        settings, backends=backends, shutdown_grace=min(settings.shutdown_grace, 1.0)
+    )
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # One line per forwarded request is the access log's job, not the client library's.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def run_serve(settings: Settings) -> int:
+    _configure_logging(settings.log_level)
+    trio.run(serve_main, settings)
+    return 0
+
+
+def run_demo(settings: Settings) -> int:
+    _configure_logging(settings.log_level)
+    trio.run(demo_main, settings)
+    return 0
+
+
+def run_sim_backend(settings: SimSettings) -> int:
+    _configure_logging("info")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            shutdown = trio.Event()
+            await nursery.start(_stop_on_signal, shutdown, nursery.cancel_scope)
+            url = await nursery.start(serve_sim, settings)
+            print(f"Simulated backend: {url}", flush=True)
+            await shutdown.wait()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return 0

@@ -1,0 +1,329 @@
+"""The proxy's ASGI app: parse -> preprocess -> route -> forward, plus the small GET endpoints.
+
+No framework on the data path: a request costs one dict lookup to dispatch, and streaming
+is plain ASGI sends. Every error leaves as OpenAI-shaped JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+
+from app.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    answer_lifespan,
+    header,
+    read_body,
+    send_bytes,
+    send_error,
+    send_json,
+)
+from app.config import Settings
+from app.observe.metrics import Metrics
+from app.proxy.forward import (
+    StreamBroken,
+    Timeouts,
+    UpstreamFailure,
+    open_upstream,
+    relay,
+    upstream_headers,
+)
+from app.proxy.validate import InvalidRequest, check_chat, check_completion, parse_json_object
+from app.routing.backends import Backend, BackendPool
+from app.routing.policies import Decision, Policy, RouteRequest
+
+log = logging.getLogger("sluice.proxy")
+
+COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+GET_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
+RETRY_AFTER_SECONDS = b"2"
+# 5xx answers that mean the backend, not the request, is in trouble.
+BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
+
+
+@dataclass
+class Timing:
+    started: float
+    template: float = 0.0
+    tokenize: float = 0.0
+    route: float = 0.0
+
+    def header(self) -> bytes:
+        parts = (("template", self.template), ("tokenize", self.tokenize), ("route", self.route))
+        return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in parts).encode()
+
+
+class ProxyApp:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        policy: Policy,
+        client: httpx.AsyncClient,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.policy = policy
+        self.client = client
+        self.metrics = metrics
+        self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
+        self.active_requests = 0
+        self._idle = trio.Event()
+
+    async def wait_idle(self) -> None:
+        """Return once no HTTP request is being handled (idle keep-alives don't count)."""
+        while self.active_requests:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        self.active_requests += 1
+        try:
+            await self.dispatch(scope, receive, send)
+        finally:
+            self.active_requests -= 1
+            if not self.active_requests:
+                self._idle.set()
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        kind = COMPLETION_PATHS.get(path)
+        if kind is not None:
+            if method != "POST":
+                await _method_not_allowed(send, b"POST")
+                return
+            await self.completion(scope, receive, send, path, kind)
+            return
+        if path in GET_PATHS:
+            if method not in ("GET", "HEAD"):
+                await _method_not_allowed(send, b"GET")
+                return
+            if path == "/health":
+                await self.health(send)
+            elif path == "/metrics":
+                await send_bytes(
+                    send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8"
+                )
+            else:
+                await self.models(send)
+            return
+        await send_error(
+            send, 404, f"Unknown path {path}", "invalid_request_error", None, "not_found"
+        )
+
+    async def health(self, send: Send) -> None:
+        now = trio.current_time()
+        healthy = sum(1 for b in self.pool.backends if b.takes_traffic(now))
+        status = 200 if healthy else 503
+        payload = {
+            "status": "ok" if healthy else "no healthy backend",
+            "healthy_backends": healthy,
+            "backends": len(self.pool.backends),
+        }
+        await send_json(send, status, payload)
+
+    async def models(self, send: Send) -> None:
+        now = trio.current_time()
+        seen: dict[str, dict[str, Any]] = {}
+        for backend in self.pool.available(now):
+            for model in backend.models:
+                seen.setdefault(model["id"], model)
+        if not seen and not self.pool.any_available(now):
+            await _no_backend(send)
+            return
+        await send_json(send, 200, {"object": "list", "data": list(seen.values())})
+
+    async def completion(
+        self, scope: Scope, receive: Receive, send: Send, path: str, kind: str
+    ) -> None:
+        timing = Timing(started=time.perf_counter())
+        try:
+            body = await read_body(receive, self.settings.max_body_bytes)
+        except BodyTooLarge:
+            await send_error(
+                send,
+                413,
+                f"The request body is larger than {self.settings.max_body_bytes} bytes.",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
+            return
+        except ClientGone:
+            return
+        try:
+            payload = parse_json_object(body)
+            if kind == "chat":
+                check_chat(payload)
+            else:
+                check_completion(payload)
+        except InvalidRequest as exc:
+            await send_error(send, 400, exc.message, "invalid_request_error", exc.param, exc.code)
+            return
+
+        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+        headers = upstream_headers(scope["headers"], request_id)
+        route_request = RouteRequest()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            await self.forward(send, path, body, headers, request_id, route_request, timing)
+            nursery.cancel_scope.cancel()
+
+    async def forward(
+        self,
+        send: Send,
+        path: str,
+        body: bytes,
+        headers: Headers,
+        request_id: bytes,
+        route_request: RouteRequest,
+        timing: Timing,
+    ) -> None:
+        tried: list[Backend] = []
+        failure: UpstreamFailure | None = None
+        while len(tried) < 2:
+            route_started = time.perf_counter()
+            candidates = self.pool.available(trio.current_time(), exclude=tuple(tried))
+            if not candidates:
+                break
+            decision = self.policy.choose(candidates, route_request)
+            if tried:
+                decision = Decision(decision.backend, "retry")
+            timing.route += time.perf_counter() - route_started
+            backend = decision.backend
+            self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
+            tried.append(backend)
+            try:
+                await self._exchange(
+                    send, backend, decision, path, body, headers, request_id, timing
+                )
+                return
+            except UpstreamFailure as exc:
+                failure = exc
+                log.warning("backend %s failed before answering: %s", backend.url, exc)
+        if failure is None:
+            await _no_backend(send)
+        elif failure.kind == "timeout":
+            await send_error(
+                send,
+                504,
+                f"The backend did not answer in time ({failure.detail}).",
+                "upstream_error",
+                None,
+                "backend_timeout",
+            )
+        else:
+            await send_error(
+                send,
+                502,
+                f"Could not reach a backend ({failure.detail}).",
+                "upstream_error",
+                None,
+                "backend_unreachable",
+            )
+
+    async def _exchange(
+        self,
+        send: Send,
+        backend: Backend,
+        decision: Decision,
+        path: str,
+        body: bytes,
+        headers: Headers,
+        request_id: bytes,
+        timing: Timing,
+    ) -> None:
+        """One try on one backend. Raises `UpstreamFailure` while a retry is still possible."""
+        inflight = self.metrics.backend_inflight.labels(backend=backend.url)
+        backend.inflight += 1
+        inflight.inc()
+        code = "error"
+        broken: str | None = None
+        try:
+            self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
+            try:
+                response = await open_upstream(
+                    self.client, backend.url + path, body, headers, self.timeouts
+                )
+            except UpstreamFailure as exc:
+                broken = str(exc)
+                raise
+            code = str(response.status_code)
+            if response.status_code in BACKEND_FAULT_STATUSES:
+                broken = f"answered {response.status_code}"
+            extra = [
+                (b"x-request-id", request_id),
+                (b"x-sluice-backend", backend.url.encode()),
+                (b"x-sluice-route", f"{self.policy.name}:{decision.reason}".encode()),
+                (b"server-timing", timing.header()),
+            ]
+            try:
+                stream_error = await relay(response, send, extra, self.timeouts.idle)
+                if stream_error is not None:
+                    broken = stream_error
+            except StreamBroken as exc:
+                broken = str(exc)
+                raise
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    await response.aclose()
+        finally:
+            backend.inflight -= 1
+            inflight.dec()
+            self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
+            if broken is None:
+                self.pool.request_succeeded(backend)
+            else:
+                self.pool.request_failed(backend, trio.current_time(), broken)
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    """The body is read, so the next message can only be the client going away."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _no_backend(send: Send) -> None:
+    await send_error(
+        send,
+        503,
+        "No healthy backend is available; try again shortly.",
+        "service_unavailable",
+        None,
+        "no_healthy_backend",
+        headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
+    )
+
+
+async def _method_not_allowed(send: Send, allowed: bytes) -> None:
+    await send_error(
+        send,
+        405,
+        f"Method not allowed; use {allowed.decode()}.",
+        "invalid_request_error",
+        None,
+        "method_not_allowed",
+        headers=[(b"allow", allowed)],
+    )

@@ -1,0 +1,174 @@
+"""Forwarding to one backend: open the upstream response, then relay it byte for byte.
+
+Opening is where a failure can still be retried elsewhere (nothing has reached the client);
+relaying is where it can't, so a broken stream ends with an SSE error event instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import trio
+
+from app.asgi import Headers, Send, error_body
+
+log = logging.getLogger("sluice.forward")
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length"}
+NOT_RELAYED_DOWNSTREAM = HOP_BY_HOP | {b"content-length", b"date"}
+
+
+class UpstreamFailure(Exception):
+    """The backend failed before answering: nothing reached the client yet."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind  # "connect" | "timeout" | "protocol"
+        self.detail = detail
+
+
+class StreamBroken(Exception):
+    """The backend failed after the response started; the connection must be dropped."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    first_byte: float
+    idle: float
+
+
+def upstream_headers(client_headers: Headers, request_id: bytes) -> Headers:
+    """The client's headers minus hop-by-hop ones, with the request id the proxy settled on."""
+    kept = [
+        (k, v)
+        for k, v in client_headers
+        if k not in NOT_FORWARDED_UPSTREAM and k != b"x-request-id"
+    ]
+    kept.append((b"x-request-id", request_id))
+    return kept
+
+
+def _connection_tokens(headers: httpx.Headers) -> set[bytes]:
+    """Headers named in `Connection:` are hop-by-hop too (RFC 9110 §7.6.1)."""
+    value = headers.get("connection", "")
+    return {token.strip().lower().encode() for token in value.split(",") if token.strip()}
+
+
+def downstream_headers(response: httpx.Response, extra: Headers) -> Headers:
+    named = _connection_tokens(response.headers)
+    relayed = [
+        (k.lower(), v)
+        for k, v in response.headers.raw
+        if k.lower() not in NOT_RELAYED_DOWNSTREAM and k.lower() not in named
+    ]
+    if not is_event_stream(response):
+        length = response.headers.get("content-length")
+        if length is not None:
+            relayed.append((b"content-length", length.encode()))
+    return relayed + extra
+
+
+def is_event_stream(response: httpx.Response) -> bool:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.startswith("text/event-stream")
+
+
+async def open_upstream(
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    headers: Headers,
+    timeouts: Timeouts,
+) -> httpx.Response:
+    """Send the request and wait for the response head, within the first-byte timeout."""
+    request = client.build_request("POST", url, content=body, headers=headers)
+    try:
+        with trio.fail_after(timeouts.first_byte):
+            return await client.send(request, stream=True)
+    except trio.TooSlowError:
+        raise UpstreamFailure("timeout", f"no response within {timeouts.first_byte:g}s") from None
+    except httpx.TimeoutException as exc:
+        raise UpstreamFailure("timeout", type(exc).__name__) from None
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise UpstreamFailure("connect", str(exc) or type(exc).__name__) from None
+    except httpx.HTTPError as exc:
+        raise UpstreamFailure("protocol", str(exc) or type(exc).__name__) from None
+
+
+async def _chunks(response: httpx.Response, idle: float) -> AsyncIterator[bytes]:
+    """The raw (still encoded) body, failing if the backend goes quiet for `idle` seconds."""
+    iterator = response.aiter_raw().__aiter__()
+    while True:
+        with trio.move_on_after(idle) as scope:
+            try:
+                chunk = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+        if scope.cancelled_caught:
+            raise httpx.ReadTimeout(f"no data from the backend for {idle:g}s")
+        yield chunk
+
+
+def sse_error_event(message: str) -> bytes:
+    payload = error_body(message, "upstream_error", None, "backend_stream_broken")
+    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def relay(
+    response: httpx.Response,
+    send: Send,
+    extra_headers: Headers,
+    idle: float,
+) -> str | None:
+    """Relay the response; return None when it ended well, else what broke it.
+
+    On a mid-stream failure an event stream gets an error event and a clean end; any other
+    body raises `StreamBroken` so the server drops the connection rather than let a
+    truncated JSON document look complete.
+    """
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": downstream_headers(response, extra_headers),
+        }
+    )
+    sent = 0
+    try:
+        async for chunk in _chunks(response, idle):
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += len(chunk)
+    except httpx.HTTPError as exc:
+        detail = str(exc) or type(exc).__name__
+        if not is_event_stream(response):
+            raise StreamBroken(detail) from exc
+        log.warning("stream from %s broke after %d bytes: %s", response.url, sent, detail)
+        await send(
+            {
+                "type": "http.response.body",
+                "body": sse_error_event(f"The backend stream broke: {detail}"),
+                "more_body": False,
+            }
+        )
+        return detail
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return None

@@ -1,0 +1,108 @@
+"""Active health checks: probe every backend every few seconds, concurrently.
+
+A backend that answers 404 on the health path (some OpenAI-compatible servers have no
+/health) is probed on /v1/models from then on and is never ejected for the 404 itself.
+The model list (with `max_model_len`) is refreshed from /v1/models on every healthy probe.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import trio
+
+from app.observe.metrics import Metrics
+from app.routing.backends import Backend, BackendPool
+
+log = logging.getLogger("sluice.health")
+
+MODELS_PATH = "/v1/models"
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        pool: BackendPool,
+        client: httpx.AsyncClient,
+        metrics: Metrics,
+        *,
+        interval: float,
+        timeout: float,
+    ) -> None:
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+        self.interval = interval
+        self.timeout = timeout
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Check once so the proxy starts with a true picture, then keep checking."""
+        await self.check_all()
+        task_status.started()
+        while True:
+            await trio.sleep(self.interval)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for backend in self.pool.backends:
+                nursery.start_soon(self.check, backend)
+
+    async def check(self, backend: Backend) -> None:
+        was_healthy = backend.healthy
+        ok, error = await self._probe(backend)
+        if ok and backend.probe_path != MODELS_PATH:
+            await self._refresh_models(backend)
+        self.pool.health_checked(backend, ok, error)
+        self.metrics.backend_healthy.labels(backend=backend.url).set(1 if ok else 0)
+        if ok != was_healthy:
+            log.info(
+                "backend %s is %s%s",
+                backend.url,
+                "healthy" if ok else "unhealthy",
+                f" ({error})" if error else "",
+            )
+
+    async def _probe(self, backend: Backend) -> tuple[bool, str | None]:
+        try:
+            with trio.fail_after(self.timeout):
+                response = await self.client.get(backend.url + backend.probe_path)
+                if response.status_code == 404 and backend.probe_path != MODELS_PATH:
+                    log.info(
+                        "backend %s has no %s; probing %s instead",
+                        backend.url,
+                        backend.probe_path,
+                        MODELS_PATH,
+                    )
+                    backend.probe_path = MODELS_PATH
+                    response = await self.client.get(backend.url + MODELS_PATH)
+        except trio.TooSlowError:
+            return False, f"health check timed out after {self.timeout:g}s"
+        except httpx.HTTPError as exc:
+            return False, f"health check failed: {type(exc).__name__}"
+        if response.status_code != 200:
+            return False, f"health check answered {response.status_code}"
+        if backend.probe_path == MODELS_PATH:
+            _store_models(backend, response)
+        return True, None
+
+    async def _refresh_models(self, backend: Backend) -> None:
+        try:
+            with trio.fail_after(self.timeout):
+                response = await self.client.get(backend.url + MODELS_PATH)
+        except (trio.TooSlowError, httpx.HTTPError):
+            return
+        if response.status_code == 200:
+            _store_models(backend, response)
+
+
+def _store_models(backend: Backend, response: httpx.Response) -> None:
+    try:
+        payload: Any = response.json()
+    except ValueError:
+        return
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if isinstance(data, list):
+        backend.models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -1,0 +1,229 @@
+"""The simulated GPU server: vLLM's HTTP surface over the simulated engine, served by hypercorn.
+
+Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`GET /health`, `GET /metrics`, `POST /tokenize`, `GET /version` (as vLLM answers them), and
+two of its own: `POST /sim/faults` to change the faults at run time, `GET /sim/state` for
+the engine's numbers as JSON.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from app.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    answer_lifespan,
+    read_body,
+    send_bytes,
+    send_error,
+    send_json,
+)
+from app.sim.engine import SimEngine
+from app.sim.faults import SimFaults
+from app.sim.generation import answer_stream, answer_whole, cancelled_on_disconnect
+from app.sim.metrics import SimMetrics
+from app.sim.openai_format import (
+    Kind,
+    RequestError,
+    ResponseShapes,
+    chat_prompt_text,
+    parse_generation,
+    parse_json_object,
+)
+from app.sim.settings import SimSettings
+from app.sim.tokens import TextTokenizer, WordTokenizer, generated_pieces
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# What `GET /version` reports; SMG asks for it when it registers a worker.
+VERSION = "0.0.0+sluice.sim"
+
+Handler = Callable[[Receive, Send], Awaitable[None]]
+
+
+class SimServer:
+    """The ASGI app of one simulated backend; its engine and faults are open to inspection."""
+
+    def __init__(self, settings: SimSettings, tokenizer: TextTokenizer | None = None) -> None:
+        self.settings = settings
+        self.model = settings.model
+        self.tokenizer: TextTokenizer = tokenizer or WordTokenizer()
+        self.engine = SimEngine(settings)
+        self.metrics = SimMetrics(self.engine, settings.model)
+        self.faults = SimFaults.from_settings(settings)
+        self.created = int(time.time())
+        self._routes: dict[str, dict[str, Handler]] = {
+            "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
+            "/v1/completions": {"POST": partial(self._generate, "completion")},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/metrics": {"GET": self._metrics},
+            "/tokenize": {"POST": self._tokenize},
+            "/version": {"GET": self._version},
+            "/sim/faults": {"POST": self._set_faults},
+            "/sim/state": {"GET": self._state},
+        }
+
+    @property
+    def running(self) -> int:
+        return self.engine.running
+
+    @property
+    def waiting(self) -> int:
+        return self.engine.waiting
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        methods = self._routes.get(scope["path"])
+        if methods is None:
+            await send_error(send, 404, f"Not found: {scope['path']}", "NotFoundError", code=404)
+            return
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allowed = ", ".join(methods).encode()
+            await send_error(
+                send,
+                405,
+                "Method not allowed",
+                "MethodNotAllowed",
+                code=405,
+                headers=[(b"allow", allowed)],
+            )
+            return
+        try:
+            await handler(receive, send)
+        except RequestError as exc:
+            await send_error(send, exc.status, exc.message, exc.type_, exc.param, exc.code)
+        except BodyTooLarge:
+            await send_error(
+                send, 413, f"Request body over {MAX_BODY_BYTES} bytes", "BadRequestError", code=413
+            )
+        except ClientGone:
+            pass
+
+    async def _generate(self, kind: Kind, receive: Receive, send: Send) -> None:
+        body = await read_body(receive, MAX_BODY_BYTES)
+        if self.faults.hang:
+            async with cancelled_on_disconnect(receive):
+                await trio.sleep_forever()
+            return
+        request = parse_generation(kind, parse_json_object(body), self.tokenizer, self.settings)
+        if self.faults.draw_error():
+            raise RequestError(
+                "Simulated internal server error",
+                status=500,
+                type_="InternalServerError",
+                code=500,
+            )
+        shapes = ResponseShapes(kind, self.model)
+        pieces = generated_pieces(request.prompt_tokens, self.settings.seed)
+        if request.stream:
+            await answer_stream(
+                request, shapes, self.engine, pieces, self.faults.close_mid_stream, receive, send
+            )
+        else:
+            await answer_whole(request, shapes, self.engine, pieces, receive, send)
+
+    async def _models(self, receive: Receive, send: Send) -> None:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": self.settings.max_model_len,
+        }
+        await send_json(send, 200, {"object": "list", "data": [card]})
+
+    async def _health(self, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 503 if self.faults.unhealthy else 200, b"", b"application/json")
+
+    async def _metrics(self, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 200, self.metrics.exposition(), b"text/plain; version=0.0.4")
+
+    async def _version(self, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"version": VERSION})
+
+    async def _tokenize(self, receive: Receive, send: Send) -> None:
+        payload = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        if "messages" in payload:
+            text = chat_prompt_text(payload)
+        elif isinstance(payload.get("prompt"), str):
+            text = payload["prompt"]
+        else:
+            raise RequestError("send a string `prompt` or a list of `messages`", param="prompt")
+        tokens = self.tokenizer.encode(text)
+        await send_json(
+            send,
+            200,
+            {
+                "count": len(tokens),
+                "max_model_len": self.settings.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            },
+        )
+
+    async def _set_faults(self, receive: Receive, send: Send) -> None:
+        payload = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        try:
+            self.faults.update(payload)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        await send_json(send, 200, self.faults.as_dict())
+
+    async def _state(self, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.state())
+
+    def state(self) -> dict[str, Any]:
+        kv_cache = self.engine.kv_cache
+        return {
+            "model": self.model,
+            "running": self.engine.running,
+            "waiting": self.engine.waiting,
+            "kv_cache_usage_perc": kv_cache.usage,
+            "prefix_cache_queries": kv_cache.query_tokens,
+            "prefix_cache_hits": kv_cache.hit_tokens,
+            "prompt_tokens": self.engine.prompt_tokens_total,
+            "generation_tokens": self.engine.generation_tokens_total,
+            "faults": self.faults.as_dict(),
+        }
+
+
+def create_sim_app(settings: SimSettings, tokenizer: TextTokenizer | None = None) -> SimServer:
+    return SimServer(settings, tokenizer)
+
+
+async def serve_sim(
+    settings: SimSettings,
+    *,
+    app: SimServer | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve a simulated backend until cancelled; reports its base URL, e.g. for port 0.
+
+    Pass `app` to keep a handle on the server (its engine and faults) while it serves.
+    """
+    # Hypercorn's ASGI types are TypedDicts; the shared helpers use plain mappings.
+    asgi_app: Any = app or create_sim_app(settings)
+    config = Config()
+    config.bind = [f"{settings.host}:{settings.port}"]
+    config.accesslog = None
+    async with trio.open_nursery() as nursery:
+        urls: list[str] = await nursery.start(partial(serve, asgi_app, config, mode="asgi"))
+        task_status.started(urls[0])

@@ -1,0 +1,71 @@
+"""The simulator's stand-in for a tokenizer, and the text it "generates".
+
+The sim has no model, so tokens only need two properties: the same text always gives the same
+ids, and texts that share a prefix give ids that share a prefix (that is what makes the prefix
+KV cache hit). Each chunk of leading whitespace plus a word becomes one id, roughly one token a
+word like a real BPE vocabulary. A real tokenizer can replace it through `TextTokenizer`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+# DeepSeek-V4's vocabulary size, so simulated ids look like the real model's.
+VOCAB_SIZE = 129_280
+
+_CHUNK = re.compile(r"\s*\S+|\s+")
+
+_OUTPUT_VOCABULARY = (
+    "the of and to in is that for it as with on was by at be this are from or an which "
+    "have not but had they has were their one all been more when there can so if will "
+    "would about cache token prefix block batch decode prefill latency router backend "
+    "stream queue model request server kernel memory tensor layer attention value key "
+    "sequence window context "
+)
+_OUTPUT_WORDS = tuple(_OUTPUT_VOCABULARY.split())
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class WordTokenizer:
+    """Deterministic across processes (crc32, not the salted built-in `hash`)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [zlib.crc32(chunk.encode()) % VOCAB_SIZE for chunk in _CHUNK.findall(text)]
+
+
+def message_text(content: Any) -> str:
+    """The text of an OpenAI message `content`: a string, null, or a list of typed parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    raise ValueError("message content must be a string, null or a list of content parts")
+
+
+def render_chat(messages: Sequence[dict[str, Any]]) -> str:
+    """A fixed chat "template": one `role: content` line per message, then the reply prompt.
+
+    Appending a turn only appends text, so a conversation's later turns share the earlier
+    turns' token prefix, as they would under a real template.
+    """
+    lines = [f"{message['role']}: {message_text(message.get('content'))}\n" for message in messages]
+    return "".join(lines) + "assistant:"
+
+
+def generated_pieces(prompt_tokens: Sequence[int], seed: int) -> Iterator[str]:
+    """An endless, reproducible stream of output token texts for this prompt."""
+    rng = random.Random(f"{seed}:{hash(tuple(prompt_tokens))}")
+    first = True
+    while True:
+        word = rng.choice(_OUTPUT_WORDS)
+        yield word if first else " " + word
+        first = False

@@ -1,0 +1,72 @@
+"""The `sluice` command line: subcommands, and flag > SLUICE_* env > --config file > default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.cli import parse
+from app.config import Settings
+from app.sim.settings import SimSettings
+
+
+def test_serve_needs_a_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLUICE_BACKEND", raising=False)
+    with pytest.raises(SystemExit):
+        parse(["serve"])
+
+
+def test_flags_env_and_file_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "sluice.toml"
+    config.write_text(
+        'backends = ["http://127.0.0.1:9001"]\n'
+        'policy = "round_robin"\nport = 7000\ntokenize-threads = 3\n'
+    )
+    monkeypatch.setenv("SLUICE_PORT", "7100")
+    monkeypatch.setenv("SLUICE_SATURATION", "bail-out")
+    command, settings = parse(["serve", "--config", str(config), "--policy", "random"])
+    assert command == "serve"
+    assert isinstance(settings, Settings)
+    assert settings.backends == ("http://127.0.0.1:9001",)
+    assert settings.policy == "random"  # flag beats file
+    assert settings.port == 7100  # env beats file
+    assert settings.tokenize_threads == 3  # file beats default
+    assert settings.saturation == "bail-out"
+
+
+def test_backend_flag_repeats_and_env_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, settings = parse(["serve", "--backend", "http://a:1", "--backend", "http://b:2"])
+    assert isinstance(settings, Settings)
+    assert settings.backends == ("http://a:1", "http://b:2")
+    monkeypatch.setenv("SLUICE_BACKEND", "http://c:3, http://d:4")
+    _, settings = parse(["serve"])
+    assert isinstance(settings, Settings)
+    assert settings.backends == ("http://c:3", "http://d:4")
+
+
+def test_bad_values_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        parse(["serve", "--backend", "http://a", "--policy", "nope"])
+    monkeypatch.setenv("SLUICE_TOKENIZE_THREADS", "many")
+    with pytest.raises(SystemExit):
+        parse(["serve", "--backend", "http://a"])
+    monkeypatch.delenv("SLUICE_TOKENIZE_THREADS")
+    config = tmp_path / "bad.toml"
+    config.write_text("no_such_flag = 1\n")
+    with pytest.raises(SystemExit):
+        parse(["serve", "--backend", "http://a", "--config", str(config)])
+
+
+def test_booleans_and_sim_backend() -> None:
+    _, settings = parse(["serve", "--backend", "http://a", "--no-stall-instrument"])
+    assert isinstance(settings, Settings) and settings.stall_instrument is False
+    command, sim = parse(["sim-backend", "--port", "9100", "--error-rate", "0.5", "--hang"])
+    assert command == "sim-backend"
+    assert isinstance(sim, SimSettings)
+    assert (sim.port, sim.error_rate, sim.hang) == (9100, 0.5, True)
+
+
+def test_demo_needs_no_flags() -> None:
+    command, settings = parse(["demo"])
+    assert command == "demo" and isinstance(settings, Settings)

@@ -1,0 +1,186 @@
+"""Backends failing under the proxy: a killed backend costs no request, all backends down
+gives a fast OpenAI error and recovery follows, a client that disconnects mid-stream frees
+the backend's slot, a stream that breaks ends with an SSE error event, timeouts are 504,
+backends without /health are probed on /v1/models, and shutdown drains in-flight streams."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from app.asgi import Receive, Scope, Send, answer_lifespan, send_json
+from tests.conftest import StartSim, StartSluice, set_faults, wait_until
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+async def test_killed_backend_costs_no_request(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sims = [await start_sim(seed=i) for i in range(3)]
+    # A slow health check: the proxy must survive on retries before it notices.
+    running = await start_sluice([s.url for s in sims], health_check_interval=60)
+    for _ in range(6):
+        assert (await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)).is_success
+    sims[0].kill()
+    backends = set()
+    for _ in range(20):
+        response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        backends.add(response.headers["x-sluice-backend"])
+    assert sims[0].url not in backends
+    assert len(backends) == 2
+
+
+async def test_all_backends_down_then_recovery(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sims = [await start_sim(seed=i) for i in range(2)]
+    running = await start_sluice([s.url for s in sims])
+    for sim in sims:
+        sim.kill()
+    with trio.fail_after(10):
+        response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code in (502, 503)
+    assert response.json()["error"]["message"]
+
+    async def health_is_503() -> bool:
+        return (await client.get(running.proxy_url + "/health")).status_code == 503
+
+    await wait_until(health_is_503)
+    response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert response.headers["retry-after"]
+    assert response.json()["error"]["code"] == "no_healthy_backend"
+
+    revived = await start_sim(port=sims[1].port)
+
+    async def serves_again() -> bool:
+        r = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+        return r.status_code == 200
+
+    await wait_until(serves_again)
+    assert revived.url == sims[1].url
+
+
+async def test_client_disconnect_mid_stream_frees_the_backend(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(inter_token_latency=0.1)
+    running = await start_sluice([sim.url])
+    backend = running.sluice.pool.backends[0]
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    async with client.stream("POST", running.proxy_url + "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                break
+        assert backend.inflight == 1
+
+    async def freed() -> bool:
+        state = (await client.get(sim.url + "/sim/state")).json()
+        return backend.inflight == 0 and state["running"] == 0
+
+    await wait_until(freed)
+
+
+async def test_stream_broken_mid_way_ends_with_an_sse_error_event(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(close_mid_stream=True)
+    running = await start_sluice([sim.url])
+    body = {**CHAT, "max_tokens": 40, "stream": True}
+    with trio.fail_after(5):
+        async with client.stream(
+            "POST", running.proxy_url + "/v1/chat/completions", json=body
+        ) as r:
+            assert r.status_code == 200
+            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert len(events) >= 2
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["code"] == "backend_stream_broken"
+    assert events[-1] == "data: [DONE]"
+    # The proxy lives on.
+    assert (await client.get(running.proxy_url + "/health")).status_code in (200, 503)
+
+
+async def test_first_byte_timeout_is_504_and_connect_failure_is_502(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    hanging = await start_sim(hang=True)
+    running = await start_sluice([hanging.url], first_byte_timeout=0.3)
+    response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "backend_timeout"
+
+    doomed = await start_sim()
+    running = await start_sluice([doomed.url], health_check_interval=60)
+    doomed.kill()
+    response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "backend_unreachable"
+
+
+async def test_backend_errors_pass_through_with_their_body(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(error_rate=1.0)
+    running = await start_sluice([sim.url], breaker_failures=100)
+    response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 500
+    assert response.json()["error"]["message"]
+    await set_faults(client, sim.url, error_rate=0.0)
+    too_long = {**CHAT, "max_tokens": 10_000_000}
+    response = await client.post(running.proxy_url + "/v1/chat/completions", json=too_long)
+    assert response.status_code == 400
+    assert response.headers["x-sluice-backend"] == sim.url
+
+
+async def no_health_backend(scope: Scope, receive: Receive, send: Send) -> None:
+    """An OpenAI-compatible server with no /health at all (some real ones have none)."""
+    if scope["type"] == "lifespan":
+        await answer_lifespan(receive, send)
+    elif scope["path"] == "/v1/models":
+        await send_json(send, 200, {"object": "list", "data": [{"id": "bare", "object": "model"}]})
+    else:
+        await send_json(send, 404, {"detail": "Not Found"})
+
+
+async def test_backend_without_health_is_probed_on_models(
+    nursery: trio.Nursery, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    urls = await nursery.start(serve, no_health_backend, config)
+    running = await start_sluice([urls[0]])
+    backend = running.sluice.pool.backends[0]
+    assert backend.healthy
+    assert backend.probe_path == "/v1/models"
+    models = (await client.get(running.proxy_url + "/v1/models")).json()
+    assert models["data"][0]["id"] == "bare"
+
+
+async def test_shutdown_lets_in_flight_streams_finish(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(inter_token_latency=0.02)
+    running = await start_sluice([sim.url], shutdown_grace=5.0)
+    body = {**CHAT, "max_tokens": 20, "stream": True}
+    async with client.stream("POST", running.proxy_url + "/v1/chat/completions", json=body) as r:
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                break
+        running.sluice.shutdown.set()
+        rest = [line async for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    with trio.fail_after(5):
+        while True:
+            try:
+                await client.get(running.proxy_url + "/health")
+            except httpx.TransportError:
+                break
+            await trio.sleep(0.01)
