@@ -23,6 +23,7 @@ from app.config import Settings
 from app.dashboard.app import create_dashboard
 from app.observe.metrics import Metrics
 from app.proxy.app import ProxyApp
+from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
 from app.routing.health import HealthChecker
 from app.routing.policies import make_policy
@@ -43,20 +44,9 @@ def hypercorn_config(host: str, port: int, grace: float) -> Config:
     return config
 
 
-def make_client(settings: Settings) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=settings.connect_timeout,
-            read=None,  # first-byte and idle timeouts are enforced per phase in forward.py
-            write=settings.connect_timeout,
-            pool=settings.connect_timeout,
-        ),
-        limits=httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
-        ),
-        trust_env=False,
-    )
+def make_health_client(settings: Settings) -> httpx.AsyncClient:
+    """For health checks and model lists; forwarding has its own lean pool (upstream.py)."""
+    return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
 
 
 class Sluice:
@@ -86,7 +76,7 @@ class Sluice:
     ) -> None:
         """Serve until `shutdown` is set; report (proxy URL, dashboard URL) once listening."""
         settings = self.settings
-        async with make_client(settings) as client, trio.open_nursery() as nursery:
+        async with make_health_client(settings) as client, trio.open_nursery() as nursery:
             checker = HealthChecker(
                 self.pool,
                 client,
@@ -95,7 +85,10 @@ class Sluice:
                 timeout=settings.health_check_timeout,
             )
             await nursery.start(checker.run)
-            proxy = ProxyApp(settings, self.pool, self.policy, client, self.metrics)
+            upstream = UpstreamPool(
+                connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
+            )
+            proxy = ProxyApp(settings, self.pool, self.policy, upstream, self.metrics)
             dashboard = create_dashboard(self.snapshot)
             async with trio.open_nursery() as servers:
                 proxy_urls = await servers.start(
@@ -117,6 +110,7 @@ class Sluice:
                 with trio.move_on_after(settings.shutdown_grace):
                     await proxy.wait_idle()
                 servers.cancel_scope.cancel()
+            await upstream.aclose()
             nursery.cancel_scope.cancel()
 
 

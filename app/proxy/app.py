@@ -12,7 +12,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import trio
 
 from app.asgi import (
@@ -39,6 +38,7 @@ from app.proxy.forward import (
     relay,
     upstream_headers,
 )
+from app.proxy.upstream import UpstreamPool
 from app.proxy.validate import InvalidRequest, check_chat, check_completion, parse_json_object
 from app.routing.backends import Backend, BackendPool
 from app.routing.policies import Decision, Policy, RouteRequest
@@ -70,13 +70,13 @@ class ProxyApp:
         settings: Settings,
         pool: BackendPool,
         policy: Policy,
-        client: httpx.AsyncClient,
+        upstream: UpstreamPool,
         metrics: Metrics,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.policy = policy
-        self.client = client
+        self.upstream = upstream
         self.metrics = metrics
         self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
         self.active_requests = 0
@@ -262,7 +262,7 @@ class ProxyApp:
             self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
             try:
                 response = await open_upstream(
-                    self.client, backend.url + path, body, headers, self.timeouts
+                    self.upstream, backend.url, path, body, headers, self.timeouts
                 )
             except UpstreamFailure as exc:
                 broken = str(exc)
@@ -284,8 +284,7 @@ class ProxyApp:
                 broken = str(exc)
                 raise
             finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    await response.aclose()
+                await response.aclose()
         finally:
             backend.inflight -= 1
             inflight.dec()

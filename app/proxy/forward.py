@@ -11,10 +11,10 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
 import trio
 
 from app.asgi import Headers, Send, error_body
+from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("sluice.forward")
 
@@ -66,65 +66,56 @@ def upstream_headers(client_headers: Headers, request_id: bytes) -> Headers:
     return kept
 
 
-def _connection_tokens(headers: httpx.Headers) -> set[bytes]:
+def _connection_tokens(response: UpstreamResponse) -> set[bytes]:
     """Headers named in `Connection:` are hop-by-hop too (RFC 9110 §7.6.1)."""
-    value = headers.get("connection", "")
-    return {token.strip().lower().encode() for token in value.split(",") if token.strip()}
+    value = response.header(b"connection") or b""
+    return {token.strip().lower() for token in value.split(b",") if token.strip()}
 
 
-def downstream_headers(response: httpx.Response, extra: Headers) -> Headers:
-    named = _connection_tokens(response.headers)
+def downstream_headers(response: UpstreamResponse, extra: Headers) -> Headers:
+    named = _connection_tokens(response)
     relayed = [
-        (k.lower(), v)
-        for k, v in response.headers.raw
-        if k.lower() not in NOT_RELAYED_DOWNSTREAM and k.lower() not in named
+        (k, v) for k, v in response.headers if k not in NOT_RELAYED_DOWNSTREAM and k not in named
     ]
     if not is_event_stream(response):
-        length = response.headers.get("content-length")
+        length = response.header(b"content-length")
         if length is not None:
-            relayed.append((b"content-length", length.encode()))
+            relayed.append((b"content-length", length))
     return relayed + extra
 
 
-def is_event_stream(response: httpx.Response) -> bool:
-    content_type: str = response.headers.get("content-type", "")
-    return content_type.startswith("text/event-stream")
+def is_event_stream(response: UpstreamResponse) -> bool:
+    return (response.header(b"content-type") or b"").startswith(b"text/event-stream")
 
 
 async def open_upstream(
-    client: httpx.AsyncClient,
-    url: str,
+    pool: UpstreamPool,
+    base_url: str,
+    path: str,
     body: bytes,
     headers: Headers,
     timeouts: Timeouts,
-) -> httpx.Response:
+) -> UpstreamResponse:
     """Send the request and wait for the response head, within the first-byte timeout."""
-    request = client.build_request("POST", url, content=body, headers=headers)
     try:
         with trio.fail_after(timeouts.first_byte):
-            return await client.send(request, stream=True)
+            return await pool.request(base_url, path, headers, body)
     except trio.TooSlowError:
         raise UpstreamFailure("timeout", f"no response within {timeouts.first_byte:g}s") from None
-    except httpx.TimeoutException as exc:
-        raise UpstreamFailure("timeout", type(exc).__name__) from None
-    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        raise UpstreamFailure("connect", str(exc) or type(exc).__name__) from None
-    except httpx.HTTPError as exc:
-        raise UpstreamFailure("protocol", str(exc) or type(exc).__name__) from None
+    except UpstreamError as exc:
+        raise UpstreamFailure("connect" if exc.connect else "protocol", str(exc)) from None
 
 
-async def _chunks(response: httpx.Response, idle: float) -> AsyncIterator[bytes]:
-    """The raw (still encoded) body, failing if the backend goes quiet for `idle` seconds."""
-    iterator = response.aiter_raw().__aiter__()
+async def _chunks(response: UpstreamResponse, idle: float) -> AsyncIterator[bytes]:
+    """The body as it arrives, failing if the backend goes quiet for `idle` seconds."""
     while True:
-        with trio.move_on_after(idle) as scope:
-            try:
-                chunk = await iterator.__anext__()
-            except StopAsyncIteration:
+        with trio.move_on_after(idle):
+            chunk = await response.receive_chunk()
+            if chunk is None:
                 return
-        if scope.cancelled_caught:
-            raise httpx.ReadTimeout(f"no data from the backend for {idle:g}s")
-        yield chunk
+            yield chunk
+            continue
+        raise UpstreamError(f"no data from the backend for {idle:g}s")
 
 
 def sse_error_event(message: str) -> bytes:
@@ -133,7 +124,7 @@ def sse_error_event(message: str) -> bytes:
 
 
 async def relay(
-    response: httpx.Response,
+    response: UpstreamResponse,
     send: Send,
     extra_headers: Headers,
     idle: float,
@@ -157,11 +148,11 @@ async def relay(
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 sent += len(chunk)
-    except httpx.HTTPError as exc:
-        detail = str(exc) or type(exc).__name__
+    except UpstreamError as exc:
+        detail = str(exc)
         if not is_event_stream(response):
             raise StreamBroken(detail) from exc
-        log.warning("stream from %s broke after %d bytes: %s", response.url, sent, detail)
+        log.warning("stream broke after %d bytes: %s", sent, detail)
         await send(
             {
                 "type": "http.response.body",
