@@ -7,8 +7,11 @@ request body and send whole JSON responses and OpenAI-shaped errors.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
+
+from hypercorn.config import Config
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -105,3 +108,15 @@ async def answer_lifespan(receive: Receive, send: Send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+def server_config(host: str, port: int, grace: float = 1.0) -> Config:
+    """Hypercorn settings shared by every server Sluice runs (port 0 picks a free port)."""
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.include_server_header = False
+    config.graceful_timeout = grace
+    config.keep_alive_timeout = 75
+    return config

@@ -131,7 +131,10 @@ def _resolve(cls: type[Any], args: argparse.Namespace, file_values: dict[str, An
             values[f.name] = value
         elif f.name in file_values:
             values[f.name] = file_values[f.name]
-    return cls(**values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"sluice: {exc}") from None
 
 
 def _backends(args: argparse.Namespace, file_values: dict[str, Any]) -> tuple[str, ...]:

@@ -62,3 +62,26 @@ class Settings:
     # Demo only.
     demo_backends: int = 3
     demo_rps: float = 2.0
+
+    def __post_init__(self) -> None:
+        at_least_one = ("tokenize_threads", "breaker_failures", "max_connections", "max_body_bytes")
+        for name in at_least_one:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        non_negative = ("tokenize_queue", "l0_max_entries", "l0_max_text_bytes", "l1_max_memory")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+        positive_seconds = (
+            "health_check_interval",
+            "health_check_timeout",
+            "connect_timeout",
+            "first_byte_timeout",
+            "idle_timeout",
+            "stall_threshold_ms",
+        )
+        for name in positive_seconds:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")

@@ -19,9 +19,12 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from app.config import Settings
+from app.asgi import server_config
+from app.config import Saturation, Settings
 from app.dashboard.app import create_dashboard
 from app.observe.metrics import Metrics
+from app.preprocess import Preprocessor, TemplateLoadError, TokenizerLoadError
+from app.preprocess.tokenizer_loading import TokenizerLike
 from app.proxy.app import ProxyApp
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
@@ -34,16 +37,6 @@ from app.sim.traffic import run_traffic
 log = logging.getLogger("sluice")
 
 
-def hypercorn_config(host: str, port: int, grace: float) -> Config:
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.include_server_header = False
-    config.graceful_timeout = grace
-    config.keep_alive_timeout = 75
-    return config
-
-
 def make_health_client(settings: Settings) -> httpx.AsyncClient:
     """For health checks and model lists; forwarding has its own lean pool (upstream.py)."""
     return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
@@ -52,7 +45,8 @@ def make_health_client(settings: Settings) -> httpx.AsyncClient:
 class Sluice:
     """The proxy, its dashboard and its watchers, ready to run in a nursery."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, tokenizer: TokenizerLike | None = None) -> None:
+        """`tokenizer` replaces the one `settings` names (tests inject slow or gated ones)."""
         self.settings = settings
         self.metrics = Metrics()
         self.pool = BackendPool(
@@ -62,13 +56,19 @@ class Sluice:
             probe_path=settings.health_check_path,
         )
         self.policy = make_policy(settings.policy)
+        self.preprocessor = Preprocessor(settings, self.metrics, tokenizer=tokenizer)
         self.shutdown = trio.Event()
+
+    def set_saturation(self, policy: Saturation) -> None:
+        log.info("saturation policy is now %s", policy)
+        self.preprocessor.saturation = policy
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "time": trio.current_time(),
             "policy": self.policy.name,
             "backends": self.pool.snapshot(trio.current_time()),
+            "preprocess": self.preprocessor.snapshot(),
         }
 
     async def run(
@@ -88,19 +88,21 @@ class Sluice:
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
             )
-            proxy = ProxyApp(settings, self.pool, self.policy, upstream, self.metrics)
-            dashboard = create_dashboard(self.snapshot)
+            proxy = ProxyApp(
+                settings, self.pool, self.policy, upstream, self.preprocessor, self.metrics
+            )
+            dashboard = create_dashboard(self.snapshot, self.set_saturation, settings.admin_token)
             async with trio.open_nursery() as servers:
                 proxy_urls = await servers.start(
                     _serve,
                     proxy,
-                    hypercorn_config(settings.host, settings.port, settings.shutdown_grace),
+                    server_config(settings.host, settings.port, settings.shutdown_grace),
                     self.shutdown.wait,
                 )
                 dashboard_urls = await servers.start(
                     _serve,
                     dashboard,
-                    hypercorn_config(settings.dashboard_host, settings.dashboard_port, 1.0),
+                    server_config(settings.dashboard_host, settings.dashboard_port, 1.0),
                     self.shutdown.wait,
                 )
                 task_status.started((proxy_urls[0], dashboard_urls[0]))
@@ -194,16 +196,25 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def run_serve(settings: Settings) -> int:
+def _run(main: Callable[[Settings], Awaitable[None]], settings: Settings) -> int:
+    """Run until stopped; a tokenizer or template that cannot load is a clear exit 2."""
     _configure_logging(settings.log_level)
-    trio.run(serve_main, settings)
-    return 0
+    failed = False
+    try:
+        trio.run(main, settings)
+    except* (TokenizerLoadError, TemplateLoadError) as group:
+        for exc in group.exceptions:
+            print(f"sluice: {exc}", file=sys.stderr)
+        failed = True
+    return 2 if failed else 0
+
+
+def run_serve(settings: Settings) -> int:
+    return _run(serve_main, settings)
 
 
 def run_demo(settings: Settings) -> int:
-    _configure_logging(settings.log_level)
-    trio.run(demo_main, settings)
-    return 0
+    return _run(demo_main, settings)
 
 
 def run_sim_backend(settings: SimSettings) -> int:

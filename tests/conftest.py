@@ -12,6 +12,7 @@ import trio
 
 from app.config import Settings
 from app.main import Sluice
+from app.preprocess.tokenizer_loading import TokenizerLike
 from app.sim.server import serve_sim
 from app.sim.settings import SimSettings
 
@@ -79,9 +80,11 @@ def start_sim(nursery: trio.Nursery) -> StartSim:
 
 @pytest.fixture
 def start_sluice(nursery: trio.Nursery) -> StartSluice:
-    async def start(backends: list[str], **overrides: Any) -> RunningSluice:
+    async def start(
+        backends: list[str], tokenizer: TokenizerLike | None = None, **overrides: Any
+    ) -> RunningSluice:
         settings = dataclasses.replace(TEST_SETTINGS, backends=tuple(backends), **overrides)
-        sluice = Sluice(settings)
+        sluice = Sluice(settings, tokenizer=tokenizer)
         cancel_scope = trio.CancelScope()
 
         async def run(*, task_status: trio.TaskStatus[tuple[str, str]]) -> None:

@@ -13,7 +13,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from app.asgi import Receive, Scope, Send, answer_lifespan, send_json
-from tests.conftest import StartSim, StartSluice, set_faults, wait_until
+from tests.conftest import StartSim, StartSluice, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -132,11 +132,31 @@ async def test_backend_errors_pass_through_with_their_body(
     response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 500
     assert response.json()["error"]["message"]
-    await set_faults(client, sim.url, error_rate=0.0)
-    too_long = {**CHAT, "max_tokens": 10_000_000}
-    response = await client.post(running.proxy_url + "/v1/chat/completions", json=too_long)
-    assert response.status_code == 400
     assert response.headers["x-sluice-backend"] == sim.url
+
+
+async def rate_limited_backend(scope: Scope, receive: Receive, send: Send) -> None:
+    """A backend that refuses every completion with its own 429 and body."""
+    if scope["type"] == "lifespan":
+        await answer_lifespan(receive, send)
+    elif scope["path"] == "/health":
+        await send_json(send, 200, {})
+    else:
+        body = {"error": {"message": "slow down", "type": "rate_limit", "param": None, "code": 429}}
+        await send_json(send, 429, body, headers=[(b"retry-after", b"7")])
+
+
+async def test_backend_4xx_passes_through(
+    nursery: trio.Nursery, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    urls = await nursery.start(serve, rate_limited_backend, config)
+    running = await start_sluice([urls[0]])
+    response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 429
+    assert response.json()["error"]["message"] == "slow down"
+    assert response.headers["retry-after"] == "7"
 
 
 async def no_health_backend(scope: Scope, receive: Receive, send: Send) -> None:

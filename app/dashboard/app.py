@@ -8,16 +8,27 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from quart import Response, render_template
+from quart import Response, render_template, request
 from quart_trio import QuartTrio
+
+from app.config import Saturation
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENT_INTERVAL_SECONDS = 1.0
 
 Snapshot = Callable[[], dict[str, Any]]
+SetSaturation = Callable[[Saturation], None]
+SATURATION_POLICIES: tuple[Saturation, ...] = ("wait", "bail-out")
 
 
-def create_dashboard(snapshot: Snapshot) -> QuartTrio:
+def _error(status: int, message: str, param: str | None = None) -> tuple[dict[str, Any], int]:
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return {"error": error}, status
+
+
+def create_dashboard(
+    snapshot: Snapshot, set_saturation: SetSaturation, admin_token: str | None
+) -> QuartTrio:
     app = QuartTrio(
         __name__,
         template_folder=str(ROOT / "templates"),
@@ -43,5 +54,20 @@ def create_dashboard(snapshot: Snapshot) -> QuartTrio:
         response.headers["cache-control"] = "no-cache"
         response.timeout = None
         return response
+
+    @app.put("/api/policy")
+    async def api_policy() -> tuple[dict[str, Any], int]:
+        if admin_token is not None:
+            given = request.headers.get("authorization", "")
+            if given != f"Bearer {admin_token}":
+                return _error(401, "PUT /api/policy needs 'Authorization: Bearer <admin token>'")
+        payload = await request.get_json(force=True, silent=True)
+        if not isinstance(payload, dict):
+            return _error(400, 'expected a JSON object like {"saturation": "wait"}')
+        saturation = payload.get("saturation")
+        if saturation not in SATURATION_POLICIES:
+            return _error(400, "'saturation' must be 'wait' or 'bail-out'", "saturation")
+        set_saturation(saturation)
+        return {"saturation": saturation}, 200
 
     return app

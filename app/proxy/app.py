@@ -30,6 +30,8 @@ from app.asgi import (
 )
 from app.config import Settings
 from app.observe.metrics import Metrics
+from app.preprocess import Prepared, PreprocessError, Preprocessor
+from app.proxy.accounting import KeyLabels
 from app.proxy.forward import (
     StreamBroken,
     Timeouts,
@@ -64,6 +66,19 @@ class Timing:
         return ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in parts).encode()
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """One validated, preprocessed request, ready to be forwarded (and retried)."""
+
+    path: str
+    body: bytes
+    headers: Headers
+    request_id: bytes
+    route_request: RouteRequest
+    timing: Timing
+    extra_headers: Headers
+
+
 class ProxyApp:
     def __init__(
         self,
@@ -71,9 +86,12 @@ class ProxyApp:
         pool: BackendPool,
         policy: Policy,
         upstream: UpstreamPool,
+        preprocessor: Preprocessor,
         metrics: Metrics,
     ) -> None:
         self.settings = settings
+        self.preprocessor = preprocessor
+        self.key_labels = KeyLabels()
         self.pool = pool
         self.policy = policy
         self.upstream = upstream
@@ -179,25 +197,31 @@ class ProxyApp:
             await send_error(send, 400, exc.message, "invalid_request_error", exc.param, exc.code)
             return
 
+        try:
+            prepared = await self.prepare(kind, payload)
+        except PreprocessError as exc:
+            await send_error(send, 400, exc.message, "invalid_request_error", exc.param, exc.code)
+            return
+        timing.template = prepared.template_seconds
+        timing.tokenize = prepared.tokenize_seconds
+        if prepared.token_ids is not None:
+            key = self.key_labels.label(header(scope, b"authorization"))
+            self.metrics.prompt_tokens.labels(api_key=key).inc(len(prepared.token_ids))
+
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
         headers = upstream_headers(scope["headers"], request_id)
-        route_request = RouteRequest()
+        route_request = RouteRequest(token_ids=prepared.token_ids, text=prepared.prompt)
+        extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self.forward(send, path, body, headers, request_id, route_request, timing)
+            outgoing = Outgoing(
+                path, body, headers, request_id, route_request, timing, extra_headers
+            )
+            await self.forward(send, outgoing)
             nursery.cancel_scope.cancel()
 
-    async def forward(
-        self,
-        send: Send,
-        path: str,
-        body: bytes,
-        headers: Headers,
-        request_id: bytes,
-        route_request: RouteRequest,
-        timing: Timing,
-    ) -> None:
+    async def forward(self, send: Send, outgoing: Outgoing) -> None:
         tried: list[Backend] = []
         failure: UpstreamFailure | None = None
         while len(tried) < 2:
@@ -205,17 +229,15 @@ class ProxyApp:
             candidates = self.pool.available(trio.current_time(), exclude=tuple(tried))
             if not candidates:
                 break
-            decision = self.policy.choose(candidates, route_request)
+            decision = self.policy.choose(candidates, outgoing.route_request)
             if tried:
                 decision = Decision(decision.backend, "retry")
-            timing.route += time.perf_counter() - route_started
+            outgoing.timing.route += time.perf_counter() - route_started
             backend = decision.backend
             self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
             tried.append(backend)
             try:
-                await self._exchange(
-                    send, backend, decision, path, body, headers, request_id, timing
-                )
+                await self._exchange(send, backend, decision, outgoing)
                 return
             except UpstreamFailure as exc:
                 failure = exc
@@ -242,15 +264,7 @@ class ProxyApp:
             )
 
     async def _exchange(
-        self,
-        send: Send,
-        backend: Backend,
-        decision: Decision,
-        path: str,
-        body: bytes,
-        headers: Headers,
-        request_id: bytes,
-        timing: Timing,
+        self, send: Send, backend: Backend, decision: Decision, outgoing: Outgoing
     ) -> None:
         """One try on one backend. Raises `UpstreamFailure` while a retry is still possible."""
         inflight = self.metrics.backend_inflight.labels(backend=backend.url)
@@ -259,10 +273,16 @@ class ProxyApp:
         code = "error"
         broken: str | None = None
         try:
+            timing = outgoing.timing
             self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
             try:
                 response = await open_upstream(
-                    self.upstream, backend.url, path, body, headers, self.timeouts
+                    self.upstream,
+                    backend.url,
+                    outgoing.path,
+                    outgoing.body,
+                    outgoing.headers,
+                    self.timeouts,
                 )
             except UpstreamFailure as exc:
                 broken = str(exc)
@@ -271,10 +291,11 @@ class ProxyApp:
             if response.status_code in BACKEND_FAULT_STATUSES:
                 broken = f"answered {response.status_code}"
             extra = [
-                (b"x-request-id", request_id),
+                (b"x-request-id", outgoing.request_id),
                 (b"x-sluice-backend", backend.url.encode()),
                 (b"x-sluice-route", f"{self.policy.name}:{decision.reason}".encode()),
                 (b"server-timing", timing.header()),
+                *outgoing.extra_headers,
             ]
             try:
                 stream_error = await relay(response, send, extra, self.timeouts.idle)
@@ -293,6 +314,25 @@ class ProxyApp:
                 self.pool.request_succeeded(backend)
             else:
                 self.pool.request_failed(backend, trio.current_time(), broken)
+
+    async def prepare(self, kind: str, payload: dict[str, Any]) -> Prepared:
+        """Render and tokenize; the context window is the smallest any healthy backend has."""
+        limits = [
+            b.max_model_len
+            for b in self.pool.available(trio.current_time())
+            if b.max_model_len is not None
+        ]
+        limit = min(limits) if limits else None
+        if kind == "chat":
+            return await self.preprocessor.prepare_chat(payload, backend_max_model_len=limit)
+        return await self.preprocessor.prepare_completion(payload, backend_max_model_len=limit)
+
+
+def _prompt_tokens_header(prepared: Prepared) -> bytes:
+    """The prompt's token count, or `estimated` when tokenization was skipped (bail-out)."""
+    if prepared.token_ids is None:
+        return b"estimated"
+    return str(len(prepared.token_ids)).encode()
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any
 
 import trio
-from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from app.asgi import (
@@ -28,6 +27,7 @@ from app.asgi import (
     send_bytes,
     send_error,
     send_json,
+    server_config,
 )
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
@@ -221,9 +221,7 @@ async def serve_sim(
     """
     # Hypercorn's ASGI types are TypedDicts; the shared helpers use plain mappings.
     asgi_app: Any = app or create_sim_app(settings)
-    config = Config()
-    config.bind = [f"{settings.host}:{settings.port}"]
-    config.accesslog = None
+    config = server_config(settings.host, settings.port)
     async with trio.open_nursery() as nursery:
         urls: list[str] = await nursery.start(partial(serve, asgi_app, config, mode="asgi"))
         task_status.started(urls[0])

@@ -1,0 +1,120 @@
+"""How Sluice calls the tokenizer, and what it learns about a tokenizer once, at startup.
+
+Every encode is without special tokens (`add_special_tokens=False`): a rendered chat prompt
+already holds its BOS, and the L1 cache needs one consistent kind of encode. Completion
+prompts get the post-processor's tokens (Llama 3's BOS, for one) added around the result, as
+vLLM does with its default `add_special_tokens=True`.
+"""
+
+from __future__ import annotations
+
+import functools
+from array import array
+from dataclasses import dataclass
+
+from app.preprocess.boundaries import BoundaryFinder
+from app.preprocess.errors import PreprocessError
+from app.preprocess.l1_cache import Encode, check_cut_independence
+from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLike, TokenizerLoadError
+
+AFFIX_PROBES = ("affix probe 42", "Hello, world!")
+
+
+def gil_releasing_encoder(tokenizer: TokenizerLike) -> Encode:
+    """`encode_batch_fast([text])` releases the GIL while Rust works (and skips offsets),
+    unlike `encode`: the event loop keeps running while a worker thread encodes."""
+
+    def encode(text: str) -> array[int]:
+        try:
+            ids = tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        except TypeError as exc:
+            raise _unencodable(text) or exc from exc
+        return array("I", ids)
+
+    return encode
+
+
+def naive_encoder(tokenizer: TokenizerLike) -> Encode:
+    """What a naive proxy calls on its event loop: `encode`, holding the GIL throughout."""
+
+    def encode(text: str) -> array[int]:
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:
+            raise _unencodable(text) or exc from exc
+        return array("I", ids)
+
+    return encode
+
+
+def _unencodable(text: str) -> PreprocessError | None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); the tokenizer refuses them with a
+    TypeError. That is the client's error, not ours."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        return PreprocessError(
+            f"the prompt contains an unpaired surrogate (U+{ord(text[bad.start]):04X} at "
+            f"character {bad.start}), which is not valid Unicode text",
+            None,
+            "invalid_text",
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    added_tokens: frozenset[str]
+    vocab_size: int  # ids at or above are invalid
+    finder: BoundaryFinder | None  # None when L1 cannot be used...
+    l1_unavailable: str | None  # ...and why
+    bos_affix: tuple[int, ...]  # post-processor ids before a single sequence
+    eos_affix: tuple[int, ...]  # and after it
+
+
+@functools.cache
+def facts_for(loaded: LoadedTokenizer) -> TokenizerFacts:
+    """Cached per loaded tokenizer: building the finder and probing takes ~25 ms."""
+    tokenizer = loaded.tokenizer
+    decoder = tokenizer.get_added_tokens_decoder()
+    finder = BoundaryFinder.for_tokenizer(tokenizer)
+    if finder.has_cut_points:
+        failure = check_cut_independence(finder, gil_releasing_encoder(tokenizer))
+        reason = None if failure is None else f"startup probe failed: {failure}"
+    else:
+        reason = "the tokenizer has no added tokens to cut prompts at"
+    bos, eos = post_processor_affixes(tokenizer)
+    return TokenizerFacts(
+        added_tokens=frozenset(token.content for token in decoder.values()),
+        vocab_size=max(
+            tokenizer.get_vocab_size(with_added_tokens=True), max(decoder, default=-1) + 1
+        ),
+        finder=finder if reason is None else None,
+        l1_unavailable=reason,
+        bos_affix=bos,
+        eos_affix=eos,
+    )
+
+
+def post_processor_affixes(tokenizer: TokenizerLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids `add_special_tokens=True` puts before and after a single sequence."""
+    found = {_affixes_around(tokenizer, probe) for probe in AFFIX_PROBES}
+    if len(found) != 1 or None in found:
+        raise TokenizerLoadError(
+            "this tokenizer's post-processor does more than add tokens around the text; "
+            "Sluice cannot tokenize completion prompts for it consistently"
+        )
+    affixes = found.pop()
+    assert affixes is not None
+    return affixes
+
+
+def _affixes_around(
+    tokenizer: TokenizerLike, probe: str
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    plain = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return tuple(full[:i]), tuple(full[i + len(plain) :])
+    return None

@@ -1,0 +1,53 @@
+"""Test doubles shared by several test modules."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+import trio.testing
+
+from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
+
+
+class GateTokenizer:
+    """The default tokenizer, but GATE texts wait for `gate` in encode_batch_fast."""
+
+    def __init__(self, real: TokenizerLike) -> None:
+        self._real = real
+        self.gate = threading.Event()
+        self._arrivals = threading.Semaphore(0)  # one release per GATE text at the gate
+
+    def encode(
+        self,
+        sequence: Any,
+        pair: Any = None,
+        is_pretokenized: bool = False,
+        add_special_tokens: bool = True,
+    ) -> EncodingLike:
+        return self._real.encode(sequence, add_special_tokens=add_special_tokens)
+
+    def encode_batch_fast(
+        self, input: Sequence[Any], is_pretokenized: bool = False, add_special_tokens: bool = True
+    ) -> Sequence[EncodingLike]:
+        if any("GATE" in text for text in input):
+            self._arrivals.release()
+            assert self.gate.wait(timeout=10), "the test never opened the gate"
+        return self._real.encode_batch_fast(input, add_special_tokens=add_special_tokens)
+
+    async def arrived(self) -> None:
+        """Return once a worker thread waits at the gate (Trio cannot see threads block)."""
+        await trio.to_thread.run_sync(self._arrivals.acquire)
+        await trio.testing.wait_all_tasks_blocked()
+
+    def get_added_tokens_decoder(self) -> Any:
+        return self._real.get_added_tokens_decoder()
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self._real.get_vocab_size(with_added_tokens)
+
+    @property
+    def normalizer(self) -> Any:
+        return self._real.normalizer

@@ -1,0 +1,237 @@
+"""The offload dispatcher and the Preprocessor facade, driven deterministically.
+
+A gate tokenizer (the real default tokenizer, except that `encode_batch_fast` blocks on a
+`threading.Event` for texts containing GATE) pins worker threads; `wait_all_tasks_blocked`
+and events order the rest — no sleeps as synchronisation. Covers:
+- seed 003's gate: while a worker thread is blocked, L0 hits still complete (the loop is free);
+- the ladder: thread -> queue -> capacity-one fallback -> saturation policy, and switching
+  `wait` <-> `bail-out` at runtime changing what the next saturated request does;
+- a saturated waiter taking a thread when one frees first;
+- inline mode, the phase hook, long conversations rendered off the loop;
+- the context-window check and the bail-out result (`estimated=True`, no tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from app.config import Settings
+from app.observe.metrics import Metrics
+from app.preprocess.errors import PreprocessError
+from app.preprocess.pipeline import Prepared, Preprocessor
+from app.preprocess.tokenizer_loading import load_tokenizer
+from tests.fakes import GateTokenizer
+
+
+def gated(**settings: Any) -> tuple[Preprocessor, GateTokenizer, Metrics]:
+    tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
+    metrics = Metrics()
+    return Preprocessor(Settings(**settings), metrics, tokenizer=tokenizer), tokenizer, metrics
+
+
+def completion(text: str) -> dict[str, Any]:
+    return {"model": "m", "prompt": text}
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def saturated(metrics: Metrics, outcome: str) -> float:
+    return sample(metrics, "sluice_tokenize_saturated_total", outcome=outcome) or 0.0
+
+
+async def prepare_all(preprocessor: Preprocessor, texts: list[str]) -> list[Prepared]:
+    """Start all in one scheduling batch, so they meet the dispatcher in the same loop turn."""
+    results: list[Prepared] = []
+
+    async def one(text: str) -> None:
+        results.append(await preprocessor.prepare_completion(completion(text)))
+
+    async with trio.open_nursery() as nursery:
+        for text in texts:
+            nursery.start_soon(one, text)
+    return results
+
+
+async def test_l0_hits_complete_while_a_worker_thread_is_blocked() -> None:
+    preprocessor, tokenizer, metrics = gated(tokenize_threads=1)
+    warm = await preprocessor.prepare_completion(completion("the system prompt"))
+    assert warm.tokenize_path == "thread"
+
+    blocked: list[Prepared] = []
+    async with trio.open_nursery() as nursery:
+
+        async def slow() -> None:
+            blocked.append(await preprocessor.prepare_completion(completion("GATE slow")))
+
+        nursery.start_soon(slow)
+        await tokenizer.arrived()
+        assert not blocked
+        for _ in range(20):
+            hit = await preprocessor.prepare_completion(completion("the system prompt"))
+            assert hit.tokenize_path == "l0" and list(hit.token_ids or []) == list(
+                warm.token_ids or []
+            )
+        assert not blocked  # the thread is still inside the tokenizer
+        tokenizer.gate.set()
+    assert blocked[0].tokenize_path == "thread"
+    assert sample(metrics, "sluice_tokenizer_cache_l0_hits_total") == 20
+
+
+async def test_full_queue_falls_back_to_one_inline_tokenization() -> None:
+    preprocessor, tokenizer, metrics = gated(tokenize_threads=1, tokenize_queue=1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(preprocessor.prepare_completion, completion("GATE in thread"))
+        await tokenizer.arrived()
+        nursery.start_soon(preprocessor.prepare_completion, completion("GATE queued"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert preprocessor.snapshot()["threads"] == {
+            "total": 1,
+            "busy": 1,
+            "queued": 1,
+            "queue_limit": 1,
+            "saturated_waiting": 0,
+        }
+        assert sample(metrics, "sluice_tokenize_queue_depth") == 1
+        fallback = await preprocessor.prepare_completion(completion("queue is full"))
+        assert fallback.tokenize_path == "fallback" and fallback.token_ids
+        tokenizer.gate.set()
+    assert preprocessor.snapshot()["threads"]["queued"] == 0
+
+
+async def test_switching_saturation_changes_the_next_saturated_request() -> None:
+    preprocessor, tokenizer, metrics = gated(
+        tokenize_threads=1, tokenize_queue=0, saturation="bail-out"
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(preprocessor.prepare_completion, completion("GATE pins the thread"))
+        await tokenizer.arrived()
+
+        # One request takes the fallback permit; the others meet it taken.
+        results = await prepare_all(preprocessor, ["a one", "b two", "c three"])
+        assert sorted(r.tokenize_path for r in results) == ["bailed_out", "bailed_out", "fallback"]
+        for r in results:
+            assert r.estimated == (r.token_ids is None)
+        assert saturated(metrics, "bailed_out") == 2 and saturated(metrics, "waited") == 0
+
+        preprocessor.saturation = "wait"
+        results = await prepare_all(preprocessor, ["d four", "e five", "f six"])
+        assert [r.tokenize_path for r in results] == ["fallback"] * 3
+        assert all(r.token_ids and not r.estimated for r in results)
+        assert saturated(metrics, "waited") == 2 and saturated(metrics, "bailed_out") == 2
+
+        preprocessor.saturation = "bail-out"
+        results = await prepare_all(preprocessor, ["g seven", "h eight"])
+        assert sorted(r.tokenize_path for r in results) == ["bailed_out", "fallback"]
+        tokenizer.gate.set()
+    with pytest.raises(ValueError):
+        preprocessor.saturation = "drop"  # type: ignore[assignment]
+
+
+async def test_a_saturated_waiter_takes_the_thread_when_it_frees_first() -> None:
+    preprocessor, tokenizer, metrics = gated(tokenize_threads=1, tokenize_queue=0)
+    dispatcher = preprocessor._dispatcher
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(preprocessor.prepare_completion, completion("GATE pins the thread"))
+        await tokenizer.arrived()
+        # Stand-in for a long inline tokenization holding the permit.
+        dispatcher._fallback.acquire_nowait()
+        waiter: list[Prepared] = []
+
+        async def wait_for_tokens() -> None:
+            waiter.append(await preprocessor.prepare_completion(completion("needs tokens")))
+
+        nursery.start_soon(wait_for_tokens)
+        await trio.testing.wait_all_tasks_blocked()
+        assert preprocessor.snapshot()["threads"]["saturated_waiting"] == 1
+        tokenizer.gate.set()  # the thread frees first
+    assert waiter[0].tokenize_path == "thread"
+    assert dispatcher._fallback.value == 0  # the racer did not keep a second permit
+    dispatcher._fallback.release()
+    assert saturated(metrics, "waited") == 1
+    assert preprocessor.snapshot()["threads"]["saturated_waiting"] == 0
+
+
+@contextmanager
+def recorded(log: list[str], name: str) -> Iterator[None]:
+    log.append(name)
+    yield
+
+
+def phase_log() -> tuple[list[str], Any]:
+    log: list[str] = []
+
+    def phase(name: str) -> AbstractContextManager[None]:
+        return recorded(log, name)
+
+    return log, phase
+
+
+async def test_inline_mode_is_the_naive_baseline_and_marks_its_phases() -> None:
+    log, phase = phase_log()
+    preprocessor = Preprocessor(Settings(tokenize_mode="inline"), Metrics(), phase=phase)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    first = await preprocessor.prepare_chat(body)
+    again = await preprocessor.prepare_chat(body)
+    assert first.tokenize_path == again.tokenize_path == "inline"  # no caches
+    assert log == ["template", "tokenize-inline"] * 2
+
+
+async def test_long_conversations_render_off_the_loop() -> None:
+    log, phase = phase_log()
+    preprocessor = Preprocessor(Settings(), Metrics(), phase=phase)
+    short = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    long_turns = [
+        {"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(3001)
+    ]
+    await preprocessor.prepare_chat(short)
+    assert log == ["template"]
+    prepared = await preprocessor.prepare_chat({"model": "m", "messages": long_turns})
+    assert log == ["template"]  # rendered in a thread: no on-loop template phase
+    assert prepared.prompt is not None and prepared.prompt.endswith("turn 3000<｜Assistant｜>")  # noqa: RUF001
+
+
+async def test_fallback_marks_its_phase() -> None:
+    log, phase = phase_log()
+    tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
+    preprocessor = Preprocessor(
+        Settings(tokenize_threads=1, tokenize_queue=0), Metrics(), tokenizer=tokenizer, phase=phase
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(preprocessor.prepare_completion, completion("GATE"))
+        await tokenizer.arrived()
+        assert (await preprocessor.prepare_completion(completion("x"))).tokenize_path == "fallback"
+        tokenizer.gate.set()
+    assert log == ["tokenize-fallback"]
+
+
+async def test_context_window_is_enforced_unless_tokens_were_skipped() -> None:
+    preprocessor, tokenizer, _ = gated(
+        max_model_len=16, tokenize_threads=1, tokenize_queue=0, saturation="bail-out"
+    )
+    ok = await preprocessor.prepare_completion({"model": "m", "prompt": "short", "max_tokens": 8})
+    assert ok.token_ids is not None and len(ok.token_ids) + 8 <= 16
+    with pytest.raises(PreprocessError) as info:
+        await preprocessor.prepare_completion({"model": "m", "prompt": "word " * 40})
+    assert info.value.code == "context_length_exceeded" and "16 tokens" in info.value.message
+    with pytest.raises(PreprocessError) as info:
+        await preprocessor.prepare_completion({"model": "m", "prompt": [1] * 10, "max_tokens": 7})
+    assert info.value.param == "prompt" and "17" in info.value.message
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(preprocessor.prepare_completion, completion("GATE"))
+        await tokenizer.arrived()
+        preprocessor._dispatcher._fallback.acquire_nowait()  # stand-in: an inline encode running
+        # Not in L0 (unlike the prompt refused above), so it needs a tokenizer: bails out.
+        bailed = await preprocessor.prepare_completion({"model": "m", "prompt": "term " * 40})
+        assert bailed.tokenize_path == "bailed_out" and bailed.estimated
+        assert bailed.token_ids is None
+        preprocessor._dispatcher._fallback.release()
+        tokenizer.gate.set()
