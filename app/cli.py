@@ -34,6 +34,8 @@ HELP: dict[str, str] = {
     "idle_timeout": "seconds allowed between two chunks of a streamed response",
     "stall_instrument": "time every task step to find stalls (small cost per step)",
     "admin_token": "bearer token required by PUT /api/policy (default: none required)",
+    "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "
+    "tokenizer.json path: what /tokenize and prompt counting use",
 }
 
 
@@ -103,15 +105,22 @@ def _load_toml(path: str | None) -> dict[str, Any]:
     return {key.replace("-", "_"): value for key, value in data.items()}
 
 
-def _resolve(cls: type[Any], args: argparse.Namespace, file_values: dict[str, Any]) -> Any:
-    """Build `cls` from flags, then SLUICE_* variables, then the TOML file, then defaults."""
+def _resolve(
+    cls: type[Any],
+    args: argparse.Namespace,
+    file_values: dict[str, Any],
+    values: dict[str, Any] | None = None,
+) -> Any:
+    """Build `cls` from `values`, then flags, SLUICE_* variables, the TOML file, defaults."""
     hints = _field_types(cls)
-    values: dict[str, Any] = {}
+    values = dict(values or {})
     unknown = set(file_values) - {f.name for f in dataclasses.fields(cls)} - {"backend"}
     if unknown:
         raise SystemExit(f"sluice: unknown key(s) in --config: {', '.join(sorted(unknown))}")
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        if f.name in values:
+            continue
         from_flag = getattr(args, f.name, None)
         env = os.environ.get("SLUICE_" + f.name.upper())
         if from_flag is not None:
@@ -175,12 +184,12 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSetting
         file_values = _load_toml(args.config)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SystemExit(f"sluice: cannot read --config: {exc}") from None
-    settings: Settings = _resolve(Settings, args, file_values)
+    known: dict[str, Any] = {}
     if args.command == "serve":
-        backends = _backends(args, file_values)
-        if not backends:
+        known["backends"] = _backends(args, file_values)
+        if not known["backends"]:
             raise SystemExit("sluice serve: give at least one --backend URL")
-        settings = dataclasses.replace(settings, backends=backends)
+    settings: Settings = _resolve(Settings, args, file_values, known)
     return args.command, settings
 
 

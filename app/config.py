@@ -83,5 +83,8 @@ class Settings:
         for name in positive_seconds:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        for url in self.backends:
+            if not url.startswith("http://"):
+                raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")

@@ -70,3 +70,8 @@ def test_booleans_and_sim_backend() -> None:
 def test_demo_needs_no_flags() -> None:
     command, settings = parse(["demo"])
     assert command == "demo" and isinstance(settings, Settings)
+
+
+def test_only_http_backends_are_accepted() -> None:
+    with pytest.raises(SystemExit, match="only http://"):
+        parse(["serve", "--backend", "https://gpu:8000"])

@@ -77,6 +77,7 @@ class Preprocessor:
         self._phase = phase or _no_phase
         loaded = load_tokenizer(settings.tokenizer) if tokenizer is None else _wrap(tokenizer)
         self._source = loaded.source
+        self._tokenizer = loaded.tokenizer
         self._facts = facts_for(loaded)
         self._template = load_chat_template(
             settings.chat_template, loaded, self._facts.added_tokens
@@ -104,6 +105,16 @@ class Preprocessor:
     @saturation.setter
     def saturation(self, policy: Saturation) -> None:
         self._dispatcher.saturation = policy
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text`'s ids as prompts are encoded (no post-processor tokens), on the calling
+        thread: for short start-up texts such as the backends' tokenizer probe."""
+        return list(self._naive_encode(text))
+
+    def special_tokens(self) -> list[str]:
+        """The tokenizer's special added tokens, lowest id first."""
+        decoder = self._tokenizer.get_added_tokens_decoder()
+        return [token.content for _, token in sorted(decoder.items()) if token.special]
 
     async def prepare_chat(
         self, body: dict[str, Any], *, backend_max_model_len: int | None = None

@@ -1,7 +1,9 @@
 """The proxy's ASGI app: parse -> preprocess -> route -> forward, plus the small GET endpoints.
 
 No framework on the data path: a request costs one dict lookup to dispatch, and streaming
-is plain ASGI sends. Every error leaves as OpenAI-shaped JSON.
+is plain ASGI sends. Every error leaves as OpenAI-shaped JSON. With `--forward tokens` the
+backend gets Sluice's token ids (token_forwarding.py), only backends whose tokenizer was
+verified take traffic (routing/tokenizer_check.py), and chat answers are reshaped back.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ from app.proxy.forward import (
     UpstreamFailure,
     open_upstream,
     relay,
+    relay_as_chat,
     upstream_headers,
 )
+from app.proxy.token_forwarding import no_verified_backend_message, plan_forward
 from app.proxy.upstream import UpstreamPool
 from app.proxy.validate import InvalidRequest, check_chat, check_completion, parse_json_object
 from app.routing.backends import Backend, BackendPool
 from app.routing.policies import Decision, Policy, RouteRequest
+from app.routing.tokenizer_check import build_probe, check_tokenizers_at_startup
 
 log = logging.getLogger("sluice.proxy")
 
@@ -77,6 +82,7 @@ class Outgoing:
     route_request: RouteRequest
     timing: Timing
     extra_headers: Headers
+    answer_as_chat: bool  # the backend answers a completion to what was a chat request
 
 
 class ProxyApp:
@@ -99,6 +105,10 @@ class ProxyApp:
         self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
         self.active_requests = 0
         self._idle = trio.Event()
+        self.forward_tokens = settings.forward == "tokens"
+        if self.forward_tokens:
+            probe = build_probe(preprocessor.encode_plain, preprocessor.special_tokens())
+            pool.require_tokenizer_match(probe)
 
     async def wait_idle(self) -> None:
         """Return once no HTTP request is being handled (idle keep-alives don't count)."""
@@ -108,6 +118,9 @@ class ProxyApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
+            # Tokens mode: no backend takes traffic before its tokenizer was compared, so
+            # compare before listening (hypercorn binds once startup completes).
+            await check_tokenizers_at_startup(self.pool, self.settings.health_check_timeout)
             await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
@@ -151,11 +164,15 @@ class ProxyApp:
         now = trio.current_time()
         healthy = sum(1 for b in self.pool.backends if b.takes_traffic(now))
         status = 200 if healthy else 503
-        payload = {
+        payload: dict[str, Any] = {
             "status": "ok" if healthy else "no healthy backend",
             "healthy_backends": healthy,
             "backends": len(self.pool.backends),
         }
+        if self.forward_tokens:
+            payload["unverified_backends"] = self.pool.tokenizer_refusals()
+            if not healthy and payload["unverified_backends"]:
+                payload["status"] = "no verified backend"
         await send_json(send, status, payload)
 
     async def models(self, send: Send) -> None:
@@ -165,7 +182,7 @@ class ProxyApp:
             for model in backend.models:
                 seen.setdefault(model["id"], model)
         if not seen and not self.pool.any_available(now):
-            await _no_backend(send)
+            await _no_backend(send, self.pool.tokenizer_refusals())
             return
         await send_json(send, 200, {"object": "list", "data": list(seen.values())})
 
@@ -212,11 +229,16 @@ class ProxyApp:
         headers = upstream_headers(scope["headers"], request_id)
         route_request = RouteRequest(token_ids=prepared.token_ids, text=prepared.prompt)
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
+        as_chat = False
+        if self.forward_tokens:
+            plan = plan_forward(kind, path, body, payload, prepared)
+            path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
+            extra_headers.append((b"x-sluice-forward", plan.label.encode()))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             outgoing = Outgoing(
-                path, body, headers, request_id, route_request, timing, extra_headers
+                path, body, headers, request_id, route_request, timing, extra_headers, as_chat
             )
             await self.forward(send, outgoing)
             nursery.cancel_scope.cancel()
@@ -243,7 +265,7 @@ class ProxyApp:
                 failure = exc
                 log.warning("backend %s failed before answering: %s", backend.url, exc)
         if failure is None:
-            await _no_backend(send)
+            await _no_backend(send, self.pool.tokenizer_refusals())
         elif failure.kind == "timeout":
             await send_error(
                 send,
@@ -297,11 +319,12 @@ class ProxyApp:
                 (b"server-timing", timing.header()),
                 *outgoing.extra_headers,
             ]
+            relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
-                stream_error = await relay(response, send, extra, self.timeouts.idle)
+                stream_error = await relay_answer(response, send, extra, self.timeouts.idle)
                 if stream_error is not None:
                     broken = stream_error
-            except StreamBroken as exc:
+            except (StreamBroken, UpstreamFailure) as exc:
                 broken = str(exc)
                 raise
             finally:
@@ -344,14 +367,18 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
             return
 
 
-async def _no_backend(send: Send) -> None:
+async def _no_backend(send: Send, tokenizer_refusals: dict[str, str]) -> None:
+    """503: no healthy backend, or (tokens mode) none whose tokenizer is verified."""
+    message, code = "No healthy backend is available; try again shortly.", "no_healthy_backend"
+    if tokenizer_refusals:
+        message, code = no_verified_backend_message(tokenizer_refusals), "no_verified_backend"
     await send_error(
         send,
         503,
-        "No healthy backend is available; try again shortly.",
+        message,
         "service_unavailable",
         None,
-        "no_healthy_backend",
+        code,
         headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
     )
 

@@ -2,6 +2,8 @@
 
 Opening is where a failure can still be retried elsewhere (nothing has reached the client);
 relaying is where it can't, so a broken stream ends with an SSE error event instead.
+`relay_as_chat` is the relay for `--forward tokens` chat requests: the backend answered a
+completion, the client gets a chat completion (chat_conversion.py does the reshaping).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import trio
 
-from app.asgi import Headers, Send, error_body
+from app.asgi import Headers, Send, error_body, send_error
+from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
 from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger("sluice.forward")
@@ -128,8 +131,10 @@ async def relay(
     send: Send,
     extra_headers: Headers,
     idle: float,
+    converter: ChatStreamConverter | None = None,
 ) -> str | None:
-    """Relay the response; return None when it ended well, else what broke it.
+    """Relay the response (through `converter` if given); return None when it ended well,
+    else what broke it.
 
     On a mid-stream failure an event stream gets an error event and a clean end; any other
     body raises `StreamBroken` so the server drops the connection rather than let a
@@ -144,7 +149,8 @@ async def relay(
     )
     sent = 0
     try:
-        async for chunk in _chunks(response, idle):
+        async for received in _chunks(response, idle):
+            chunk = received if converter is None else converter.feed(received)
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 sent += len(chunk)
@@ -161,5 +167,43 @@ async def relay(
             }
         )
         return detail
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    tail = b"" if converter is None else converter.finish()
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    return None
+
+
+async def relay_as_chat(
+    response: UpstreamResponse,
+    send: Send,
+    extra_headers: Headers,
+    idle: float,
+) -> str | None:
+    """Relay a backend's completion as a chat completion; errors (4xx/5xx) pass unchanged.
+
+    A whole answer is read before anything is sent (it is small, and its length changes), so
+    a failure while reading it raises `UpstreamFailure`: the client has nothing yet and the
+    request can still be retried elsewhere.
+    """
+    if response.status_code != 200:
+        return await relay(response, send, extra_headers, idle)
+    if is_event_stream(response):
+        return await relay(response, send, extra_headers, idle, ChatStreamConverter())
+    try:
+        body = b"".join([chunk async for chunk in _chunks(response, idle)])
+    except UpstreamError as exc:
+        raise UpstreamFailure("protocol", f"the answer broke off: {exc}") from None
+    try:
+        converted = completion_to_chat(body)
+    except ValueError as exc:
+        detail = f"the backend's completion cannot be returned as a chat completion: {exc}"
+        await send_error(
+            send, 502, detail, "upstream_error", None, "backend_bad_response", extra_headers
+        )
+        return detail
+    headers = [
+        (k, v) for k, v in downstream_headers(response, extra_headers) if k != b"content-length"
+    ]
+    headers.append((b"content-length", str(len(converted)).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": converted, "more_body": False})
     return None

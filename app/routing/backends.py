@@ -4,12 +4,25 @@ A backend takes traffic when its last active health check passed and its breaker
 open. The breaker opens after `failures_to_open` consecutive failed requests and stays open
 for `cooldown` seconds; then it is half-open: traffic flows again, and the next failure
 opens it at once while the next success closes it.
+
+With `--forward tokens` the pool also requires a tokenizer match: token ids mean something
+only to a model with Sluice's vocabulary, so a backend takes traffic only once its /tokenize
+answered the probe with Sluice's ids, and is checked again each time it becomes healthy
+again (it may have been replaced by another model while it was down).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from app.routing.tokenizer_check import TokenizerOutcome, TokenizerProbe
+
+# "not required": passthrough mode. "unchecked" -> "checking" -> "verified" | "refused";
+# a check that could not finish (timeout, 5xx) goes back to "unchecked" and is retried.
+TokenizerState = Literal["not required", "unchecked", "checking", "verified", "refused"]
+TRAFFIC_TOKENIZER_STATES = frozenset({"not required", "verified"})
 
 
 @dataclass
@@ -23,6 +36,8 @@ class Backend:
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)
     last_error: str | None = None
+    tokenizer_state: TokenizerState = "not required"
+    tokenizer_detail: str | None = None  # what the last tokenizer check found
 
     @property
     def max_model_len(self) -> int | None:
@@ -33,7 +48,11 @@ class Backend:
         return None
 
     def takes_traffic(self, now: float) -> bool:
-        return self.healthy and now >= self.open_until
+        return (
+            self.healthy
+            and now >= self.open_until
+            and self.tokenizer_state in TRAFFIC_TOKENIZER_STATES
+        )
 
 
 class BackendPool:
@@ -45,6 +64,7 @@ class BackendPool:
         self.backends = [Backend(url.rstrip("/"), probe_path=probe_path) for url in urls]
         self.failures_to_open = failures_to_open
         self.cooldown = cooldown
+        self.tokenizer_probe: TokenizerProbe | None = None
 
     def available(self, now: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         return [b for b in self.backends if b.takes_traffic(now) and b not in exclude]
@@ -65,9 +85,41 @@ class BackendPool:
             backend.half_open = True
 
     def health_checked(self, backend: Backend, ok: bool, error: str | None = None) -> None:
+        if ok and not backend.healthy and self.tokenizer_probe is not None:
+            backend.tokenizer_state = "unchecked"  # re-admission: check the tokenizer again
         backend.healthy = ok
         if not ok:
             backend.last_error = error
+
+    def require_tokenizer_match(self, probe: TokenizerProbe) -> None:
+        """Tokens mode: from now on a backend takes traffic only once it passed `probe`."""
+        self.tokenizer_probe = probe
+        for backend in self.backends:
+            backend.tokenizer_state = "unchecked"
+            backend.tokenizer_detail = "not checked yet"
+
+    def claim_tokenizer_check(self, backend: Backend) -> TokenizerProbe | None:
+        """The probe to run when `backend` is due a check (marked "checking" so that no
+        other task checks it at the same time), else None."""
+        probe = self.tokenizer_probe
+        if probe is None or not backend.healthy or backend.tokenizer_state != "unchecked":
+            return None
+        backend.tokenizer_state = "checking"
+        return probe
+
+    def tokenizer_checked(self, backend: Backend, outcome: TokenizerOutcome) -> None:
+        backend.tokenizer_state = outcome.state
+        backend.tokenizer_detail = outcome.detail
+        if outcome.state == "refused":
+            backend.last_error = outcome.detail
+
+    def tokenizer_refusals(self) -> dict[str, str]:
+        """Healthy backends kept from traffic by the tokenizer check, with the reason."""
+        return {
+            b.url: b.tokenizer_detail or b.tokenizer_state
+            for b in self.backends
+            if b.healthy and b.tokenizer_state not in TRAFFIC_TOKENIZER_STATES
+        }
 
     def snapshot(self, now: float) -> list[dict[str, Any]]:
         return [
@@ -86,6 +138,8 @@ class BackendPool:
                 "models": [m.get("id") for m in b.models],
                 "max_model_len": b.max_model_len,
                 "last_error": b.last_error,
+                "tokenizer": b.tokenizer_state,
+                "tokenizer_detail": b.tokenizer_detail,
             }
             for b in self.backends
         ]

@@ -3,6 +3,8 @@
 A backend that answers 404 on the health path (some OpenAI-compatible servers have no
 /health) is probed on /v1/models from then on and is never ejected for the 404 itself.
 The model list (with `max_model_len`) is refreshed from /v1/models on every healthy probe.
+With `--forward tokens`, a healthy backend due a tokenizer check (after re-admission, or after
+a check that could not finish) gets one right after its health probe (tokenizer_check.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import trio
 
 from app.observe.metrics import Metrics
 from app.routing.backends import Backend, BackendPool
+from app.routing.tokenizer_check import check_tokenizer
 
 log = logging.getLogger("sluice.health")
 
@@ -64,6 +67,8 @@ class HealthChecker:
                 "healthy" if ok else "unhealthy",
                 f" ({error})" if error else "",
             )
+        if ok:
+            await check_tokenizer(self.pool, backend, self.client, self.timeout)
 
     async def _probe(self, backend: Backend) -> tuple[bool, str | None]:
         try:

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.sim.settings import SimSettings
-from app.sim.tokens import VOCAB_SIZE, TextTokenizer, render_chat
+from app.sim.tokens import TextTokenizer, render_chat
 
 Kind = Literal["chat", "completion"]
+# How the prompt arrived: chat messages, completion text, or completion token ids (what a
+# proxy forwarding tokens sends).
+PromptForm = Literal["messages", "text", "token_ids"]
 
 
 class RequestError(Exception):
@@ -41,6 +44,7 @@ class RequestError(Exception):
 class GenerationRequest:
     kind: Kind
     prompt_tokens: list[int]
+    prompt_form: PromptForm
     output_tokens: int
     # "length" when the client's limit cut the output, "stop" when the sim chose to end it.
     finish_reason: Literal["length", "stop"]
@@ -71,18 +75,20 @@ def chat_prompt_text(payload: dict[str, Any]) -> str:
         raise RequestError(str(exc), param="messages") from None
 
 
-def completion_prompt_tokens(payload: dict[str, Any], tokenizer: TextTokenizer) -> list[int]:
+def completion_prompt_tokens(
+    payload: dict[str, Any], tokenizer: TextTokenizer
+) -> tuple[list[int], PromptForm]:
     """A string, a one-string list, a token-id list, or a one-token-id-list list."""
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt), "text"
     if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
-        out_of_range = [token for token in prompt if not 0 <= token < VOCAB_SIZE]
+        out_of_range = [token for token in prompt if not 0 <= token < tokenizer.vocab_size]
         if out_of_range:
             raise RequestError(f"Token id {out_of_range[0]} is out of vocabulary", param="prompt")
-        return list(prompt)
+        return list(prompt), "token_ids"
     raise RequestError(
         "`prompt` must be a string, a list of one string, or a non-empty list of token ids",
         param="prompt",
@@ -92,13 +98,14 @@ def completion_prompt_tokens(payload: dict[str, Any], tokenizer: TextTokenizer) 
 def parse_generation(
     kind: Kind, payload: dict[str, Any], tokenizer: TextTokenizer, settings: SimSettings
 ) -> GenerationRequest:
+    form: PromptForm
     if kind == "chat":
-        prompt = tokenizer.encode(chat_prompt_text(payload))
+        prompt, form = tokenizer.encode(chat_prompt_text(payload)), "messages"
         limit = _optional_positive_int(payload, "max_completion_tokens")
         if limit is None:
             limit = _optional_positive_int(payload, "max_tokens")
     else:
-        prompt = completion_prompt_tokens(payload, tokenizer)
+        prompt, form = completion_prompt_tokens(payload, tokenizer)
         limit = _optional_positive_int(payload, "max_tokens")
     output_tokens = settings.default_max_tokens if limit is None else limit
 
@@ -121,6 +128,7 @@ def parse_generation(
     return GenerationRequest(
         kind=kind,
         prompt_tokens=prompt,
+        prompt_form=form,
         output_tokens=output_tokens,
         finish_reason="stop" if limit is None else "length",
         stream=stream,

@@ -3,7 +3,8 @@
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /health`, `GET /metrics`, `POST /tokenize`, `GET /version` (as vLLM answers them), and
 two of its own: `POST /sim/faults` to change the faults at run time, `GET /sim/state` for
-the engine's numbers as JSON.
+the engine's numbers as JSON, plus what tests of a proxy need to see: how many /tokenize
+calls came and in which form the prompts arrived (messages, text or token ids).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from app.sim.generation import answer_stream, answer_whole, cancelled_on_disconn
 from app.sim.metrics import SimMetrics
 from app.sim.openai_format import (
     Kind,
+    PromptForm,
     RequestError,
     ResponseShapes,
     chat_prompt_text,
@@ -42,7 +44,7 @@ from app.sim.openai_format import (
     parse_json_object,
 )
 from app.sim.settings import SimSettings
-from app.sim.tokens import TextTokenizer, WordTokenizer, generated_pieces
+from app.sim.tokens import TextTokenizer, generated_pieces, sim_tokenizer
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 # What `GET /version` reports; SMG asks for it when it registers a worker.
@@ -57,7 +59,9 @@ class SimServer:
     def __init__(self, settings: SimSettings, tokenizer: TextTokenizer | None = None) -> None:
         self.settings = settings
         self.model = settings.model
-        self.tokenizer: TextTokenizer = tokenizer or WordTokenizer()
+        self.tokenizer: TextTokenizer = tokenizer or sim_tokenizer(settings.tokenize_with)
+        self.tokenize_requests = 0
+        self.prompts_by_form: dict[PromptForm, int] = {"messages": 0, "text": 0, "token_ids": 0}
         self.engine = SimEngine(settings)
         self.metrics = SimMetrics(self.engine, settings.model)
         self.faults = SimFaults.from_settings(settings)
@@ -122,6 +126,7 @@ class SimServer:
                 await trio.sleep_forever()
             return
         request = parse_generation(kind, parse_json_object(body), self.tokenizer, self.settings)
+        self.prompts_by_form[request.prompt_form] += 1
         if self.faults.draw_error():
             raise RequestError(
                 "Simulated internal server error",
@@ -160,6 +165,7 @@ class SimServer:
         await send_json(send, 200, {"version": VERSION})
 
     async def _tokenize(self, receive: Receive, send: Send) -> None:
+        self.tokenize_requests += 1
         payload = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
         if "messages" in payload:
             text = chat_prompt_text(payload)
@@ -201,6 +207,9 @@ class SimServer:
             "prefix_cache_hits": kv_cache.hit_tokens,
             "prompt_tokens": self.engine.prompt_tokens_total,
             "generation_tokens": self.engine.generation_tokens_total,
+            "tokenize_with": self.settings.tokenize_with,
+            "tokenize_requests": self.tokenize_requests,
+            "prompts_by_form": dict(self.prompts_by_form),
             "faults": self.faults.as_dict(),
         }
 

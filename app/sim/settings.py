@@ -11,6 +11,10 @@ class SimSettings:
     port: int = 9000
     model: str = "deepseek-ai/DeepSeek-V4-sim"
     max_model_len: int = 131072
+    # What /tokenize and prompt counting use: "words" (the stand-in, one id a word),
+    # "default" (Sluice's bundled DeepSeek tokenizer: a backend `--forward tokens` can
+    # verify), or a tokenizer.json file or model directory.
+    tokenize_with: str = "words"
     # Continuous batching: at most this many sequences run; the rest wait.
     max_num_seqs: int = 32
     # prefill = prefill_overhead + uncached_prompt_tokens * prefill_per_token

@@ -3,7 +3,9 @@
 The sim has no model, so tokens only need two properties: the same text always gives the same
 ids, and texts that share a prefix give ids that share a prefix (that is what makes the prefix
 KV cache hit). Each chunk of leading whitespace plus a word becomes one id, roughly one token a
-word like a real BPE vocabulary. A real tokenizer can replace it through `TextTokenizer`.
+word like a real BPE vocabulary. A real tokenizer can replace it through `TextTokenizer`:
+`SimSettings.tokenize_with` names one ("default" is Sluice's own), which is what lets the
+proxy's `--forward tokens` verify a simulated backend and send it token ids.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import re
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
+
+from app.preprocess.tokenizer_loading import TokenizerLike, load_tokenizer
 
 # DeepSeek-V4's vocabulary size, so simulated ids look like the real model's.
 VOCAB_SIZE = 129_280
@@ -30,14 +34,38 @@ _OUTPUT_WORDS = tuple(_OUTPUT_VOCABULARY.split())
 
 
 class TextTokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...  # ids at or above are out of vocabulary
+
     def encode(self, text: str) -> list[int]: ...
 
 
 class WordTokenizer:
     """Deterministic across processes (crc32, not the salted built-in `hash`)."""
 
+    vocab_size = VOCAB_SIZE
+
     def encode(self, text: str) -> list[int]:
         return [zlib.crc32(chunk.encode()) % VOCAB_SIZE for chunk in _CHUNK.findall(text)]
+
+
+class RealTokenizer:
+    """A `tokenizers.Tokenizer` as the sim's `TextTokenizer`: no post-processor tokens, as
+    the proxy encodes prompts and asks /tokenize for its probe."""
+
+    def __init__(self, tokenizer: TokenizerLike) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def sim_tokenizer(spec: str) -> TextTokenizer:
+    """What `SimSettings.tokenize_with` names: "words", "default" or a `load_tokenizer` path."""
+    if spec == "words":
+        return WordTokenizer()
+    return RealTokenizer(load_tokenizer(None if spec == "default" else spec).tokenizer)
 
 
 def message_text(content: Any) -> str:
