@@ -1,4 +1,4 @@
-"""One `trio.run`, one nursery: proxy server, dashboard server, health checker
+"""One `trio.run`, one nursery: proxy server, dashboard server, stall monitor, health checker
 (and, for `sluice demo`, the simulated backends and their traffic).
 
 SIGINT/SIGTERM: stop accepting, let in-flight responses finish within the grace period,
@@ -22,6 +22,7 @@ from hypercorn.trio import serve
 from app.asgi import server_config
 from app.config import Saturation, Settings
 from app.dashboard.app import create_dashboard
+from app.observe.loop_monitor import LoopMonitor
 from app.observe.metrics import Metrics
 from app.preprocess import Preprocessor, TemplateLoadError, TokenizerLoadError
 from app.preprocess.tokenizer_loading import TokenizerLike
@@ -56,7 +57,12 @@ class Sluice:
             probe_path=settings.health_check_path,
         )
         self.policy = make_policy(settings.policy)
-        self.preprocessor = Preprocessor(settings, self.metrics, tokenizer=tokenizer)
+        self.monitor = LoopMonitor(
+            self.metrics, settings.stall_threshold_ms, settings.stall_instrument
+        )
+        self.preprocessor = Preprocessor(
+            settings, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
+        )
         self.shutdown = trio.Event()
 
     def set_saturation(self, policy: Saturation) -> None:
@@ -69,6 +75,7 @@ class Sluice:
             "policy": self.policy.name,
             "backends": self.pool.snapshot(trio.current_time()),
             "preprocess": self.preprocessor.snapshot(),
+            "loop": self.monitor.snapshot(),
         }
 
     async def run(
@@ -84,6 +91,7 @@ class Sluice:
                 interval=settings.health_check_interval,
                 timeout=settings.health_check_timeout,
             )
+            await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
@@ -162,9 +170,13 @@ async def serve_main(settings: Settings) -> None:
 
 async def demo_main(settings: Settings) -> None:
     async with trio.open_nursery() as nursery:
+        # Token forwarding needs backends that tokenize exactly as the proxy does.
+        tokenize_with = (
+            (settings.tokenizer or "default") if settings.forward == "tokens" else "words"
+        )
         backend_urls = [
-            await nursery.start(serve_sim, SimSettings(port=0, seed=index))
-            for index in range(settings.demo_backends)
+            await nursery.start(serve_sim, SimSettings(port=0, seed=i, tokenize_with=tokenize_with))
+            for i in range(settings.demo_backends)
         ]
         sluice = Sluice(_demo_settings(settings, tuple(backend_urls)))
         await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)

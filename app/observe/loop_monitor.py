@@ -1,0 +1,261 @@
+"""Watching the Trio event loop: how late it wakes, which task steps stall it, and where.
+
+`LoopMonitor.run` goes in the main nursery and does three things:
+- a lag probe sleeps `probe_interval_s` and records how late it woke
+  (`sluice_event_loop_lag_seconds`): the delay any request feels. Each tick also re-arms
+  the alarm of `stack_capture`, which dumps the stacks only if the next tick is late.
+- an instrument times every task step; a step longer than the threshold is a stall:
+  counted per task, timed, tied to the request phase (`phase`) and, when the timer fired
+  inside that step, to the stack it dumped.
+- stalls go into a ring of recent distinct stalls and, a few a minute, to the
+  "sluice.stalls" logger.
+
+With the instrument off (it costs about 0.5 µs per step), the probe alone notices stalls: a
+wake-up later than the threshold goes into the ring with its stack but no task, and the
+per-step metrics stay untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from time import perf_counter
+from types import TracebackType
+from typing import Any
+
+import trio
+from prometheus_client import Counter, Histogram
+from prometheus_client.metrics_core import Metric
+
+from app.observe.metrics import Metrics
+from app.observe.stack_capture import LoopStackCapture
+from app.observe.stalls import (
+    BoundedLabels,
+    Frame,
+    RateLimiter,
+    RecentMax,
+    StallRing,
+    format_stall_report,
+    frames_of_task,
+    summarize_histogram,
+)
+
+log = logging.getLogger("sluice.stalls")
+
+PROBE_INTERVAL_S = 0.005
+RECENT_LAG_WINDOW_S = 10.0
+
+
+class _StepTimer(trio.abc.Instrument):
+    """Times task steps with one hook per step instead of two (before/after).
+
+    A step starts where the previous one ended, or where the loop came back from waiting
+    for I/O, so `after_task_step` alone can time it: the instrument's cost halves (see
+    load/bench_stall_detector.py) and the only thing billed to a step besides its own code
+    is Trio's bookkeeping between steps (deadline expiry for the batch's first step).
+    """
+
+    def __init__(self, monitor: LoopMonitor, threshold_s: float) -> None:
+        self._monitor = monitor
+        self._threshold_s = threshold_s
+        # Start of the current step; phases that end after it belong to it. When the
+        # instrument is off the probe moves it on each tick instead.
+        self.window_started = perf_counter()
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.window_started = perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        ended = perf_counter()
+        elapsed = ended - self.window_started
+        if elapsed > self._threshold_s:
+            self._monitor._on_step_stall(task, elapsed)
+            # Harvesting the stack takes time too; it is not the next step's.
+            ended = perf_counter()
+        self.window_started = ended
+
+
+class _Phase:
+    __slots__ = ("_monitor", "_name", "_started")
+
+    def __init__(self, monitor: LoopMonitor, name: str) -> None:
+        self._monitor = monitor
+        self._name = name
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = perf_counter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._monitor._end_phase(self._name, self._started)
+
+
+class LoopMonitor:
+    def __init__(
+        self,
+        metrics: Metrics,
+        threshold_ms: float,
+        instrument: bool,
+        *,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        ring_size: int = 32,
+        max_task_labels: int = 50,
+        reports_per_minute: int = 5,
+    ) -> None:
+        self._metrics = metrics
+        self._threshold_s = threshold_ms / 1000
+        self._instrument_enabled = instrument
+        self._probe_interval_s = probe_interval_s
+        self._step_timer = _StepTimer(self, self._threshold_s)
+        self._ring = StallRing(ring_size)
+        self._task_labels = BoundedLabels(max_task_labels)
+        self._report_limiter = RateLimiter(reports_per_minute, 60.0)
+        self._recent_lag = RecentMax(RECENT_LAG_WINDOW_S)
+        self._capture: LoopStackCapture | None = None
+        self._stacks_off_reason: str | None = None
+        self._loop_thread_id: int | None = None
+        # The longest phase that ended in the current window (see _StepTimer.window_started).
+        self._phase_name: str | None = None
+        self._phase_longest = 0.0
+        self._phase_ended = 0.0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._loop_thread_id = threading.get_ident()
+        claimed = LoopStackCapture.claim(
+            self._loop_thread_id, self._threshold_s + self._probe_interval_s
+        )
+        if isinstance(claimed, str):
+            self._stacks_off_reason = claimed
+            log.warning(
+                "stall stacks are off for this monitor (%s); stalls are still counted", claimed
+            )
+        else:
+            self._capture = claimed
+        if self._instrument_enabled:
+            self._step_timer.window_started = perf_counter()
+            trio.lowlevel.add_instrument(self._step_timer)
+        try:
+            task_status.started()
+            await self._probe()
+        finally:
+            if self._instrument_enabled:
+                trio.lowlevel.remove_instrument(self._step_timer)
+            if self._capture is not None:
+                self._capture.close()
+                self._capture = None
+            self._stacks_off_reason = None
+            self._loop_thread_id = None
+
+    def phase(self, name: str) -> _Phase:
+        """`with monitor.phase("tokenize-inline"): ...` tags stalls inside with that phase.
+
+        For synchronous code on the loop thread; used elsewhere it has no effect.
+        """
+        return _Phase(self, name)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the dashboard shows about the loop, JSON-serialisable."""
+        lag = _summarize(self._metrics.loop_lag_seconds)
+        lag["max_recent"] = self._recent_lag.value(perf_counter())
+        lag["max_recent_window_s"] = RECENT_LAG_WINDOW_S
+        stalls = _summarize(self._metrics.loop_stall_seconds)
+        stalls["by_task"] = _counts_by_label(self._metrics.loop_stalls, "task")
+        return {
+            "threshold_ms": self._threshold_s * 1000,
+            "probe_interval_ms": self._probe_interval_s * 1000,
+            "instrument": self._instrument_enabled,
+            "stacks": self._capture is not None,
+            "stacks_off_reason": self._stacks_off_reason,
+            "lag": lag,
+            "stalls": stalls,
+            "recent": [record.to_json() for record in self._ring.recent()],
+        }
+
+    async def _probe(self) -> None:
+        interval = self._probe_interval_s
+        while True:
+            due = perf_counter() + interval
+            await trio.sleep(interval)
+            woke = perf_counter()
+            lag = max(0.0, woke - due)
+            self._metrics.loop_lag_seconds.observe(lag)
+            self._recent_lag.add(woke, lag)
+            if not self._instrument_enabled and lag > self._threshold_s:
+                self._record_stall(None, lag, self._harvest_stack())
+            elif self._capture is not None:
+                self._capture.rearm()
+            if not self._instrument_enabled:
+                self._step_timer.window_started = perf_counter()
+
+    def _on_step_stall(self, task: trio.lowlevel.Task, duration_s: float) -> None:
+        self._metrics.loop_stalls.labels(task=self._task_labels.label(task.name)).inc()
+        self._metrics.loop_stall_seconds.observe(duration_s)
+        frames = self._harvest_stack()
+        root = getattr(task.coro, "cr_code", None)
+        if frames is not None and root is not None:
+            frames = frames_of_task(frames, root.co_filename, root.co_name)
+        self._record_stall(task.name, duration_s, frames)
+
+    def _harvest_stack(self) -> list[Frame] | None:
+        return self._capture.harvest() if self._capture is not None else None
+
+    def _record_stall(
+        self, task: str | None, duration_s: float, frames: list[Frame] | None
+    ) -> None:
+        record = self._ring.add(
+            time=time.time(),
+            duration_s=duration_s,
+            task=task,
+            phase=self._current_phase(),
+            stack=[str(frame) for frame in frames or ()],
+        )
+        suppressed = self._report_limiter.admit(time.monotonic())
+        if suppressed is not None:
+            log.warning("%s", format_stall_report(record, duration_s, suppressed))
+
+    def _end_phase(self, name: str, started: float) -> None:
+        if threading.get_ident() != self._loop_thread_id:
+            return
+        ended = perf_counter()
+        if self._phase_ended < self._step_timer.window_started or (
+            ended - started > self._phase_longest
+        ):
+            self._phase_name = name
+            self._phase_longest = ended - started
+        self._phase_ended = ended
+
+    def _current_phase(self) -> str | None:
+        in_window = self._phase_ended >= self._step_timer.window_started
+        return self._phase_name if in_window else None
+
+
+def _summarize(histogram: Histogram) -> dict[str, Any]:
+    bounds: list[float] = []
+    cumulative: list[float] = []
+    total = 0.0
+    for sample in _only_metric(histogram).samples:
+        if sample.name.endswith("_bucket"):
+            if sample.labels["le"] != "+Inf":
+                bounds.append(float(sample.labels["le"]))
+            cumulative.append(sample.value)
+        elif sample.name.endswith("_sum"):
+            total = sample.value
+    return summarize_histogram(bounds, cumulative, total)
+
+
+def _only_metric(collector: Histogram | Counter) -> Metric:
+    return next(iter(collector.collect()))
+
+
+def _counts_by_label(counter: Counter, label: str) -> dict[str, float]:
+    return {
+        sample.labels[label]: sample.value
+        for sample in _only_metric(counter).samples
+        if sample.name.endswith("_total")
+    }

@@ -1,0 +1,255 @@
+"""Pure bookkeeping for event-loop stalls: no Trio, no clocks of its own, no I/O.
+
+- `parse_thread_stack` reads one thread's stack out of faulthandler's text dump;
+  `frames_of_task` keeps the frames of one task and proves the dump was taken inside it.
+- `StallRing` keeps the last N distinct stalls, folding equal ones into a count.
+- `RateLimiter` lets a few reports a minute through (Seastar allows 5) and counts the rest.
+- `BoundedLabels` caps Prometheus label cardinality for unbounded task names.
+- `summarize_histogram` and `RecentMax` turn raw numbers into what a dashboard shows.
+
+Times are passed in by the caller, so every piece is tested with an injected clock.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+
+class Frame(NamedTuple):
+    file: str
+    line: int | None
+    func: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{'?' if self.line is None else self.line} {self.func}"
+
+
+# faulthandler's format (CPython 3.11-3.13, Python/traceback.c): one section per thread,
+# headed "Current thread 0x..." for the thread that writes the dump (the one a signal
+# landed on) and "Thread 0x..." for the others, then one "  File" line per frame.
+_THREAD_HEADER = re.compile(
+    r"(?:Current thread|Thread) 0x([0-9a-fA-F]+) \(most recent call first\):"
+)
+_FRAME_LINE = re.compile(r'  File "(.*)", line (\d+|\?\?\?) in (.*)')
+
+
+def parse_thread_stack(dump: str, thread_id: int) -> list[Frame] | None:
+    """The stack of `thread_id` in faulthandler's `dump`, innermost frame first.
+
+    When the text holds several dumps the latest section for that thread wins; None when
+    there is none.
+    """
+    found: list[Frame] | None = None
+    section: list[Frame] | None = None
+    for line in dump.splitlines():
+        header = _THREAD_HEADER.fullmatch(line)
+        if header:
+            section = [] if int(header[1], 16) == thread_id else None
+            if section is not None:
+                found = section
+            continue
+        if section is not None and (frame := _FRAME_LINE.fullmatch(line)):
+            section.append(Frame(frame[1], None if frame[2] == "???" else int(frame[2]), frame[3]))
+    return found
+
+
+def frames_of_task(frames: Sequence[Frame], root_file: str, root_func: str) -> list[Frame] | None:
+    """The frames from the innermost out to the task's root coroutine, dropping the scheduler.
+
+    None when the root coroutine is not on the stack: the dump was taken outside that task
+    (a timer that fired earlier, during another step), so it says nothing about this stall.
+    """
+    for index in range(len(frames) - 1, -1, -1):
+        if frames[index].func == root_func and frames[index].file == root_file:
+            return list(frames[: index + 1])
+    return None
+
+
+@dataclass
+class StallRecord:
+    task: str | None
+    phase: str | None
+    stack: tuple[str, ...]
+    count: int
+    first_time: float
+    last_time: float
+    last_duration_s: float
+    max_duration_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "phase": self.phase,
+            "stack": list(self.stack),
+            "count": self.count,
+            "first_time": self.first_time,
+            "last_time": self.last_time,
+            "last_duration_s": self.last_duration_s,
+            "max_duration_s": self.max_duration_s,
+        }
+
+
+class StallRing:
+    """The last `capacity` distinct stalls; a repeat of a known one updates it in place.
+
+    Two stalls are the same when task, phase and stack are equal: a stack alone would merge
+    every stall whose stack could not be captured.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self._capacity = capacity
+        self._records: OrderedDict[tuple[Any, ...], StallRecord] = OrderedDict()
+
+    def add(
+        self,
+        *,
+        time: float,
+        duration_s: float,
+        task: str | None,
+        phase: str | None,
+        stack: Sequence[str],
+    ) -> StallRecord:
+        key = (task, phase, tuple(stack))
+        record = self._records.get(key)
+        if record is None:
+            record = StallRecord(task, phase, tuple(stack), 0, time, time, duration_s, duration_s)
+            self._records[key] = record
+            if len(self._records) > self._capacity:
+                self._records.popitem(last=False)
+        else:
+            self._records.move_to_end(key)
+        record.count += 1
+        record.last_time = time
+        record.last_duration_s = duration_s
+        record.max_duration_s = max(record.max_duration_s, duration_s)
+        return record
+
+    def recent(self) -> list[StallRecord]:
+        """Newest first."""
+        return list(reversed(self._records.values()))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+class RateLimiter:
+    """At most `limit` admissions in any `period_s` window (sliding)."""
+
+    def __init__(self, limit: int, period_s: float) -> None:
+        self._period_s = period_s
+        self._admitted: deque[float] = deque(maxlen=limit)
+        self._suppressed = 0
+
+    def admit(self, now: float) -> int | None:
+        """None when over the limit; otherwise how many were refused since the last admission."""
+        admitted = self._admitted
+        if len(admitted) == admitted.maxlen and now - admitted[0] < self._period_s:
+            self._suppressed += 1
+            return None
+        admitted.append(now)
+        suppressed, self._suppressed = self._suppressed, 0
+        return suppressed
+
+
+class BoundedLabels:
+    """Passes the first `limit` distinct names through and folds later ones into `overflow`."""
+
+    def __init__(self, limit: int, overflow: str = "other") -> None:
+        self._limit = limit
+        self._overflow = overflow
+        self._seen: set[str] = set()
+
+    def label(self, name: str) -> str:
+        if name in self._seen:
+            return name
+        if len(self._seen) < self._limit:
+            self._seen.add(name)
+            return name
+        return self._overflow
+
+
+class RecentMax:
+    """The largest value added during the last `window_s` (a monotonic queue: O(1) amortised)."""
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._candidates: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, value: float) -> None:
+        candidates = self._candidates
+        while candidates and candidates[-1][1] <= value:
+            candidates.pop()
+        candidates.append((now, value))
+        self._expire(now)
+
+    def value(self, now: float) -> float:
+        self._expire(now)
+        return self._candidates[0][1] if self._candidates else 0.0
+
+    def _expire(self, now: float) -> None:
+        while self._candidates and now - self._candidates[0][0] > self._window_s:
+            self._candidates.popleft()
+
+
+def estimate_quantile(
+    q: float, bounds: Sequence[float], cumulative: Sequence[float]
+) -> float | None:
+    """Prometheus' histogram_quantile: linear inside the bucket holding the rank.
+
+    `cumulative` has one count per bound plus the +Inf bucket last. A rank that falls in
+    +Inf reports the highest finite bound. None for an empty histogram.
+    """
+    total = cumulative[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    below = 0.0
+    for index, upper in enumerate(bounds):
+        if cumulative[index] >= rank:
+            lower = bounds[index - 1] if index else 0.0
+            in_bucket = cumulative[index] - below
+            return lower + (upper - lower) * (rank - below) / in_bucket if in_bucket else upper
+        below = cumulative[index]
+    return bounds[-1]
+
+
+def summarize_histogram(
+    bounds: Sequence[float], cumulative: Sequence[float], total_sum: float
+) -> dict[str, Any]:
+    """Per-bucket (not cumulative) counts, count, sum, p50 and p99, ready for JSON."""
+    if len(cumulative) != len(bounds) + 1:
+        raise ValueError("cumulative needs one count per bound plus +Inf")
+    edges: list[float | str] = [*bounds, "+Inf"]
+    previous = 0.0
+    buckets = []
+    for edge, running in zip(edges, cumulative, strict=True):
+        buckets.append({"le": edge, "count": running - previous})
+        previous = running
+    return {
+        "buckets": buckets,
+        "count": cumulative[-1],
+        "sum": total_sum,
+        "p50": estimate_quantile(0.5, bounds, cumulative),
+        "p99": estimate_quantile(0.99, bounds, cumulative),
+    }
+
+
+def format_stall_report(record: StallRecord, duration_s: float, suppressed: int) -> str:
+    where = f"task {record.task!r}" if record.task is not None else "an unknown task"
+    phase = f" in phase {record.phase}" if record.phase else ""
+    seen = f" (seen {record.count} times)" if record.count > 1 else ""
+    dropped = f"; {suppressed} reports suppressed before this one" if suppressed else ""
+    stack = (
+        "\n  ".join(["stack, innermost first:", *record.stack])
+        if record.stack
+        else "stack not captured"
+    )
+    return (
+        f"event loop stalled {duration_s * 1e3:.1f} ms in {where}{phase}{seen}{dropped}\n  {stack}"
+    )

