@@ -83,7 +83,9 @@ class Sluice:
     ) -> None:
         """Serve until `shutdown` is set; report (proxy URL, dashboard URL) once listening."""
         settings = self.settings
-        async with make_health_client(settings) as client, trio.open_nursery() as nursery:
+        # Building a client loads CA certificates (~30 ms): not on the loop.
+        client = await trio.to_thread.run_sync(make_health_client, settings)
+        async with client, trio.open_nursery() as nursery:
             checker = HealthChecker(
                 self.pool,
                 client,
