@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import httpx
+import trio
 
 from tests.conftest import StartSim, StartSluice
 
@@ -20,7 +21,9 @@ def unique_prompt(seed: int, words: int = 40_000) -> str:
 
 
 async def burst(client: httpx.AsyncClient, url: str, seed: int) -> None:
-    body = {"model": "m", "prompt": unique_prompt(seed), "max_tokens": 1}
+    # Building 40k words takes tens of ms: not on the loop the detector is watching.
+    prompt = await trio.to_thread.run_sync(unique_prompt, seed)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1}
     response = await client.post(url + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
 
@@ -59,4 +62,8 @@ async def test_offloaded_tokenization_leaves_no_tokenizer_stall(
     await burst(client, running.proxy_url, seed=2)
     snapshot = (await client.get(running.dashboard_url + "/api/snapshot")).json()
     assert not tokenizer_stalls(snapshot)
-    assert not [s for s in snapshot["loop"]["recent"] if s["max_duration_s"] >= 0.05]
+    # The simulated backend shares this loop and may stall it; the proxy's tokenizer may not.
+    proxy_tokenizing = [
+        s for s in snapshot["loop"]["recent"] if any("app/preprocess" in f for f in s["stack"])
+    ]
+    assert not proxy_tokenizing, proxy_tokenizing

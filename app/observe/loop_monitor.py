@@ -17,6 +17,7 @@ per-step metrics stay untouched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -145,7 +146,9 @@ class LoopMonitor:
             await self._probe()
         finally:
             if self._instrument_enabled:
-                trio.lowlevel.remove_instrument(self._step_timer)
+                # Trio has already dropped the instrument if one of its hooks raised.
+                with contextlib.suppress(KeyError):
+                    trio.lowlevel.remove_instrument(self._step_timer)
             if self._capture is not None:
                 self._capture.close()
                 self._capture = None

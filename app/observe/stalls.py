@@ -61,7 +61,7 @@ def frames_of_task(frames: Sequence[Frame], root_file: str, root_func: str) -> l
     """The frames from the innermost out to the task's root coroutine, dropping the scheduler.
 
     None when the root coroutine is not on the stack: the dump was taken outside that task
-    (a timer that fired earlier, during another step), so it says nothing about this stall.
+    (an alarm that fired earlier, during another step), so it says nothing about this stall.
     """
     for index in range(len(frames) - 1, -1, -1):
         if frames[index].func == root_func and frames[index].file == root_file:
