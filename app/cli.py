@@ -34,6 +34,7 @@ HELP: dict[str, str] = {
     "idle_timeout": "seconds allowed between two chunks of a streamed response",
     "stall_instrument": "time every task step to find stalls (small cost per step)",
     "admin_token": "bearer token required by PUT /api/policy (default: none required)",
+    "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
     "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "
     "tokenizer.json path: what /tokenize and prompt counting use",
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from load import overhead
+from load import bench_preprocess, burst, detector_cost, overhead
 
 
 def main() -> None:
@@ -13,9 +13,24 @@ def main() -> None:
     overhead.add_arguments(
         sub.add_parser("overhead", help="latency the proxy adds over a direct backend call")
     )
+    burst.add_arguments(
+        sub.add_parser(
+            "burst", help="event-loop freeze during a tokenization burst, inline vs offload"
+        )
+    )
+    detector_cost.add_arguments(
+        sub.add_parser("detector-cost", help="proxy throughput with the stall timer on vs off")
+    )
+    sub.add_parser("preprocess", help="tokenizer cache, template and loop micro-benchmarks")
     args = parser.parse_args()
     if args.benchmark == "overhead":
         overhead.main(args)
+    elif args.benchmark == "burst":
+        burst.main(args)
+    elif args.benchmark == "detector-cost":
+        detector_cost.main(args)
+    elif args.benchmark == "preprocess":
+        bench_preprocess.main()
 
 
 main()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from load.processes import start_process, stop_all
+from load.processes import start_instant_sim, start_process, stop_all
 from load.stats import percentile
 
 BODY = {
@@ -87,23 +87,7 @@ def report(samples: Samples, rate: float) -> dict[str, float]:
 async def run(args: argparse.Namespace) -> dict[str, float]:
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        sim_url = await start_process(
-            [
-                "sim-backend",
-                "--port",
-                "0",
-                "--prefill-overhead",
-                "0",
-                "--prefill-per-token",
-                "0",
-                "--inter-token-latency",
-                "0",
-                "--max-num-seqs",
-                "1024",
-            ],
-            b"Simulated backend",
-            processes,
-        )
+        sim_url = await start_instant_sim(processes)
         proxy_url = await start_process(
             [
                 "serve",

@@ -16,6 +16,16 @@ import trio
 
 URL_PATTERN = re.compile(rb"(http://127\.0\.0\.1:\d+)")
 
+# A simulated backend whose GPU time is zero: what remains is HTTP and the proxy's own work.
+INSTANT_SIM = (
+    "sim-backend",
+    "--port", "0",
+    "--prefill-overhead", "0",
+    "--prefill-per-token", "0",
+    "--inter-token-latency", "0",
+    "--max-num-seqs", "1024",
+)  # fmt: skip
+
 
 @contextmanager
 def _terminating(process: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
@@ -27,6 +37,10 @@ def _terminating(process: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+async def start_instant_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
+    return await start_process([*INSTANT_SIM, *extra], b"Simulated backend", stack)
 
 
 async def start_process(

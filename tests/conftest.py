@@ -9,7 +9,9 @@ from typing import Any
 import httpx
 import pytest
 import trio
+from hypercorn.trio import serve
 
+from app.asgi import server_config
 from app.config import Settings
 from app.main import Sluice
 from app.preprocess.tokenizer_loading import TokenizerLike
@@ -37,6 +39,7 @@ TEST_SETTINGS = Settings(
 )
 
 StartSim = Callable[..., Awaitable["SimHandle"]]
+StartASGI = Callable[[Any], Awaitable[str]]
 StartSluice = Callable[..., Awaitable["RunningSluice"]]
 
 
@@ -74,6 +77,17 @@ def start_sim(nursery: trio.Nursery) -> StartSim:
 
         url: str = await nursery.start(run)
         return SimHandle(url, cancel_scope)
+
+    return start
+
+
+@pytest.fixture
+def start_asgi(nursery: trio.Nursery) -> StartASGI:
+    """Serve a hand-written ASGI app (a backend with some quirk); returns its base URL."""
+
+    async def start(app: Any) -> str:
+        urls: list[str] = await nursery.start(serve, app, server_config("127.0.0.1", 0))
+        return urls[0]
 
     return start
 

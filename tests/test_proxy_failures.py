@@ -9,11 +9,9 @@ import json
 
 import httpx
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
 from app.asgi import Receive, Scope, Send, answer_lifespan, send_json
-from tests.conftest import StartSim, StartSluice, wait_until
+from tests.conftest import StartASGI, StartSim, StartSluice, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -147,12 +145,9 @@ async def rate_limited_backend(scope: Scope, receive: Receive, send: Send) -> No
 
 
 async def test_backend_4xx_passes_through(
-    nursery: trio.Nursery, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_asgi: StartASGI, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    urls = await nursery.start(serve, rate_limited_backend, config)
-    running = await start_sluice([urls[0]])
+    running = await start_sluice([await start_asgi(rate_limited_backend)])
     response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 429
     assert response.json()["error"]["message"] == "slow down"
@@ -170,12 +165,9 @@ async def no_health_backend(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def test_backend_without_health_is_probed_on_models(
-    nursery: trio.Nursery, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_asgi: StartASGI, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    urls = await nursery.start(serve, no_health_backend, config)
-    running = await start_sluice([urls[0]])
+    running = await start_sluice([await start_asgi(no_health_backend)])
     backend = running.sluice.pool.backends[0]
     assert backend.healthy
     assert backend.probe_path == "/v1/models"
