@@ -5,7 +5,7 @@ One simulated backend, two proxies in front of it that differ only in that flag.
 alternate between them; each round keeps `--concurrency` clients busy for `--seconds` and
 counts completed requests, and reads the proxy's CPU time from /proc.
 
-    python -m load detector-cost --rounds 4 --seconds 5
+    python -m load detector-cost --rounds 10 --seconds 3
 
 Target (issue 4): the instrument costs at most 3% of proxy throughput.
 """
@@ -128,9 +128,9 @@ def summarize(rounds: list[Round]) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per mode")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of one round")
-    parser.add_argument("--concurrency", type=int, default=32, help="clients kept busy")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds per mode")
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of one round")
+    parser.add_argument("--concurrency", type=int, default=16, help="clients kept busy")
 
 
 def main(args: argparse.Namespace) -> None:
