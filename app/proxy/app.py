@@ -27,13 +27,20 @@ from app.asgi import (
     header,
     read_body,
     send_bytes,
-    send_error,
     send_json,
 )
 from app.config import Settings
 from app.observe.metrics import Metrics
 from app.preprocess import Prepared, PreprocessError, Preprocessor
 from app.proxy.accounting import KeyLabels
+from app.proxy.errors import (
+    send_body_too_large,
+    send_invalid_request,
+    send_method_not_allowed,
+    send_no_backend,
+    send_not_found,
+    send_upstream_failure,
+)
 from app.proxy.forward import (
     StreamBroken,
     Timeouts,
@@ -43,7 +50,7 @@ from app.proxy.forward import (
     relay_as_chat,
     upstream_headers,
 )
-from app.proxy.token_forwarding import no_verified_backend_message, plan_forward
+from app.proxy.token_forwarding import plan_forward
 from app.proxy.upstream import UpstreamPool
 from app.proxy.validate import InvalidRequest, check_chat, check_completion, parse_json_object
 from app.routing.backends import Backend, BackendPool
@@ -54,7 +61,6 @@ log = logging.getLogger("sluice.proxy")
 
 COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 GET_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
-RETRY_AFTER_SECONDS = b"2"
 # 5xx answers that mean the backend, not the request, is in trouble.
 BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
 
@@ -139,13 +145,13 @@ class ProxyApp:
         kind = COMPLETION_PATHS.get(path)
         if kind is not None:
             if method != "POST":
-                await _method_not_allowed(send, b"POST")
+                await send_method_not_allowed(send, b"POST")
                 return
             await self.completion(scope, receive, send, path, kind)
             return
         if path in GET_PATHS:
             if method not in ("GET", "HEAD"):
-                await _method_not_allowed(send, b"GET")
+                await send_method_not_allowed(send, b"GET")
                 return
             if path == "/health":
                 await self.health(send)
@@ -156,9 +162,7 @@ class ProxyApp:
             else:
                 await self.models(send)
             return
-        await send_error(
-            send, 404, f"Unknown path {path}", "invalid_request_error", None, "not_found"
-        )
+        await send_not_found(send, path)
 
     async def health(self, send: Send) -> None:
         now = trio.current_time()
@@ -182,7 +186,7 @@ class ProxyApp:
             for model in backend.models:
                 seen.setdefault(model["id"], model)
         if not seen and not self.pool.any_available(now):
-            await _no_backend(send, self.pool.tokenizer_refusals())
+            await send_no_backend(send, self.pool.tokenizer_refusals())
             return
         await send_json(send, 200, {"object": "list", "data": list(seen.values())})
 
@@ -193,14 +197,7 @@ class ProxyApp:
         try:
             body = await read_body(receive, self.settings.max_body_bytes)
         except BodyTooLarge:
-            await send_error(
-                send,
-                413,
-                f"The request body is larger than {self.settings.max_body_bytes} bytes.",
-                "invalid_request_error",
-                None,
-                "request_too_large",
-            )
+            await send_body_too_large(send, self.settings.max_body_bytes)
             return
         except ClientGone:
             return
@@ -211,13 +208,13 @@ class ProxyApp:
             else:
                 check_completion(payload)
         except InvalidRequest as exc:
-            await send_error(send, 400, exc.message, "invalid_request_error", exc.param, exc.code)
+            await send_invalid_request(send, exc.message, exc.param, exc.code)
             return
 
         try:
             prepared = await self.prepare(kind, payload)
         except PreprocessError as exc:
-            await send_error(send, 400, exc.message, "invalid_request_error", exc.param, exc.code)
+            await send_invalid_request(send, exc.message, exc.param, exc.code)
             return
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
@@ -265,25 +262,9 @@ class ProxyApp:
                 failure = exc
                 log.warning("backend %s failed before answering: %s", backend.url, exc)
         if failure is None:
-            await _no_backend(send, self.pool.tokenizer_refusals())
-        elif failure.kind == "timeout":
-            await send_error(
-                send,
-                504,
-                f"The backend did not answer in time ({failure.detail}).",
-                "upstream_error",
-                None,
-                "backend_timeout",
-            )
+            await send_no_backend(send, self.pool.tokenizer_refusals())
         else:
-            await send_error(
-                send,
-                502,
-                f"Could not reach a backend ({failure.detail}).",
-                "upstream_error",
-                None,
-                "backend_unreachable",
-            )
+            await send_upstream_failure(send, failure)
 
     async def _exchange(
         self, send: Send, backend: Backend, decision: Decision, outgoing: Outgoing
@@ -365,31 +346,3 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
         if message["type"] == "http.disconnect":
             scope.cancel()
             return
-
-
-async def _no_backend(send: Send, tokenizer_refusals: dict[str, str]) -> None:
-    """503: no healthy backend, or (tokens mode) none whose tokenizer is verified."""
-    message, code = "No healthy backend is available; try again shortly.", "no_healthy_backend"
-    if tokenizer_refusals:
-        message, code = no_verified_backend_message(tokenizer_refusals), "no_verified_backend"
-    await send_error(
-        send,
-        503,
-        message,
-        "service_unavailable",
-        None,
-        code,
-        headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
-    )
-
-
-async def _method_not_allowed(send: Send, allowed: bytes) -> None:
-    await send_error(
-        send,
-        405,
-        f"Method not allowed; use {allowed.decode()}.",
-        "invalid_request_error",
-        None,
-        "method_not_allowed",
-        headers=[(b"allow", allowed)],
-    )
