@@ -32,6 +32,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 
 from app.observe.stalls import Frame, parse_thread_stack
 
@@ -48,6 +49,7 @@ class LoopStackCapture:
         # The signal handler writes to a raw fd, so it must be a real file; open until close().
         self._file = tempfile.TemporaryFile()  # noqa: SIM115
         self._fd = self._file.fileno()
+        self._armed_at = 0.0
 
     @classmethod
     def claim(cls, loop_thread_id: int, timeout_s: float) -> LoopStackCapture | str:
@@ -68,10 +70,16 @@ class LoopStackCapture:
         return capture
 
     def rearm(self) -> None:
-        """Restart the countdown, dropping a dump that fired without a stall to claim it."""
-        if os.fstat(self._fd).st_size:
+        """Restart the countdown, dropping a dump that fired without a stall to claim it.
+
+        Only a countdown that ran out can have written a dump, so the file is looked at
+        only then: one system call a tick instead of two (the probe ticks every 5 ms).
+        """
+        now = time.monotonic()
+        if now - self._armed_at >= self._timeout_s and os.fstat(self._fd).st_size:
             self._truncate()
         signal.setitimer(signal.ITIMER_REAL, self._timeout_s)
+        self._armed_at = now
 
     def harvest(self) -> list[Frame] | None:
         """The loop thread's stack from a dump taken since the last re-arm, then re-arm.
