@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import httpx
 import trio
 
-from load.processes import start_instant_sim, start_process, stop_all
+from load.processes import start_instant_sim, start_proxy, stop_all
 from load.stats import percentile
 
 MODES = ("inline", "offload")
@@ -245,30 +245,14 @@ async def start_stack(processes: list[subprocess.Popen[bytes]]) -> dict[str, str
     sim_url = await start_instant_sim(processes, "--max-model-len", MAX_MODEL_LEN)
     proxy_urls: dict[str, str] = {}
 
-    async def start_proxy(mode: str) -> None:
-        proxy_urls[mode] = await start_process(
-            [
-                "serve",
-                "--backend",
-                sim_url,
-                "--port",
-                "0",
-                "--dashboard-port",
-                "0",
-                "--log-level",
-                "warning",
-                "--max-model-len",
-                MAX_MODEL_LEN,
-                "--tokenize-mode",
-                mode,
-            ],
-            b"Sluice proxy",
-            processes,
+    async def start_mode(mode: str) -> None:
+        proxy_urls[mode] = await start_proxy(
+            processes, sim_url, "--max-model-len", MAX_MODEL_LEN, "--tokenize-mode", mode
         )
 
     async with trio.open_nursery() as nursery:
         for mode in MODES:
-            nursery.start_soon(start_proxy, mode)
+            nursery.start_soon(start_mode, mode)
     return proxy_urls
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from load.processes import start_instant_sim, start_process, stop_all
+from load.processes import start_instant_sim, start_proxy, stop_all
 
 BODY = {"model": "sim", "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1}
 
@@ -85,10 +85,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         proxies: dict[str, tuple[str, int]] = {}
         for mode in ("on", "off"):
             flag = "--stall-instrument" if mode == "on" else "--no-stall-instrument"
-            serve = ["serve", "--backend", sim_url, "--port", "0", "--dashboard-port", "0"]
-            url = await start_process(
-                [*serve, "--log-level", "warning", flag], b"Sluice proxy", processes
-            )
+            url = await start_proxy(processes, sim_url, flag)
             proxies[mode] = (url, processes[-1].pid)
         rounds: list[Round] = []
         limits = httpx.Limits(max_connections=args.concurrency * 2)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from load.processes import start_instant_sim, start_process, stop_all
+from load.processes import start_instant_sim, start_proxy, stop_all
 from load.stats import percentile
 
 BODY = {
@@ -88,22 +88,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     processes: list[subprocess.Popen[bytes]] = []
     try:
         sim_url = await start_instant_sim(processes)
-        proxy_url = await start_process(
-            [
-                "serve",
-                "--backend",
-                sim_url,
-                "--port",
-                "0",
-                "--dashboard-port",
-                "0",
-                "--log-level",
-                "warning",
-                *args.proxy_arg,
-            ],
-            b"Sluice proxy",
-            processes,
-        )
+        proxy_url = await start_proxy(processes, sim_url, *args.proxy_arg)
         samples = await measure(
             sim_url + "/v1/chat/completions",
             proxy_url + "/v1/chat/completions",

@@ -43,6 +43,12 @@ async def start_instant_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -
     return await start_process([*INSTANT_SIM, *extra], b"Simulated backend", stack)
 
 
+async def start_proxy(stack: list[subprocess.Popen[bytes]], backend: str, *extra: str) -> str:
+    """`sluice serve` in front of `backend` on free ports, quiet but for warnings."""
+    serve = ("serve", "--backend", backend, "--port", "0", "--dashboard-port", "0")
+    return await start_process([*serve, "--log-level", "warning", *extra], b"Sluice proxy", stack)
+
+
 async def start_process(
     args: Sequence[str], marker: bytes, stack: list[subprocess.Popen[bytes]]
 ) -> str:
