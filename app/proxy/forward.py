@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import trio
 
-from app.asgi import Headers, Send, error_body, send_error
+from app.asgi import Headers, Send, send_error
+from app.errors import error_body
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
 from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -110,15 +111,19 @@ async def open_upstream(
 
 
 async def _chunks(response: UpstreamResponse, idle: float) -> AsyncIterator[bytes]:
-    """The body as it arrives, failing if the backend goes quiet for `idle` seconds."""
+    """The body as it arrives, failing if the backend goes quiet for `idle` seconds.
+
+    Only the wait for the backend is timed: a client slow to take a chunk holds the stream
+    (that is back-pressure, not a silent backend), and no cancel scope may span the `yield`.
+    """
     while True:
-        with trio.move_on_after(idle):
+        with trio.move_on_after(idle) as waited:
             chunk = await response.receive_chunk()
-            if chunk is None:
-                return
-            yield chunk
-            continue
-        raise UpstreamError(f"no data from the backend for {idle:g}s")
+        if waited.cancelled_caught:
+            raise UpstreamError(f"no data from the backend for {idle:g}s")
+        if chunk is None:
+            return
+        yield chunk
 
 
 def sse_error_event(message: str) -> bytes:

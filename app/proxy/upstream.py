@@ -10,7 +10,7 @@ a request in one write and costs a fraction of that (`python -m load overhead`).
 from __future__ import annotations
 
 import select
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -20,6 +20,14 @@ import trio
 from app.asgi import Headers
 
 RECEIVE_SIZE = 65536
+
+# How the pool reaches a backend: (host, port) -> a byte stream. TCP in production; tests
+# pass in-memory streams to drive the pool without ports or clocks.
+OpenStream = Callable[[str, int], Awaitable[trio.abc.Stream]]
+
+
+async def open_tcp(host: str, port: int) -> trio.abc.Stream:
+    return await trio.open_tcp_stream(host, port)
 
 
 class UpstreamError(Exception):
@@ -32,12 +40,17 @@ class UpstreamError(Exception):
 
 @dataclass
 class _Connection:
-    stream: trio.SocketStream
+    stream: trio.abc.Stream
     protocol: h11.Connection = field(default_factory=lambda: h11.Connection(h11.CLIENT))
     reused: bool = False
 
     def closed_while_idle(self) -> bool:
-        """An idle keep-alive socket that is readable was closed (or spoken to) by the server."""
+        """An idle keep-alive socket that is readable was closed (or spoken to) by the server.
+
+        Other streams cannot be asked; a dead one fails the exchange, which is retried.
+        """
+        if not isinstance(self.stream, trio.SocketStream):
+            return False
         readable, _, _ = select.select([self.stream.socket.fileno()], [], [], 0)
         return bool(readable)
 
@@ -107,7 +120,7 @@ async def _next_event(
                 data = await connection.stream.receive_some(RECEIVE_SIZE)
             except (trio.BrokenResourceError, OSError) as exc:
                 raise UpstreamError(f"connection lost: {exc}") from None
-            protocol.receive_data(data)
+            protocol.receive_data(bytes(data))
             continue
         if isinstance(event, h11.ConnectionClosed):
             raise UpstreamError("the backend closed the connection")
@@ -119,9 +132,15 @@ class UpstreamPool:
     at most `max_idle_per_backend` idle connections are kept for each backend."""
 
     def __init__(
-        self, *, connect_timeout: float, max_connections: int, max_idle_per_backend: int = 64
+        self,
+        *,
+        connect_timeout: float,
+        max_connections: int,
+        max_idle_per_backend: int = 64,
+        open_stream: OpenStream = open_tcp,
     ) -> None:
         self.connect_timeout = connect_timeout
+        self._open_stream = open_stream
         self.max_idle_per_backend = max_idle_per_backend
         self._idle: dict[str, list[_Connection]] = {}
         self._slots = trio.Semaphore(max_connections)
@@ -145,7 +164,7 @@ class UpstreamPool:
             raise UpstreamError(f"unsupported backend URL {base_url!r}", connect=True)
         try:
             with trio.fail_after(self.connect_timeout):
-                stream = await trio.open_tcp_stream(parts.hostname, parts.port or 80)
+                stream = await self._open_stream(parts.hostname, parts.port or 80)
         except trio.TooSlowError:
             raise UpstreamError(
                 f"connect timed out after {self.connect_timeout:g}s", connect=True

@@ -154,7 +154,7 @@ async def _ask(
 
 
 async def check_tokenizer(
-    pool: BackendPool, backend: Backend, client: httpx.AsyncClient, timeout: float
+    pool: BackendPool, backend: Backend, client: httpx.AsyncClient, seconds: float
 ) -> None:
     """Check `backend` if it is due a check (tokens mode, healthy, not checked since it was
     admitted); a no-op otherwise, and always in passthrough mode."""
@@ -164,11 +164,11 @@ async def check_tokenizer(
     # Cancelled half-way (shutdown): back to "unchecked", never stuck in "checking".
     outcome = TokenizerOutcome("unchecked", "the check was interrupted")
     try:
-        with trio.fail_after(timeout):
+        with trio.fail_after(seconds):
             outcome = await _ask(client, backend, probe)
     except trio.TooSlowError:
         outcome = TokenizerOutcome(
-            "unchecked", f"{TOKENIZE_PATH} timed out after {timeout:g}s; retrying"
+            "unchecked", f"{TOKENIZE_PATH} timed out after {seconds:g}s; retrying"
         )
     except httpx.HTTPError as exc:
         outcome = TokenizerOutcome(
@@ -186,7 +186,7 @@ async def check_tokenizer(
         log.warning("backend %s: tokenizer check incomplete: %s", backend.url, outcome.detail)
 
 
-async def check_tokenizers_at_startup(pool: BackendPool, timeout: float) -> None:
+async def check_tokenizers_at_startup(pool: BackendPool, seconds: float) -> None:
     """Check every healthy backend at once, before the proxy listens (tokens mode only)."""
     if pool.tokenizer_probe is None:
         return
@@ -195,4 +195,4 @@ async def check_tokenizers_at_startup(pool: BackendPool, timeout: float) -> None
     client = await trio.to_thread.run_sync(partial(httpx.AsyncClient, trust_env=False))
     async with client, trio.open_nursery() as nursery:
         for backend in pool.backends:
-            nursery.start_soon(check_tokenizer, pool, backend, client, timeout)
+            nursery.start_soon(check_tokenizer, pool, backend, client, seconds)
