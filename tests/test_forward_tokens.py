@@ -51,7 +51,7 @@ async def run_check(pool: BackendPool, answer: Any) -> list[dict[str, Any]]:
         return httpx.Response(status, json=payload)
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        await check_tokenizer(pool, pool.backends[0], client, timeout=1.0)
+        await check_tokenizer(pool, pool.backends[0], client, seconds=1.0)
     return bodies
 
 
