@@ -1,3 +1,6 @@
 from app.cli import main
 
-raise SystemExit(main())
+# Guarded: render worker processes are spawned, and a spawned child imports the parent's
+# main module again.
+if __name__ == "__main__":
+    raise SystemExit(main())

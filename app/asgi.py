@@ -13,6 +13,8 @@ from typing import Any
 
 from hypercorn.config import Config
 
+from app.errors import ClientError, error_body
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -21,16 +23,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class ClientGone(Exception):
     pass
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body; `BodyTooLarge` past `limit` bytes, `ClientGone` on disconnect."""
+    """The whole request body; a 413 `ClientError` past `limit` bytes, `ClientGone` on
+    disconnect."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -40,7 +39,11 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise BodyTooLarge
+            raise ClientError(
+                f"The request body is larger than {limit} bytes.",
+                code="request_too_large",
+                status=413,
+            )
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -51,12 +54,6 @@ def header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
-
-
-def error_body(
-    message: str, type_: str, param: str | None = None, code: str | int | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 async def send_bytes(
@@ -97,6 +94,10 @@ async def send_error(
     headers: Iterable[tuple[bytes, bytes]] = (),
 ) -> None:
     await send_json(send, status, error_body(message, type_, param, code), headers)
+
+
+async def send_client_error(send: Send, error: ClientError) -> None:
+    await send_json(send, error.status, error.body(), error.headers)
 
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:

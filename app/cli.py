@@ -35,6 +35,8 @@ HELP: dict[str, str] = {
     "stall_instrument": "time every task step to find stalls (small cost per step)",
     "admin_token": "bearer token required by PUT /api/policy (default: none required)",
     "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
+    "render_workers": "worker processes that parse and render large requests (default: one "
+    "fewer than the CPU count, min 1)",
     "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "
     "tokenizer.json path: what /tokenize and prompt counting use",
 }

@@ -48,6 +48,8 @@ class Settings:
     # (measured: 2 threads on 2 cores let /health wait 12-20 ms during a burst, 1 thread 6-11).
     tokenize_threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
     tokenize_queue: int = 8
+    # Renders (parse, checks, Jinja2) hold the GIL: they run in worker processes.
+    render_workers: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
     saturation: Saturation = "wait"
     l0_max_entries: int = 10000
     l0_max_text_bytes: int = 65536
@@ -67,7 +69,13 @@ class Settings:
     demo_rps: float = 2.0
 
     def __post_init__(self) -> None:
-        at_least_one = ("tokenize_threads", "breaker_failures", "max_connections", "max_body_bytes")
+        at_least_one = (
+            "tokenize_threads",
+            "render_workers",
+            "breaker_failures",
+            "max_connections",
+            "max_body_bytes",
+        )
         for name in at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

@@ -85,7 +85,7 @@ class Sluice:
         settings = self.settings
         # Building a client loads CA certificates (~30 ms): not on the loop.
         client = await trio.to_thread.run_sync(make_health_client, settings)
-        async with client, trio.open_nursery() as nursery:
+        async with client, self.preprocessor.running(), trio.open_nursery() as nursery:
             checker = HealthChecker(
                 self.pool,
                 client,

@@ -29,7 +29,6 @@ from app.preprocess.chat_template import (
     SHIPPED_DIR,
     ChatTemplate,
     calibrate_render_cost,
-    compile_template,
 )
 from app.preprocess.encoding import facts_for, gil_releasing_encoder
 from app.preprocess.l0_cache import L0Cache
@@ -102,7 +101,7 @@ def bench_l0() -> None:
 
 def deepseek_template() -> ChatTemplate:
     source = (SHIPPED_DIR / "deepseek_v3.jinja").read_text()
-    return ChatTemplate("deepseek_v3", compile_template(source), "<｜begin▁of▁sentence｜>", "")  # noqa: RUF001
+    return ChatTemplate("deepseek_v3", source, "<｜begin▁of▁sentence｜>", "")  # noqa: RUF001
 
 
 def bench_l1() -> None:
@@ -158,9 +157,7 @@ def bench_render() -> None:
         header += f" | {name:>14} est. loop?"
     print(header + " | json key")
     templates = {
-        name: ChatTemplate(
-            name, compile_template((SHIPPED_DIR / f"{name}.jinja").read_text()), "<s>", "</s>"
-        )
+        name: ChatTemplate(name, (SHIPPED_DIR / f"{name}.jinja").read_text(), "<s>", "</s>")
         for name in names
     }
     costs = {name: calibrate_render_cost(t) for name, t in templates.items()}

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import trio
+import trio.lowlevel
 
 from app.observe.loop_monitor import PROBE_INTERVAL_S, LoopMonitor
 from app.observe.metrics import Metrics
@@ -32,7 +33,7 @@ VARIANTS = ("no monitor", "probe only", "probe + instrument")
 
 async def _take_steps(steps: int) -> None:
     for _ in range(steps):
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
 
 
 async def _run_tasks(variant: str, tasks: int, steps: int) -> float:

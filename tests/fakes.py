@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -9,7 +10,16 @@ from typing import Any
 import trio
 import trio.testing
 
+from app.preprocess.pipeline import Prepared, Preprocessor
+from app.preprocess.rendering import Kind
 from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
+
+
+async def prepare(
+    preprocessor: Preprocessor, kind: Kind, payload: dict[str, Any], **options: Any
+) -> Prepared:
+    """`Preprocessor.prepare` on the body a client would send for `payload`."""
+    return await preprocessor.prepare(kind, json.dumps(payload).encode(), **options)
 
 
 class GateTokenizer:
@@ -48,6 +58,13 @@ class GateTokenizer:
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self._real.get_vocab_size(with_added_tokens)
 
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return self._real.get_vocab(with_added_tokens)
+
     @property
     def normalizer(self) -> Any:
         return self._real.normalizer
+
+    @property
+    def decoder(self) -> Any:
+        return self._real.decoder

@@ -127,9 +127,13 @@ def test_stream_conversion_holds_back_only_the_unfinished_event() -> None:
 # ---------------------------------------------------------------- what is sent
 
 
-def prepared(ids: list[int] | None, prompt: str | None = "text") -> Prepared:
+def prepared(
+    payload: dict[str, Any], ids: list[int] | None, prompt: str | None = "text"
+) -> Prepared:
+    """What the preprocessor makes of `payload`: its fields but the prompt's, and `ids`."""
+    fields = {k: v for k, v in payload.items() if k not in ("messages", "prompt")}
     token_ids = None if ids is None else array("I", ids)
-    return Prepared(prompt, token_ids, ids is None, "thread", 0.0, 0.0)
+    return Prepared(fields, prompt, token_ids, ids is None, "thread", 0.0, 0.0)
 
 
 def test_chat_becomes_a_token_completion_with_its_sampling_parameters() -> None:
@@ -147,7 +151,7 @@ def test_chat_becomes_a_token_completion_with_its_sampling_parameters() -> None:
         "tools": [],
         "add_generation_prompt": True,
     }
-    plan = plan_forward("chat", "/v1/chat/completions", b"{}", payload, prepared([5, 6, 7]))
+    plan = plan_forward("chat", "/v1/chat/completions", b"{}", prepared(payload, [5, 6, 7]))
     assert (plan.path, plan.label, plan.answer_as_chat) == ("/v1/completions", "tokens", True)
     assert json.loads(plan.body) == {
         "model": "m",
@@ -173,15 +177,15 @@ def test_what_a_token_completion_cannot_express_is_passed_through() -> None:
         ("completion", {"prompt": [1, 2]}, [1, 2], "the prompt is token ids already"),
     ]
     for kind, payload, ids, why in cases:
-        given = prepared(ids, None if kind == "completion" else "text")
-        plan = plan_forward(kind, "/v1/x", body, payload, given)
+        given = prepared(payload, ids, None if kind == "completion" else "text")
+        plan = plan_forward(kind, "/v1/x", body, given)
         assert (plan.path, plan.body, plan.answer_as_chat) == ("/v1/x", body, False)
         assert plan.label == f"passthrough ({why})"
 
 
 def test_a_text_completion_keeps_its_fields_and_gets_ids() -> None:
     payload = {"model": "m", "prompt": "Hello", "echo": True, "max_tokens": 3}
-    plan = plan_forward("completion", "/v1/completions", b"", payload, prepared([0, 9]))
+    plan = plan_forward("completion", "/v1/completions", b"", prepared(payload, [0, 9]))
     assert (plan.label, plan.answer_as_chat) == ("tokens", False)
     assert json.loads(plan.body) == {**payload, "prompt": [0, 9]}
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from app.preprocess.boundaries import BoundaryFinder, trie_pattern
-from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, compile_template
+from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate
 from app.preprocess.encoding import facts_for, gil_releasing_encoder
 from app.preprocess.l0_cache import L0Cache, entry_bytes
 from app.preprocess.l1_cache import Encode, L1Cache, check_cut_independence
@@ -120,7 +120,7 @@ def family_template(family: str) -> ChatTemplate:
     name = {"deepseek": "deepseek_v3", "chatml": "chatml", "llama3": "llama3"}[family]
     source = (SHIPPED_DIR / f"{name}.jinja").read_text()
     bos = {"deepseek": "<｜begin▁of▁sentence｜>", "llama3": "<|begin_of_text|>"}.get(family, "")  # noqa: RUF001
-    return ChatTemplate(family, compile_template(source), bos, "")
+    return ChatTemplate(family, source, bos, "")
 
 
 def l1_for(family: str, max_bytes: int = 10**7, encode: Encode | None = None) -> L1Cache:

@@ -22,11 +22,11 @@ import trio
 import trio.testing
 
 from app.config import Settings
+from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess.errors import PreprocessError
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
-from tests.fakes import GateTokenizer
+from tests.fakes import GateTokenizer, prepare
 
 
 def gated(**settings: Any) -> tuple[Preprocessor, GateTokenizer, Metrics]:
@@ -52,7 +52,7 @@ async def prepare_all(preprocessor: Preprocessor, texts: list[str]) -> list[Prep
     results: list[Prepared] = []
 
     async def one(text: str) -> None:
-        results.append(await preprocessor.prepare_completion(completion(text)))
+        results.append(await prepare(preprocessor, "completion", completion(text)))
 
     async with trio.open_nursery() as nursery:
         for text in texts:
@@ -62,20 +62,20 @@ async def prepare_all(preprocessor: Preprocessor, texts: list[str]) -> list[Prep
 
 async def test_l0_hits_complete_while_a_worker_thread_is_blocked() -> None:
     preprocessor, tokenizer, metrics = gated(tokenize_threads=1)
-    warm = await preprocessor.prepare_completion(completion("the system prompt"))
+    warm = await prepare(preprocessor, "completion", completion("the system prompt"))
     assert warm.tokenize_path == "thread"
 
     blocked: list[Prepared] = []
     async with trio.open_nursery() as nursery:
 
         async def slow() -> None:
-            blocked.append(await preprocessor.prepare_completion(completion("GATE slow")))
+            blocked.append(await prepare(preprocessor, "completion", completion("GATE slow")))
 
         nursery.start_soon(slow)
         await tokenizer.arrived()
         assert not blocked
         for _ in range(20):
-            hit = await preprocessor.prepare_completion(completion("the system prompt"))
+            hit = await prepare(preprocessor, "completion", completion("the system prompt"))
             assert hit.tokenize_path == "l0" and list(hit.token_ids or []) == list(
                 warm.token_ids or []
             )
@@ -88,9 +88,9 @@ async def test_l0_hits_complete_while_a_worker_thread_is_blocked() -> None:
 async def test_full_queue_falls_back_to_one_inline_tokenization() -> None:
     preprocessor, tokenizer, metrics = gated(tokenize_threads=1, tokenize_queue=1)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(preprocessor.prepare_completion, completion("GATE in thread"))
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE in thread"))
         await tokenizer.arrived()
-        nursery.start_soon(preprocessor.prepare_completion, completion("GATE queued"))
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE queued"))
         await trio.testing.wait_all_tasks_blocked()
         assert preprocessor.snapshot()["threads"] == {
             "total": 1,
@@ -100,7 +100,7 @@ async def test_full_queue_falls_back_to_one_inline_tokenization() -> None:
             "saturated_waiting": 0,
         }
         assert sample(metrics, "sluice_tokenize_queue_depth") == 1
-        fallback = await preprocessor.prepare_completion(completion("queue is full"))
+        fallback = await prepare(preprocessor, "completion", completion("queue is full"))
         assert fallback.tokenize_path == "fallback" and fallback.token_ids
         tokenizer.gate.set()
     assert preprocessor.snapshot()["threads"]["queued"] == 0
@@ -111,7 +111,7 @@ async def test_switching_saturation_changes_the_next_saturated_request() -> None
         tokenize_threads=1, tokenize_queue=0, saturation="bail-out"
     )
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(preprocessor.prepare_completion, completion("GATE pins the thread"))
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE pins the thread"))
         await tokenizer.arrived()
 
         # One request takes the fallback permit; the others meet it taken.
@@ -137,16 +137,16 @@ async def test_switching_saturation_changes_the_next_saturated_request() -> None
 
 async def test_a_saturated_waiter_takes_the_thread_when_it_frees_first() -> None:
     preprocessor, tokenizer, metrics = gated(tokenize_threads=1, tokenize_queue=0)
-    dispatcher = preprocessor._dispatcher
+    dispatcher = preprocessor._tokenizes
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(preprocessor.prepare_completion, completion("GATE pins the thread"))
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE pins the thread"))
         await tokenizer.arrived()
         # Stand-in for a long inline tokenization holding the permit.
         dispatcher._fallback.acquire_nowait()
         waiter: list[Prepared] = []
 
         async def wait_for_tokens() -> None:
-            waiter.append(await preprocessor.prepare_completion(completion("needs tokens")))
+            waiter.append(await prepare(preprocessor, "completion", completion("needs tokens")))
 
         nursery.start_soon(wait_for_tokens)
         await trio.testing.wait_all_tasks_blocked()
@@ -178,8 +178,8 @@ async def test_inline_mode_is_the_naive_baseline_and_marks_its_phases() -> None:
     log, phase = phase_log()
     preprocessor = Preprocessor(Settings(tokenize_mode="inline"), Metrics(), phase=phase)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    first = await preprocessor.prepare_chat(body)
-    again = await preprocessor.prepare_chat(body)
+    first = await prepare(preprocessor, "chat", body)
+    again = await prepare(preprocessor, "chat", body)
     assert first.tokenize_path == again.tokenize_path == "inline"  # no caches
     assert log == ["template", "tokenize-inline"] * 2
 
@@ -191,10 +191,10 @@ async def test_long_conversations_render_off_the_loop() -> None:
     long_turns = [
         {"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(3001)
     ]
-    await preprocessor.prepare_chat(short)
+    await prepare(preprocessor, "chat", short)
     assert log == ["template"]
-    prepared = await preprocessor.prepare_chat({"model": "m", "messages": long_turns})
-    assert log == ["template"]  # rendered in a thread: no on-loop template phase
+    prepared = await prepare(preprocessor, "chat", {"model": "m", "messages": long_turns})
+    assert log == ["template"]  # rendered in a worker process: no on-loop template phase
     assert prepared.prompt is not None and prepared.prompt.endswith("turn 3000<｜Assistant｜>")  # noqa: RUF001
 
 
@@ -205,9 +205,11 @@ async def test_fallback_marks_its_phase() -> None:
         Settings(tokenize_threads=1, tokenize_queue=0), Metrics(), tokenizer=tokenizer, phase=phase
     )
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(preprocessor.prepare_completion, completion("GATE"))
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))
         await tokenizer.arrived()
-        assert (await preprocessor.prepare_completion(completion("x"))).tokenize_path == "fallback"
+        assert (
+            await prepare(preprocessor, "completion", completion("x"))
+        ).tokenize_path == "fallback"
         tokenizer.gate.set()
     assert log == ["tokenize-fallback"]
 
@@ -216,22 +218,26 @@ async def test_context_window_is_enforced_unless_tokens_were_skipped() -> None:
     preprocessor, tokenizer, _ = gated(
         max_model_len=16, tokenize_threads=1, tokenize_queue=0, saturation="bail-out"
     )
-    ok = await preprocessor.prepare_completion({"model": "m", "prompt": "short", "max_tokens": 8})
+    ok = await prepare(
+        preprocessor, "completion", {"model": "m", "prompt": "short", "max_tokens": 8}
+    )
     assert ok.token_ids is not None and len(ok.token_ids) + 8 <= 16
-    with pytest.raises(PreprocessError) as info:
-        await preprocessor.prepare_completion({"model": "m", "prompt": "word " * 40})
+    with pytest.raises(ClientError) as info:
+        await prepare(preprocessor, "completion", {"model": "m", "prompt": "word " * 40})
     assert info.value.code == "context_length_exceeded" and "16 tokens" in info.value.message
-    with pytest.raises(PreprocessError) as info:
-        await preprocessor.prepare_completion({"model": "m", "prompt": [1] * 10, "max_tokens": 7})
+    with pytest.raises(ClientError) as info:
+        await prepare(
+            preprocessor, "completion", {"model": "m", "prompt": [1] * 10, "max_tokens": 7}
+        )
     assert info.value.param == "prompt" and "17" in info.value.message
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(preprocessor.prepare_completion, completion("GATE"))
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))
         await tokenizer.arrived()
-        preprocessor._dispatcher._fallback.acquire_nowait()  # stand-in: an inline encode running
+        preprocessor._tokenizes._fallback.acquire_nowait()  # stand-in: an inline encode running
         # Not in L0 (unlike the prompt refused above), so it needs a tokenizer: bails out.
-        bailed = await preprocessor.prepare_completion({"model": "m", "prompt": "term " * 40})
+        bailed = await prepare(preprocessor, "completion", {"model": "m", "prompt": "term " * 40})
         assert bailed.tokenize_path == "bailed_out" and bailed.estimated
         assert bailed.token_ids is None
-        preprocessor._dispatcher._fallback.release()
+        preprocessor._tokenizes._fallback.release()
         tokenizer.gate.set()

@@ -3,7 +3,7 @@
 - The HF-compatible sandbox: tojson (non-ASCII kept, indent), raise_exception, strftime_now,
   loop controls, trim_blocks/lstrip_blocks, refused attribute escapes and mutation.
 - The shipped DeepSeek-V3 template: system prompts, turns, tool calls and tool outputs.
-- Bad input, each a PreprocessError with a clear message: a template's raise_exception, a
+- Bad input, each a ClientError with a clear message: a template's raise_exception, a
   template crashing on the messages, non-text content parts, malformed content, batched and
   out-of-vocabulary completion prompts, reserved chat_template_kwargs, unpaired surrogates
   (valid JSON, invalid text), no template at all.
@@ -20,17 +20,18 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from app.config import Settings
+from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, compile_template
-from app.preprocess.errors import PreprocessError
+from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
+from tests.fakes import prepare
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # noqa: RUF001
 
 
 def template(source: str) -> ChatTemplate:
-    return ChatTemplate("test", compile_template(source), "<s>", "</s>")
+    return ChatTemplate("test", source, "<s>", "</s>")
 
 
 def render(source: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
@@ -56,26 +57,24 @@ def test_template_raise_exception_is_a_400_with_its_message() -> None:
     source = (
         "{% if messages[0].role != 'system' %}{{ raise_exception('System first!') }}{% endif %}"
     )
-    with pytest.raises(PreprocessError) as info:
+    with pytest.raises(ClientError) as info:
         render(source, USER)
     assert info.value.message == "System first!"
     assert (info.value.param, info.value.code) == ("messages", "chat_template_error")
-    assert info.value.to_body()["error"]["type"] == "invalid_request_error"
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
 
 
 def test_template_crash_and_sandbox_escapes_are_400s() -> None:
-    with pytest.raises(PreprocessError, match="TypeError"):
+    with pytest.raises(ClientError, match="TypeError"):
         render("{{ messages[0].content + 1 }}", USER)
-    with pytest.raises(PreprocessError, match="is unsafe"):
+    with pytest.raises(ClientError, match="is unsafe"):
         render("{{ messages.__class__.__subclasses__() }}", USER)
-    with pytest.raises(PreprocessError, match="is unsafe"):
+    with pytest.raises(ClientError, match="is unsafe"):
         render("{{ messages.append(1) }}", USER)
 
 
 def shipped(name: str) -> ChatTemplate:
-    return ChatTemplate(
-        name, compile_template((SHIPPED_DIR / f"{name}.jinja").read_text()), BOS, EOS
-    )
+    return ChatTemplate(name, (SHIPPED_DIR / f"{name}.jinja").read_text(), BOS, EOS)
 
 
 def test_deepseek_template_turns_and_tools() -> None:
@@ -116,10 +115,10 @@ def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 async def test_text_parts_are_flattened(preprocessor: Preprocessor) -> None:
     parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
-    prepared = await preprocessor.prepare_chat(chat({"role": "user", "content": parts}))
+    prepared = await prepare(preprocessor, "chat", chat({"role": "user", "content": parts}))
     assert prepared.prompt == f"{BOS}<｜User｜>one\ntwo<｜Assistant｜>"  # noqa: RUF001
-    plain = await preprocessor.prepare_chat(
-        chat({"role": "user", "content": "x"}, add_generation_prompt=False)
+    plain = await prepare(
+        preprocessor, "chat", chat({"role": "user", "content": "x"}, add_generation_prompt=False)
     )
     assert plain.prompt == f"{BOS}<｜User｜>x"  # noqa: RUF001
 
@@ -133,29 +132,31 @@ async def test_text_parts_are_flattened(preprocessor: Preprocessor) -> None:
             "unsupported_content",
             "'image_url' are not supported",
         ),
-        ([{"type": "text", "text": 5}], "messages[0].content[0].text", "invalid_content", "string"),
-        (42, "messages[0].content", "invalid_content", "must be a string"),
+        ([{"type": "text", "text": 5}], "messages[0].content[0].text", "invalid_type", "string"),
+        (42, "messages[0].content", "invalid_type", "must be a string"),
     ],
 )
 async def test_bad_content_is_refused(
     preprocessor: Preprocessor, content: Any, param: str, code: str, words: str
 ) -> None:
-    with pytest.raises(PreprocessError) as info:
-        await preprocessor.prepare_chat(chat({"role": "user", "content": content}))
+    with pytest.raises(ClientError) as info:
+        await prepare(preprocessor, "chat", chat({"role": "user", "content": content}))
     assert (info.value.param, info.value.code) == (param, code)
     assert words in info.value.message
 
 
 async def test_template_errors_reach_the_client(preprocessor: Preprocessor) -> None:
-    with pytest.raises(PreprocessError, match="TypeError") as info:
-        await preprocessor.prepare_chat(chat({"role": "user", "content": None}))
+    with pytest.raises(ClientError, match="TypeError") as info:
+        await prepare(preprocessor, "chat", chat({"role": "assistant", "content": None}))
     assert info.value.code == "chat_template_error"
-    with pytest.raises(PreprocessError, match="may not set"):
-        await preprocessor.prepare_chat(
-            chat({"role": "user", "content": "x"}, chat_template_kwargs={"messages": []})
+    with pytest.raises(ClientError, match="may not set"):
+        await prepare(
+            preprocessor,
+            "chat",
+            chat({"role": "user", "content": "x"}, chat_template_kwargs={"messages": []}),
         )
     kwargs = chat({"role": "user", "content": "x"}, chat_template_kwargs={"thinking": True})
-    assert (await preprocessor.prepare_chat(kwargs)).prompt is not None
+    assert (await prepare(preprocessor, "chat", kwargs)).prompt is not None
 
 
 @pytest.mark.parametrize(
@@ -163,32 +164,32 @@ async def test_template_errors_reach_the_client(preprocessor: Preprocessor) -> N
     [
         (["one", "two"], "unsupported_batch", "one prompt per request"),
         ([1, 2, 10**9], "invalid_prompt", "outside the vocabulary"),
-        ([-1], "invalid_prompt", "outside the vocabulary"),
-        ([], "invalid_prompt", "must not be empty"),
-        ({"text": "x"}, "invalid_prompt", "string or a list of token ids"),
+        ([-1], "invalid_type", "a list of token ids"),
+        ([], "invalid_type", "a list of token ids"),
+        ({"text": "x"}, "invalid_type", "a list of token ids"),
     ],
 )
 async def test_bad_completion_prompts_are_refused(
     preprocessor: Preprocessor, prompt: Any, code: str, words: str
 ) -> None:
-    with pytest.raises(PreprocessError) as info:
-        await preprocessor.prepare_completion({"model": "m", "prompt": prompt})
+    with pytest.raises(ClientError) as info:
+        await prepare(preprocessor, "completion", {"model": "m", "prompt": prompt})
     assert (info.value.param, info.value.code) == ("prompt", code)
     assert words in info.value.message
 
 
 async def test_unpaired_surrogates_are_refused(preprocessor: Preprocessor) -> None:
-    with pytest.raises(PreprocessError, match="unpaired surrogate") as info:
-        await preprocessor.prepare_completion({"model": "m", "prompt": "a\ud800b"})
+    with pytest.raises(ClientError, match="unpaired surrogate") as info:
+        await prepare(preprocessor, "completion", {"model": "m", "prompt": "a\ud800b"})
     assert info.value.code == "invalid_text"
-    with pytest.raises(PreprocessError, match="U\\+DC00"):
-        await preprocessor.prepare_chat(chat({"role": "user", "content": "\udc00"}))
+    with pytest.raises(ClientError, match="U\\+DC00"):
+        await prepare(preprocessor, "chat", chat({"role": "user", "content": "\udc00"}))
 
 
 async def test_completion_prompt_forms(preprocessor: Preprocessor) -> None:
-    given = await preprocessor.prepare_completion({"model": "m", "prompt": [[5, 6]]})
+    given = await prepare(preprocessor, "completion", {"model": "m", "prompt": [[5, 6]]})
     assert (given.tokenize_path, list(given.token_ids or [])) == ("given", [5, 6])
-    text = await preprocessor.prepare_completion({"model": "m", "prompt": ["hello"]})
+    text = await prepare(preprocessor, "completion", {"model": "m", "prompt": ["hello"]})
     assert text.prompt == "hello" and text.token_ids
 
 
@@ -196,10 +197,10 @@ async def test_no_template_means_chat_is_refused(tmp_path: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     bare = Preprocessor(Settings(tokenizer=str(tmp_path / "tokenizer.json")), Metrics())
-    with pytest.raises(PreprocessError, match="--chat-template") as info:
-        await bare.prepare_chat(chat({"role": "user", "content": "a"}))
+    with pytest.raises(ClientError, match="--chat-template") as info:
+        await prepare(bare, "chat", chat({"role": "user", "content": "a"}))
     assert info.value.code == "no_chat_template"
-    assert list((await bare.prepare_completion({"model": "m", "prompt": "a"})).token_ids or []) == [
-        1
-    ]
+    assert list(
+        (await prepare(bare, "completion", {"model": "m", "prompt": "a"})).token_ids or []
+    ) == [1]
     assert load_tokenizer(str(tmp_path / "tokenizer.json")).directory == tmp_path

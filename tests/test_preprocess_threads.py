@@ -22,6 +22,7 @@ from app.observe.metrics import Metrics
 from app.preprocess.encoding import gil_releasing_encoder
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
+from tests.fakes import prepare
 
 PROMPTS = 6
 TOKENS_EACH = 16_000
@@ -51,7 +52,7 @@ async def worst_tick_gap(preprocessor: Preprocessor, prompts: list[str]) -> tupl
             last = now
 
     async def tokenize(prompt: str) -> None:
-        prepared = await preprocessor.prepare_completion({"model": "m", "prompt": prompt})
+        prepared = await prepare(preprocessor, "completion", {"model": "m", "prompt": prompt})
         assert prepared.token_ids is not None and len(prepared.token_ids) > TOKENS_EACH // 2
         paths.append(prepared.tokenize_path)
 

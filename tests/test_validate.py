@@ -6,14 +6,15 @@ from typing import Any
 
 import pytest
 
-from app.proxy.validate import InvalidRequest, check_chat, check_completion, parse_json_object
+from app.errors import ClientError
+from app.preprocess.request_bodies import check_chat, check_completion, parse_json_object
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[1, 2]", b"\xff\xfe", b"null"])
 def test_bodies_that_are_not_json_objects(body: bytes) -> None:
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(ClientError):
         parse_json_object(body)
 
 
@@ -46,7 +47,7 @@ def test_bodies_that_are_not_json_objects(body: bytes) -> None:
 def test_chat_errors_name_the_param(change: dict[str, Any], param: str) -> None:
     body = {**CHAT, **change}
     body = {k: v for k, v in body.items() if v is not None}
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(ClientError) as info:
         check_chat(body)
     assert info.value.param == param
     assert info.value.message
@@ -79,6 +80,6 @@ def test_completion_bad_prompts(prompt: Any) -> None:
     body: dict[str, Any] = {"model": "m"}
     if prompt is not None:
         body["prompt"] = prompt
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(ClientError) as info:
         check_completion(body)
     assert info.value.param == "prompt"

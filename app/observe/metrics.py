@@ -74,6 +74,19 @@ class Metrics:
         self.tokenize_queue_depth = Gauge(
             "sluice_tokenize_queue_depth", "Requests waiting for a tokenizer thread", registry=r
         )
+        self.render_queue_depth = Gauge(
+            "sluice_render_queue_depth", "Requests waiting for a render worker process", registry=r
+        )
+        self.l0_hit_tokens = Counter(
+            "sluice_tokenizer_cache_l0_hit_tokens",
+            "Prompt tokens served by L0 hits",
+            registry=r,
+        )
+        self.l1_hit_tokens = Counter(
+            "sluice_tokenizer_cache_l1_hit_tokens",
+            "Prompt tokens served from L1's cached prefixes",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "sluice_prompt_tokens", "Prompt tokens counted per API key", ["api_key"], registry=r
         )

@@ -40,7 +40,7 @@ from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from app.preprocess.errors import PreprocessError
+from app.errors import ClientError
 from app.preprocess.tokenizer_loading import LoadedTokenizer
 
 SHIPPED_DIR = Path(__file__).parent / "chat_templates"
@@ -82,9 +82,13 @@ SHIPPED = (
 @dataclass(frozen=True)
 class ChatTemplate:
     origin: str  # where it came from, for logs and the dashboard
-    template: Template
+    source: str
     bos_token: str
     eos_token: str
+
+    @property
+    def template(self) -> Template:
+        return compile_template(self.source)
 
     def render(
         self,
@@ -95,7 +99,7 @@ class ChatTemplate:
         documents: Any = None,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt, or a PreprocessError carrying the template's own message."""
+        """The prompt, or a ClientError carrying the template's own message."""
         context = dict(extra or {})
         context.update(
             messages=messages,
@@ -108,9 +112,9 @@ class ChatTemplate:
         try:
             return self.template.render(context)
         except TemplateRaisedError as exc:
-            raise PreprocessError(str(exc), "messages", "chat_template_error") from exc
+            raise ClientError(str(exc), "messages", "chat_template_error") from exc
         except Exception as exc:  # any failure of a template on these messages is a 400
-            raise PreprocessError(
+            raise ClientError(
                 f"the chat template ({self.origin}) failed on these messages: "
                 f"{type(exc).__name__}: {exc}",
                 "messages",
@@ -162,7 +166,7 @@ def calibrate_render_cost(template: ChatTemplate) -> RenderCost:
 
     try:
         few, many = seconds(conversation(4)), seconds(conversation(68))
-    except PreprocessError:
+    except ClientError:
         return CONSERVATIVE_RENDER_COST
     return RenderCost(base=few, per_message=max(many - few, 0.0) / 64)
 
@@ -222,7 +226,7 @@ def load_chat_template(
         return None
     origin, source = found
     try:
-        template = compile_template(source)
+        compile_template(source)
     except TemplateError as exc:
         raise TemplateLoadError(f"chat template {origin} does not compile: {exc}") from exc
     family = shipped_family(added_tokens)
@@ -235,7 +239,7 @@ def load_chat_template(
 
     return ChatTemplate(
         origin=origin,
-        template=template,
+        source=source,
         bos_token=special(loaded.bos_token, family.bos_token if family else None),
         eos_token=special(loaded.eos_token, family.eos_token if family else None),
     )

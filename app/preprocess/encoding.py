@@ -9,11 +9,12 @@ vLLM does with its default `add_special_tokens=True`.
 from __future__ import annotations
 
 import functools
+import json
 from array import array
 from dataclasses import dataclass
 
-from app.preprocess.boundaries import BoundaryFinder
-from app.preprocess.errors import PreprocessError
+from app.errors import ClientError
+from app.preprocess.boundaries import BoundaryFinder, normalizer_is_identity
 from app.preprocess.l1_cache import Encode, check_cut_independence
 from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLike, TokenizerLoadError
 
@@ -47,13 +48,13 @@ def naive_encoder(tokenizer: TokenizerLike) -> Encode:
     return encode
 
 
-def _unencodable(text: str) -> PreprocessError | None:
+def _unencodable(text: str) -> ClientError | None:
     """JSON may carry lone UTF-16 surrogates ("\\ud800"); the tokenizer refuses them with a
     TypeError. That is the client's error, not ours."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as bad:
-        return PreprocessError(
+        return ClientError(
             f"the prompt contains an unpaired surrogate (U+{ord(text[bad.start]):04X} at "
             f"character {bad.start}), which is not valid Unicode text",
             None,
@@ -70,6 +71,9 @@ class TokenizerFacts:
     l1_unavailable: str | None  # ...and why
     bos_affix: tuple[int, ...]  # post-processor ids before a single sequence
     eos_affix: tuple[int, ...]  # and after it
+    # The most bytes of text one token stands for; None when the normalizer may shrink text,
+    # so that bytes bound nothing (length_gate.py).
+    max_token_bytes: int | None
 
 
 @functools.cache
@@ -93,7 +97,28 @@ def facts_for(loaded: LoadedTokenizer) -> TokenizerFacts:
         l1_unavailable=reason,
         bos_affix=bos,
         eos_affix=eos,
+        max_token_bytes=max_token_bytes(tokenizer),
     )
+
+
+def max_token_bytes(tokenizer: TokenizerLike) -> int | None:
+    """The longest token, in bytes of the text it covers.
+
+    A byte-level BPE writes each byte as one character of its vocabulary (GPT-2's byte
+    alphabet), so its entries' lengths are byte counts. Other vocabularies are measured in
+    UTF-8, which over-counts what they decode to (SentencePiece's `▁` is three bytes for one
+    space, byte-fallback `<0x41>` six for one): an upper bound, which is what the proof needs.
+    """
+    if not normalizer_is_identity(tokenizer.normalizer):
+        return None
+    decoder = tokenizer.decoder
+    byte_level = decoder is not None and json.loads(decoder.__getstate__()).get("type") == (
+        "ByteLevel"
+    )
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
+    added = (token.content for token in tokenizer.get_added_tokens_decoder().values())
+    return max([longest, *(len(content.encode()) for content in added)])
 
 
 def post_processor_affixes(tokenizer: TokenizerLike) -> tuple[tuple[int, ...], tuple[int, ...]]:

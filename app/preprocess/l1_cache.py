@@ -63,6 +63,7 @@ class _Segment(NamedTuple):
 class L1Outcome:
     ids: array[int]
     result: Result
+    cached_tokens: int = 0  # how many of the ids came from the cache (hits only)
 
 
 class L1Cache:
@@ -146,7 +147,7 @@ class L1Cache:
         with self._lock:
             self.hits += 1
             self._store(cuts, digests, reused, segments)
-        return L1Outcome(ids, "hit")
+        return L1Outcome(ids, "hit", len(ids) - len(tail) + 1)
 
     def _longest_cached_prefix(
         self, cuts: list[Boundary], digests: list[bytes]

@@ -1,15 +1,20 @@
 """The facade the proxy calls: request body in, rendered prompt and token ids out.
 
     preprocessor = Preprocessor(settings, metrics, phase=stall_monitor.phase)
-    prepared = await preprocessor.prepare_chat(body)   # or prepare_completion(body)
+    async with preprocessor.running():          # the render worker processes
+        prepared = await preprocessor.prepare("chat", body)   # or "completion"
 
-Chat templates render on the event loop when their measured cost model says the render stays
-under RENDER_ON_LOOP_BUDGET, in a thread otherwise (Jinja2 holds the GIL, but a thread yields
-it every switch interval instead of holding the loop for the whole render). Tokenization goes
-L0 (exact text, on the loop) -> the dispatcher (thread, capacity-one fallback, then the
-saturation policy), whose job consults L1 (prefix at added-token cuts) before encoding.
-`tokenize_mode="inline"` is the naive baseline kept for comparisons: no caches, no threads,
-`Tokenizer.encode` and every render on the loop.
+Where the work runs, so that none of it holds the event loop for long:
+- parse, checks and render (rendering.py): on the loop when the body is small and the render
+  is estimated under RENDER_ON_LOOP_BUDGET; otherwise in a render worker process (workers.py),
+  behind the dispatcher's queue, capacity-one fallback and saturation policy.
+- a prompt that cannot fit the context window is refused from its size, or from a counted
+  prefix, before it is tokenized whole (length_gate.py).
+- tokens: L0 (exact text, on the loop) -> the tokenizer dispatcher (worker threads calling the
+  GIL-releasing `encode_batch_fast`, capacity-one fallback, saturation policy), whose job
+  consults L1 (prefix at added-token cuts) before encoding.
+`tokenize_mode="inline"` is the naive baseline kept for comparisons: everything on the loop,
+`Tokenizer.encode` included, no caches.
 """
 
 from __future__ import annotations
@@ -18,31 +23,43 @@ import functools
 import time
 from array import array
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-import trio
+from prometheus_client import Gauge
 
 from app.config import Saturation, Settings
+from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess import request_bodies
+from app.preprocess import length_gate, request_bodies
 from app.preprocess.chat_template import calibrate_render_cost, load_chat_template
-from app.preprocess.dispatcher import Dispatcher, Phase
+from app.preprocess.dispatcher import Dispatcher, Offload, Phase
 from app.preprocess.encoding import facts_for, gil_releasing_encoder, naive_encoder
-from app.preprocess.errors import PreprocessError
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.l1_cache import L1Cache, L1Outcome
+from app.preprocess.rendering import (
+    Kind,
+    Rendered,
+    RenderSpec,
+    render_body,
+    render_payload,
+    warm_up,
+)
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
     TokenizerLike,
     load_tokenizer,
     wrap_tokenizer,
 )
+from app.preprocess.workers import ProcessPool, in_thread
 
-__all__ = ["Prepared", "PreprocessError", "Preprocessor"]
+__all__ = ["Prepared", "Preprocessor"]
 
 RENDER_ON_LOOP_BUDGET = 1e-3  # seconds a render may hold the event loop
+# Bodies parsed on the loop: json.loads takes ~0.25 ms for 64 KiB here (1.7 ms for 438 KB,
+# 22 ms for 12 MB), so anything larger is parsed where the render happens, off the loop.
+PARSE_ON_LOOP_BYTES = 64 * 1024
 # Settings bound L0 by entries and text size; this bounds its total memory (10,000 entries
 # of 64 KiB texts would otherwise reach ~1 GiB).
 L0_MAX_MEMORY_BYTES = 256 * 1024 * 1024
@@ -50,7 +67,12 @@ L0_MAX_MEMORY_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Prepared:
-    prompt: str | None  # rendered chat prompt or completion text; None for token-id prompts
+    # The request's fields but its prompt; empty when it bailed out before being parsed.
+    fields: dict[str, Any]
+    # The rendered chat prompt or completion text (only its head for a prompt that bailed out
+    # while proven too long could not be decided); None for token-id prompts and bail-outs
+    # before rendering.
+    prompt: str | None
     # None if bailed out; else an array("I") (a list for given ids): list() it for JSON.
     token_ids: Sequence[int] | None
     estimated: bool  # True when tokens were skipped (bail-out): token checks skipped
@@ -82,29 +104,52 @@ class Preprocessor:
         self._template = load_chat_template(
             settings.chat_template, loaded, self._facts.added_tokens
         )
+        self._spec = RenderSpec(self._template, self._source, self._facts.vocab_size)
         self._render_cost = calibrate_render_cost(self._template) if self._template else None
-        self._render_limiter = trio.CapacityLimiter(1)  # renders hold the GIL: one at a time
         self._encode = gil_releasing_encoder(loaded.tokenizer)
         self._naive_encode = naive_encoder(loaded.tokenizer)
         self._l0 = L0Cache(settings.l0_max_entries, L0_MAX_MEMORY_BYTES, settings.l0_max_text_bytes)
         finder = self._facts.finder
         self._l1 = L1Cache(finder, self._encode, settings.l1_max_memory) if finder else None
-        self._dispatcher: Dispatcher[L1Outcome] = Dispatcher(
-            self._tokenize_job,
-            threads=settings.tokenize_threads,
-            queue_limit=settings.tokenize_queue,
-            saturation=settings.saturation,
-            metrics=metrics,
-            phase=self._phase,
+        # Prompt tokens counted, and how many of them came from each cache, for the dashboard.
+        self._tokens = {"prompt": 0, "from_l0": 0, "from_l1": 0}
+        self._processes = ProcessPool(settings.render_workers)
+        self._renders = self._dispatcher(
+            self._processes,
+            settings.render_workers,
+            "template-fallback",
+            metrics.render_queue_depth,
         )
+        self._tokenizes = self._dispatcher(
+            in_thread, settings.tokenize_threads, "tokenize-fallback", metrics.tokenize_queue_depth
+        )
+
+    def _dispatcher(
+        self, offload: Offload, workers: int, fallback_phase: str, queue_depth: Gauge
+    ) -> Dispatcher:
+        return Dispatcher(
+            offload,
+            workers=workers,
+            queue_limit=self._settings.tokenize_queue,
+            saturation=self._settings.saturation,
+            phase=self._phase,
+            fallback_phase=fallback_phase,
+            queue_depth=queue_depth,
+            saturated=self._metrics.tokenize_saturated,
+        )
+
+    def running(self) -> AbstractAsyncContextManager[None]:
+        """The render worker processes, started (and warmed up) for as long as it is open."""
+        return self._processes.running(functools.partial(warm_up, self._spec))
 
     @property
     def saturation(self) -> Saturation:
-        return self._dispatcher.saturation
+        return self._tokenizes.saturation
 
     @saturation.setter
     def saturation(self, policy: Saturation) -> None:
-        self._dispatcher.saturation = policy
+        self._renders.saturation = policy
+        self._tokenizes.saturation = policy
 
     def encode_plain(self, text: str) -> list[int]:
         """`text`'s ids as prompts are encoded (no post-processor tokens), on the calling
@@ -116,59 +161,100 @@ class Preprocessor:
         decoder = self._tokenizer.get_added_tokens_decoder()
         return [token.content for _, token in sorted(decoder.items()) if token.special]
 
-    async def prepare_chat(
-        self, body: dict[str, Any], *, backend_max_model_len: int | None = None
+    async def prepare(
+        self, kind: Kind, body: bytes, *, backend_max_model_len: int | None = None
     ) -> Prepared:
-        if self._template is None or self._render_cost is None:
-            raise PreprocessError(
-                f"no chat template is configured for tokenizer {self._source}; the server "
-                f"must be started with --chat-template (or use /v1/completions)",
-                None,
-                "no_chat_template",
-            )
-        messages, chars = request_bodies.template_messages(body["messages"])
-        render = functools.partial(
-            self._template.render,
-            messages,
-            add_generation_prompt=request_bodies.add_generation_prompt(body),
-            tools=body.get("tools"),
-            documents=body.get("documents"),
-            extra=request_bodies.template_extras(body),
-        )
-        start = time.perf_counter()
-        estimate = self._render_cost.estimate(len(messages), chars)
-        if self._settings.tokenize_mode == "inline" or estimate <= RENDER_ON_LOOP_BUDGET:
-            with self._phase("template"):
-                prompt = render()
-        else:
-            prompt = await trio.to_thread.run_sync(render, limiter=self._render_limiter)
-        template_seconds = time.perf_counter() - start
-        self._metrics.template_seconds.observe(template_seconds)
+        """Parse, check, render and tokenize one request body; `ClientError` if it is bad.
 
-        ids, path, tokenize_seconds = await self._tokenize(prompt)
-        return self._checked(
-            Prepared(prompt, ids, ids is None, path, template_seconds, tokenize_seconds),
-            body,
-            backend_max_model_len,
-        )
-
-    async def prepare_completion(
-        self, body: dict[str, Any], *, backend_max_model_len: int | None = None
-    ) -> Prepared:
-        prompt = request_bodies.completion_prompt(body, self._facts.vocab_size)
-        if isinstance(prompt, list):
-            return self._checked(
-                Prepared(None, prompt, False, "given", 0.0, 0.0), body, backend_max_model_len
-            )
+        The context window is --max-model-len, else the backends' own `max_model_len`
+        (from /v1/models), when either is known.
+        """
+        limit = self._settings.max_model_len or backend_max_model_len
+        started = time.perf_counter()
+        rendered = await self._render(kind, body, limit)
+        template_seconds = time.perf_counter() - started
+        if rendered is None:
+            return _bailed_out({}, None, template_seconds)
+        if kind == "chat":
+            self._metrics.template_seconds.observe(template_seconds)
+        if isinstance(rendered.prompt, list):
+            prepared = Prepared(rendered.fields, None, rendered.prompt, False, "given", 0.0, 0.0)
+            return self._checked(kind, prepared, limit)
+        if limit is not None:
+            budget = limit - request_bodies.requested_completion_tokens(rendered.fields)
+            fits = await self._refuse_if_too_long(kind, body, rendered, budget, limit)
+            if fits is None:
+                return _bailed_out(rendered.fields, str(rendered.prompt), template_seconds)
+            rendered = fits
+        prompt = str(rendered.prompt)
         ids, path, tokenize_seconds = await self._tokenize(prompt)
         bos, eos = self._facts.bos_affix, self._facts.eos_affix
-        if ids is not None and (bos or eos):
+        if kind == "completion" and ids is not None and (bos or eos):
             ids = array("I", bos) + ids + array("I", eos)
-        return self._checked(
-            Prepared(prompt, ids, ids is None, path, 0.0, tokenize_seconds),
-            body,
-            backend_max_model_len,
+        prepared = Prepared(
+            rendered.fields, prompt, ids, ids is None, path, template_seconds, tokenize_seconds
         )
+        return self._checked(kind, prepared, limit)
+
+    async def _render(self, kind: Kind, body: bytes, limit: int | None) -> Rendered | None:
+        """The request parsed, checked and rendered, where that is cheapest for the loop;
+        None when the render workers are saturated and the policy is to bail out."""
+        head = None if limit is None else length_gate.head_chars(limit)
+        phase = self._phase("template") if kind == "chat" else nullcontext()
+        if self._settings.tokenize_mode == "inline":
+            with phase:
+                return render_body(kind, body, self._spec, head)
+        if len(body) <= PARSE_ON_LOOP_BYTES:
+            payload = request_bodies.parse_json_object(body)
+            if self._renders_on_loop(kind, payload, len(body)):
+                with phase:
+                    return render_payload(kind, payload, self._spec, head)
+        return await self._render_off_loop(kind, body, head)
+
+    async def _render_off_loop(self, kind: Kind, body: bytes, head: int | None) -> Rendered | None:
+        job = functools.partial(render_body, kind, body, self._spec, head)
+        try:
+            dispatched = await self._renders.run(job)
+        except RecursionError:
+            # JSON within the parser's depth can still be too deep to pickle back.
+            raise request_bodies.nested_too_deeply() from None
+        return None if dispatched is None else dispatched[0]
+
+    def _renders_on_loop(self, kind: Kind, payload: dict[str, Any], chars: int) -> bool:
+        messages = payload.get("messages")
+        if kind == "completion" or self._render_cost is None or not isinstance(messages, list):
+            return True  # nothing to render, or refused at once
+        return self._render_cost.estimate(len(messages), chars) <= RENDER_ON_LOOP_BUDGET
+
+    async def _refuse_if_too_long(
+        self, kind: Kind, body: bytes, rendered: Rendered, budget: int, limit: int
+    ) -> Rendered | None:
+        """Refuse a prompt proven longer than `budget` tokens, encoding no more of it than the
+        proof needs. Returns the whole rendered request when it may fit, None on bail-out."""
+        bound = self._facts.max_token_bytes
+        if length_gate.too_many_bytes(rendered.prompt_bytes, budget, bound):
+            assert bound is not None
+            least = length_gate.least_tokens(rendered.prompt_bytes, bound)
+            raise _too_long(kind, limit, budget, f"at least {least}")
+        text = str(rendered.prompt)
+        if length_gate.worth_proving(rendered.prompt_chars, budget):
+            proof = length_gate.PrefixCount(text, budget, truncated=not rendered.complete)
+            while not proof.exhausted and not proof.proven_too_long:
+                end = proof.next_cut()
+                chunk = text[proof.position : end]
+                counted = await self._tokenizes.run(functools.partial(self._count, chunk))
+                if counted is None:
+                    return None
+                proof.counted(end, counted[0])
+            if proof.proven_too_long:
+                raise _too_long(kind, limit, budget, f"more than {budget}")
+        if rendered.complete:
+            return rendered
+        # Long yet possibly within the window (dense text): the whole prompt is needed now.
+        return await self._render_off_loop(kind, body, None)
+
+    def _count(self, text: str) -> int:
+        return len(self._encode(text))
 
     async def _tokenize(self, text: str) -> tuple[array[int] | None, str, float]:
         start = time.perf_counter()
@@ -181,16 +267,19 @@ class Preprocessor:
             ids = self._l0.get(text)
             if ids is not None:
                 self._metrics.l0_hits.inc()
+                self._metrics.l0_hit_tokens.inc(len(ids))
+                self._tokens["from_l0"] += len(ids)
                 path = "l0"
             else:
                 self._metrics.l0_misses.inc()
-                dispatched = await self._dispatcher.run(text)
+                job = functools.partial(self._tokenize_job, text)
+                dispatched = await self._tokenizes.run(job)
                 if dispatched is None:
                     return None, "bailed_out", time.perf_counter() - start
                 outcome, where = dispatched
                 self._count_l1(outcome)
                 ids = outcome.ids
-                path = "l1" if outcome.result == "hit" else where
+                path = "l1" if outcome.result == "hit" else _PATHS[where]
                 self._l0.put(text, ids)
                 self._metrics.l0_entries.set(len(self._l0))
                 self._metrics.l0_memory_bytes.set(self._l0.memory_bytes)
@@ -213,37 +302,38 @@ class Preprocessor:
         counter = counters.get(outcome.result)
         if counter is not None:
             counter.inc()
+        self._metrics.l1_hit_tokens.inc(outcome.cached_tokens)
+        self._tokens["from_l1"] += outcome.cached_tokens
         if self._l1 is not None:
             self._metrics.l1_memory_bytes.set(self._l1.memory_bytes)
 
-    def _checked(
-        self, prepared: Prepared, body: dict[str, Any], backend_max_model_len: int | None
-    ) -> Prepared:
-        """Refuse prompts that cannot fit the context window: --max-model-len, else the
-        backends' own `max_model_len` (from /v1/models), when either is known."""
-        limit = self._settings.max_model_len or backend_max_model_len
-        if limit is None or prepared.token_ids is None:
+    def _checked(self, kind: Kind, prepared: Prepared, limit: int | None) -> Prepared:
+        """Refuse a prompt whose exact token count does not fit the context window."""
+        if prepared.token_ids is None:
             return prepared
         prompt_tokens = len(prepared.token_ids)
-        completion = request_bodies.requested_completion_tokens(body)
+        self._tokens["prompt"] += prompt_tokens
+        if limit is None:
+            return prepared
+        completion = request_bodies.requested_completion_tokens(prepared.fields)
         if prompt_tokens + completion > limit:
-            raise PreprocessError(
+            raise ClientError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {prompt_tokens + completion} tokens ({prompt_tokens} in the prompt, "
                 f"{completion} for the completion). Please reduce the length of the prompt "
                 f"or of the completion.",
-                "messages" if "messages" in body else "prompt",
+                "messages" if kind == "chat" else "prompt",
                 "context_length_exceeded",
             )
         return prepared
 
     def snapshot(self) -> dict[str, Any]:
-        """Caches, queue and policy, for the dashboard."""
-        d, l0 = self._dispatcher, self._l0
+        """Caches, queues and policy, for the dashboard."""
+        renders, tokenizes, l0 = self._renders, self._tokenizes, self._l0
         cost = self._render_cost
         return {
             "mode": self._settings.tokenize_mode,
-            "saturation": d.saturation,
+            "saturation": tokenizes.saturation,
             "tokenizer": self._source,
             "chat_template": self._template.origin if self._template else None,
             "render_on_loop": None
@@ -254,14 +344,10 @@ class Preprocessor:
                 "per_message_seconds": cost.per_message,
                 "per_char_seconds": cost.per_char,
             },
-            "threads": {
-                "total": self._settings.tokenize_threads,
-                "busy": d.threads_busy,
-                "queued": d.queued,
-                "queue_limit": d.queue_limit,
-                "saturated_waiting": d.saturated_waiting,
-            },
-            "fallback_busy": d.fallback_busy,
+            "render": _dispatcher_snapshot(renders) | {"fallback_busy": renders.fallback_busy},
+            "threads": _dispatcher_snapshot(tokenizes),
+            "fallback_busy": tokenizes.fallback_busy,
+            "tokens": dict(self._tokens),
             "l0": {
                 "entries": len(l0),
                 "memory_bytes": l0.memory_bytes,
@@ -288,6 +374,36 @@ class Preprocessor:
             "misses": l1.misses,
             "mismatches": l1.mismatches,
         }
+
+
+_PATHS = {"offloaded": "thread", "fallback": "fallback"}
+
+
+def _bailed_out(fields: dict[str, Any], prompt: str | None, template_seconds: float) -> Prepared:
+    """Saturated and told to bail out: the request goes on without tokens."""
+    return Prepared(fields, prompt, None, True, "bailed_out", template_seconds, 0.0)
+
+
+def _dispatcher_snapshot(dispatcher: Dispatcher) -> dict[str, int]:
+    return {
+        "total": dispatcher.workers,
+        "busy": dispatcher.workers_busy,
+        "queued": dispatcher.queued,
+        "queue_limit": dispatcher.queue_limit,
+        "saturated_waiting": dispatcher.saturated_waiting,
+    }
+
+
+def _too_long(kind: Kind, limit: int, budget: int, prompt_tokens: str) -> ClientError:
+    completion = limit - budget
+    where = "messages" if kind == "chat" else "prompt"
+    return ClientError(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"more than {limit} tokens ({prompt_tokens} in the {where}, {completion} for the "
+        f"completion). Please reduce the length of the {where} or of the completion.",
+        where,
+        "context_length_exceeded",
+    )
 
 
 # One LoadedTokenizer per injected object, so its startup facts are computed once. The value

@@ -1,29 +1,163 @@
-"""Turning request bodies into what templates and the tokenizer take, or a PreprocessError.
+"""The one place that reads OpenAI request bodies: parse, check the shapes, and turn them into
+what templates and the tokenizer take. Pure; every refusal is a `ClientError` naming its param.
 
-The proxy has already checked the basic shape (messages is a non-empty list of objects with
-a known string role); this module checks what only preprocessing cares about: content parts,
-tool arguments, completion prompts.
+Only what Sluice relies on is checked (shapes it reads, or that a backend would reject
+anyway); unknown fields pass through to the backend untouched. The same functions serve the
+proxy, the render worker processes (which parse large bodies off the event loop) and the
+simulated backend.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from app.preprocess.errors import PreprocessError
+from app.errors import ClientError
 
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # Keys a request's chat_template_kwargs may not override: the template's own inputs.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
 )
 
 
-def template_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """Messages with content flattened to a string (or None), and their total characters.
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    if not body:
+        raise ClientError("The request body is empty; expected a JSON object.")
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ClientError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # CPython's parser recurses once per nesting level; the interpreter's limit ends it.
+        raise nested_too_deeply() from None
+    if not isinstance(payload, dict):
+        raise ClientError("The request body must be a JSON object.")
+    return payload
 
-    Content may be a string or a list of parts; text parts are joined with newlines, as vLLM
-    does for templates that expect string content. Non-text parts (images, audio, files) are
-    refused: Sluice renders text-only prompts.
+
+def nested_too_deeply() -> ClientError:
+    """For JSON that parses but is too deep to be handled whole (pickled, re-encoded)."""
+    return ClientError("The request body is nested too deeply.", None, "nested_too_deeply")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_common(body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is None:
+        raise ClientError(
+            "you must provide a model parameter", "model", "missing_required_parameter"
+        )
+    if not isinstance(model, str):
+        raise ClientError("'model' must be a string", "model", "invalid_type")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ClientError("'stream' must be a boolean", "stream", "invalid_type")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ClientError("'stream_options' must be an object", "stream_options", "invalid_type")
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        value = body.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ClientError(f"'{name}' must be a positive integer", name, "invalid_value")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and not _is_number(value):
+            raise ClientError(f"'{name}' must be a number", name, "invalid_type")
+    stop = body.get("stop")
+    if (
+        stop is not None
+        and not isinstance(stop, str)
+        and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise ClientError("'stop' must be a string or a list of strings", "stop", "invalid_type")
+
+
+def check_chat(body: dict[str, Any]) -> None:
+    _check_common(body)
+    messages = body.get("messages")
+    if messages is None:
+        raise ClientError(
+            "you must provide a messages parameter", "messages", "missing_required_parameter"
+        )
+    if not isinstance(messages, list):
+        raise ClientError("'messages' must be an array", "messages", "invalid_type")
+    if not messages:
+        raise ClientError("'messages' must not be empty", "messages", "invalid_value")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise ClientError(f"'{where}' must be an object", where, "invalid_type")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise ClientError(f"'{where}.role' must be a string", f"{where}.role", "invalid_type")
+        if role not in ROLES:
+            raise ClientError(
+                f"'{where}.role' is {role!r}; expected one of {', '.join(sorted(ROLES))}",
+                f"{where}.role",
+                "invalid_value",
+            )
+        _check_content(message.get("content"), f"{where}.content", role)
+
+
+def _check_content(content: Any, where: str, role: str) -> None:
+    if content is None:
+        if role in ("assistant", "function"):
+            return
+        raise ClientError(f"'{where}' is required for role {role!r}", where, "invalid_value")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ClientError(f"'{where}' must be a string or an array of parts", where, "invalid_type")
+    for index, part in enumerate(content):
+        part_where = f"{where}[{index}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ClientError(
+                f"'{part_where}' must be an object with a string 'type'", part_where, "invalid_type"
+            )
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise ClientError(
+                f"'{part_where}.text' must be a string", f"{part_where}.text", "invalid_type"
+            )
+
+
+def check_completion(body: dict[str, Any]) -> None:
+    _check_common(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise ClientError(
+            "you must provide a prompt parameter", "prompt", "missing_required_parameter"
+        )
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return
+        if all(_is_int(t) and t >= 0 for t in prompt):
+            return
+        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
+            return
+    raise ClientError(
+        "'prompt' must be a string, a list of strings, a list of token ids "
+        "or a list of lists of token ids",
+        "prompt",
+        "invalid_type",
+    )
+
+
+def template_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Checked messages with content flattened to a string (or None), and their characters.
+
+    Text parts are joined with newlines, as vLLM does for templates that expect string
+    content. Other parts (images, audio, files) are refused: Sluice renders text-only prompts.
     """
     flattened = []
     chars = 0
@@ -31,36 +165,22 @@ def template_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
         content = message.get("content")
         if isinstance(content, list):
             content = _join_text_parts(content, i)
-        elif content is not None and not isinstance(content, str):
-            raise PreprocessError(
-                f"messages[{i}].content must be a string, a list of content parts or null",
-                f"messages[{i}].content",
-                "invalid_content",
-            )
         chars += len(content) if content else 0
         flattened.append({**message, "content": content})
     return flattened, chars
 
 
-def _join_text_parts(parts: list[Any], index: int) -> str:
-    texts = []
+def _join_text_parts(parts: list[dict[str, Any]], index: int) -> str:
     for j, part in enumerate(parts):
-        param = f"messages[{index}].content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise PreprocessError(
-                f"{param}: content parts of type {kind!r} are not supported; this proxy "
+        if part["type"] != "text":
+            param = f"messages[{index}].content[{j}]"
+            raise ClientError(
+                f"{param}: content parts of type {part['type']!r} are not supported; this proxy "
                 f"renders text-only prompts (use parts of type 'text')",
                 param,
                 "unsupported_content",
             )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise PreprocessError(
-                f"{param}.text must be a string", f"{param}.text", "invalid_content"
-            )
-        texts.append(text)
-    return "\n".join(texts)
+    return "\n".join(part["text"] for part in parts)
 
 
 def template_extras(body: dict[str, Any]) -> dict[str, Any]:
@@ -68,12 +188,12 @@ def template_extras(body: dict[str, Any]) -> dict[str, Any]:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
-        raise PreprocessError(
+        raise ClientError(
             "chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type"
         )
     clash = RESERVED_TEMPLATE_KWARGS.intersection(kwargs)
     if clash:
-        raise PreprocessError(
+        raise ClientError(
             f"chat_template_kwargs may not set {sorted(clash)}; pass them as request fields",
             "chat_template_kwargs",
             "invalid_value",
@@ -84,39 +204,35 @@ def template_extras(body: dict[str, Any]) -> dict[str, Any]:
 def add_generation_prompt(body: dict[str, Any]) -> bool:
     value = body.get("add_generation_prompt", True)
     if not isinstance(value, bool):
-        raise PreprocessError(
+        raise ClientError(
             "add_generation_prompt must be a boolean", "add_generation_prompt", "invalid_type"
         )
     return value
 
 
 def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
-    """The one prompt of a completions request: its text, or its token ids (checked)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    """The one prompt of a checked completions request: its text, or its token ids."""
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+    if all(_is_int(t) for t in prompt):
         return _checked_ids(prompt, vocab_size)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise PreprocessError(
-            f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
-            "prompt",
-            "unsupported_batch",
-        )
-    raise PreprocessError(
-        "prompt must be a string or a list of token ids", "prompt", "invalid_prompt"
+    raise ClientError(
+        f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
+        "prompt",
+        "unsupported_batch",
     )
 
 
 def _checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     if not ids:
-        raise PreprocessError("prompt must not be empty", "prompt", "invalid_prompt")
+        raise ClientError("prompt must not be empty", "prompt", "invalid_prompt")
     low, high = min(ids), max(ids)
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise PreprocessError(
+        raise ClientError(
             f"token id {bad} in prompt is outside the vocabulary (0..{vocab_size - 1})",
             "prompt",
             "invalid_prompt",

@@ -71,8 +71,13 @@ class TokenizerLike(Protocol):
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int: ...
 
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]: ...
+
     @property
     def normalizer(self) -> Any: ...
+
+    @property
+    def decoder(self) -> Any: ...
 
 
 @dataclass(frozen=True, eq=False)

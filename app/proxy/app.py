@@ -17,9 +17,9 @@ from typing import Any
 import trio
 
 from app.asgi import (
-    BodyTooLarge,
     ClientGone,
     Headers,
+    Message,
     Receive,
     Scope,
     Send,
@@ -27,18 +27,21 @@ from app.asgi import (
     header,
     read_body,
     send_bytes,
+    send_client_error,
     send_json,
 )
 from app.config import Settings
+from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess import Prepared, PreprocessError, Preprocessor
+from app.preprocess import Prepared, Preprocessor
+from app.preprocess.rendering import Kind
 from app.proxy.accounting import KeyLabels
 from app.proxy.errors import (
-    send_body_too_large,
-    send_invalid_request,
+    send_internal_error,
     send_method_not_allowed,
     send_no_backend,
     send_not_found,
+    send_overloaded,
     send_upstream_failure,
 )
 from app.proxy.forward import (
@@ -52,17 +55,21 @@ from app.proxy.forward import (
 )
 from app.proxy.token_forwarding import plan_forward
 from app.proxy.upstream import UpstreamPool
-from app.proxy.validate import InvalidRequest, check_chat, check_completion, parse_json_object
 from app.routing.backends import Backend, BackendPool
 from app.routing.policies import Decision, Policy, RouteRequest
 from app.routing.tokenizer_check import build_probe, check_tokenizers_at_startup
 
 log = logging.getLogger("sluice.proxy")
 
-COMPLETION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+COMPLETION_PATHS: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+}
 GET_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
 # 5xx answers that mean the backend, not the request, is in trouble.
 BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
+# How much of a body stands in for its prompt when a hash must route it unparsed (bail-out).
+ROUTE_KEY_BYTES = 4096
 
 
 @dataclass
@@ -132,8 +139,20 @@ class ProxyApp:
         if scope["type"] != "http":
             return
         self.active_requests += 1
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.dispatch(scope, receive, send)
+            await self.dispatch(scope, receive, tracked_send)
+        except Exception:
+            # A bug of ours must cost this request only, and still answer in OpenAI's shape.
+            log.exception("unexpected error while serving %s %s", scope["method"], scope["path"])
+            if not started:
+                await send_internal_error(send)
         finally:
             self.active_requests -= 1
             if not self.active_requests:
@@ -191,30 +210,21 @@ class ProxyApp:
         await send_json(send, 200, {"object": "list", "data": list(seen.values())})
 
     async def completion(
-        self, scope: Scope, receive: Receive, send: Send, path: str, kind: str
+        self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind
     ) -> None:
         timing = Timing(started=time.perf_counter())
+        # Every request counts, those waiting for a worker too: past the bound, refuse fast
+        # rather than buffer bodies without end.
+        if self.active_requests > self.settings.max_connections:
+            await send_overloaded(send, self.settings.max_connections)
+            return
         try:
             body = await read_body(receive, self.settings.max_body_bytes)
-        except BodyTooLarge:
-            await send_body_too_large(send, self.settings.max_body_bytes)
+            prepared = await self.prepare(kind, body)
+        except ClientError as exc:
+            await send_client_error(send, exc)
             return
         except ClientGone:
-            return
-        try:
-            payload = parse_json_object(body)
-            if kind == "chat":
-                check_chat(payload)
-            else:
-                check_completion(payload)
-        except InvalidRequest as exc:
-            await send_invalid_request(send, exc.message, exc.param, exc.code)
-            return
-
-        try:
-            prepared = await self.prepare(kind, payload)
-        except PreprocessError as exc:
-            await send_invalid_request(send, exc.message, exc.param, exc.code)
             return
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
@@ -224,11 +234,12 @@ class ProxyApp:
 
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
         headers = upstream_headers(scope["headers"], request_id)
-        route_request = RouteRequest(token_ids=prepared.token_ids, text=prepared.prompt)
+        route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
+        route_request = RouteRequest(token_ids=prepared.token_ids, text=route_key)
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
         as_chat = False
         if self.forward_tokens:
-            plan = plan_forward(kind, path, body, payload, prepared)
+            plan = plan_forward(kind, path, body, prepared)
             path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
             extra_headers.append((b"x-sluice-forward", plan.label.encode()))
 
@@ -319,17 +330,16 @@ class ProxyApp:
             else:
                 self.pool.request_failed(backend, trio.current_time(), broken)
 
-    async def prepare(self, kind: str, payload: dict[str, Any]) -> Prepared:
-        """Render and tokenize; the context window is the smallest any healthy backend has."""
+    async def prepare(self, kind: Kind, body: bytes) -> Prepared:
+        """Parse, render and tokenize; the context window is the smallest any healthy
+        backend has."""
         limits = [
             b.max_model_len
             for b in self.pool.available(trio.current_time())
             if b.max_model_len is not None
         ]
         limit = min(limits) if limits else None
-        if kind == "chat":
-            return await self.preprocessor.prepare_chat(payload, backend_max_model_len=limit)
-        return await self.preprocessor.prepare_completion(payload, backend_max_model_len=limit)
+        return await self.preprocessor.prepare(kind, body, backend_max_model_len=limit)
 
 
 def _prompt_tokens_header(prepared: Prepared) -> bytes:

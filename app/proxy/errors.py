@@ -1,4 +1,6 @@
-"""The proxy's own error answers, OpenAI-shaped: `{"error": {message, type, param, code}}`."""
+"""The proxy's own error answers that no request check raises: unknown paths, overload, no
+backend, a failed backend, a bug of ours. All OpenAI-shaped (app/errors.py); the 4xx that
+request checks raise travel as `ClientError` instead."""
 
 from __future__ import annotations
 
@@ -7,23 +9,6 @@ from app.proxy.forward import UpstreamFailure
 from app.proxy.token_forwarding import no_verified_backend_message
 
 RETRY_AFTER_SECONDS = b"2"
-
-
-async def send_invalid_request(
-    send: Send, message: str, param: str | None, code: str | None
-) -> None:
-    await send_error(send, 400, message, "invalid_request_error", param, code)
-
-
-async def send_body_too_large(send: Send, limit: int) -> None:
-    await send_error(
-        send,
-        413,
-        f"The request body is larger than {limit} bytes.",
-        "invalid_request_error",
-        None,
-        "request_too_large",
-    )
 
 
 async def send_not_found(send: Send, path: str) -> None:
@@ -55,6 +40,29 @@ async def send_no_backend(send: Send, tokenizer_refusals: dict[str, str]) -> Non
         None,
         code,
         headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
+    )
+
+
+async def send_overloaded(send: Send, limit: int) -> None:
+    await send_error(
+        send,
+        503,
+        f"The proxy is serving its maximum of {limit} requests; try again shortly.",
+        "service_unavailable",
+        None,
+        "overloaded",
+        headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
+    )
+
+
+async def send_internal_error(send: Send) -> None:
+    await send_error(
+        send,
+        500,
+        "The proxy failed while handling this request; the error is in its log.",
+        "internal_error",
+        None,
+        "internal_error",
     )
 
 

@@ -14,6 +14,7 @@ logprobs, any field not known to be safe to carry or drop).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,15 +77,24 @@ class ForwardPlan:
     answer_as_chat: bool  # the backend answers a completion; the client asked for chat
 
 
-def plan_forward(
-    kind: str, path: str, body: bytes, payload: dict[str, Any], prepared: Prepared
-) -> ForwardPlan:
+def plan_forward(kind: str, path: str, body: bytes, prepared: Prepared) -> ForwardPlan:
+    """What to send for one request; `prepared.fields` are its fields but the prompt's."""
     ids = prepared.token_ids
+    payload = prepared.fields
     if ids is None or prepared.estimated:
         return _passthrough(path, body, "no token ids: tokenization was skipped")
+    if kind == "completion" and prepared.prompt is None:
+        return _passthrough(path, body, "the prompt is token ids already")
+    try:
+        return _token_plan(kind, path, body, payload, ids)
+    except RecursionError:
+        return _passthrough(path, body, "fields nested too deeply to encode again")
+
+
+def _token_plan(
+    kind: str, path: str, body: bytes, payload: dict[str, Any], ids: Sequence[int]
+) -> ForwardPlan:
     if kind == "completion":
-        if prepared.prompt is None:
-            return _passthrough(path, body, "the prompt is token ids already")
         return ForwardPlan(path, _dumps({**payload, "prompt": list(ids)}), "tokens", False)
     unexpressible = [
         key

@@ -1,18 +1,18 @@
 """OpenAI request parsing and response shapes, as vLLM's OpenAI server produces them.
 
 No I/O: bodies come in as bytes and responses leave as dicts, so every shape is testable
-without a server. Invalid requests raise `RequestError`, which the server turns into an
-OpenAI-shaped error body.
+without a server. Invalid requests raise `ClientError` (app/errors.py) with vLLM's error
+type and code, which the server turns into an OpenAI-shaped error body.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from app.errors import ClientError
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, render_chat
 
@@ -22,22 +22,16 @@ Kind = Literal["chat", "completion"]
 PromptForm = Literal["messages", "text", "token_ids"]
 
 
-class RequestError(Exception):
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type_: str = "BadRequestError",
-        param: str | None = None,
-        code: str | int | None = 400,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type_ = type_
-        self.param = param
-        self.code = code
+def request_error(
+    message: str,
+    *,
+    status: int = 400,
+    type_: str = "BadRequestError",
+    param: str | None = None,
+    code: str | int | None = 400,
+) -> ClientError:
+    """An error as vLLM's OpenAI server shapes it: its exception name as type, status as code."""
+    return ClientError(message, param, code, status=status, type_=type_)
 
 
 @dataclass(frozen=True)
@@ -52,27 +46,17 @@ class GenerationRequest:
     include_usage: bool
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"Invalid JSON in request body: {exc}") from None
-    if not isinstance(payload, dict):
-        raise RequestError("The request body must be a JSON object")
-    return payload
-
-
 def chat_prompt_text(payload: dict[str, Any]) -> str:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError("`messages` must be a non-empty list", param="messages")
+        raise request_error("`messages` must be a non-empty list", param="messages")
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError("every message needs a string `role`", param="messages")
+            raise request_error("every message needs a string `role`", param="messages")
     try:
         return render_chat(messages)
     except ValueError as exc:
-        raise RequestError(str(exc), param="messages") from None
+        raise request_error(str(exc), param="messages") from None
 
 
 def completion_prompt_tokens(
@@ -87,9 +71,9 @@ def completion_prompt_tokens(
     if isinstance(prompt, list) and prompt and all(_is_int(token) for token in prompt):
         out_of_range = [token for token in prompt if not 0 <= token < tokenizer.vocab_size]
         if out_of_range:
-            raise RequestError(f"Token id {out_of_range[0]} is out of vocabulary", param="prompt")
+            raise request_error(f"Token id {out_of_range[0]} is out of vocabulary", param="prompt")
         return list(prompt), "token_ids"
-    raise RequestError(
+    raise request_error(
         "`prompt` must be a string, a list of one string, or a non-empty list of token ids",
         param="prompt",
     )
@@ -112,7 +96,7 @@ def parse_generation(
     requested = len(prompt) + output_tokens
     if requested > settings.max_model_len:
         where = "messages" if kind == "chat" else "prompt"
-        raise RequestError(
+        raise request_error(
             f"This model's maximum context length is {settings.max_model_len} tokens. "
             f"However, you requested {requested} tokens ({len(prompt)} in the {where}, "
             f"{output_tokens} in the completion). "
@@ -124,7 +108,7 @@ def parse_generation(
     stream = payload.get("stream", False)
     options = payload.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise RequestError("`stream` must be a boolean and `stream_options` an object")
+        raise request_error("`stream` must be a boolean and `stream_options` an object")
     return GenerationRequest(
         kind=kind,
         prompt_tokens=prompt,
@@ -221,5 +205,5 @@ def _optional_positive_int(payload: dict[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < 1:
-        raise RequestError(f"`{key}` must be a positive integer", param=key)
+        raise request_error(f"`{key}` must be a positive integer", param=key)
     return int(value)

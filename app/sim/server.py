@@ -18,7 +18,6 @@ import trio
 from hypercorn.trio import serve
 
 from app.asgi import (
-    BodyTooLarge,
     ClientGone,
     Receive,
     Scope,
@@ -26,10 +25,13 @@ from app.asgi import (
     answer_lifespan,
     read_body,
     send_bytes,
+    send_client_error,
     send_error,
     send_json,
     server_config,
 )
+from app.errors import ClientError
+from app.preprocess.request_bodies import parse_json_object
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole, cancelled_on_disconnect
@@ -37,11 +39,10 @@ from app.sim.metrics import SimMetrics
 from app.sim.openai_format import (
     Kind,
     PromptForm,
-    RequestError,
     ResponseShapes,
     chat_prompt_text,
     parse_generation,
-    parse_json_object,
+    request_error,
 )
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, generated_pieces, sim_tokenizer
@@ -110,12 +111,8 @@ class SimServer:
             return
         try:
             await handler(receive, send)
-        except RequestError as exc:
-            await send_error(send, exc.status, exc.message, exc.type_, exc.param, exc.code)
-        except BodyTooLarge:
-            await send_error(
-                send, 413, f"Request body over {MAX_BODY_BYTES} bytes", "BadRequestError", code=413
-            )
+        except ClientError as exc:
+            await send_client_error(send, exc)
         except ClientGone:
             pass
 
@@ -128,7 +125,7 @@ class SimServer:
         request = parse_generation(kind, parse_json_object(body), self.tokenizer, self.settings)
         self.prompts_by_form[request.prompt_form] += 1
         if self.faults.draw_error():
-            raise RequestError(
+            raise request_error(
                 "Simulated internal server error",
                 status=500,
                 type_="InternalServerError",
@@ -172,7 +169,7 @@ class SimServer:
         elif isinstance(payload.get("prompt"), str):
             text = payload["prompt"]
         else:
-            raise RequestError("send a string `prompt` or a list of `messages`", param="prompt")
+            raise request_error("send a string `prompt` or a list of `messages`", param="prompt")
         tokens = self.tokenizer.encode(text)
         await send_json(
             send,
@@ -190,7 +187,7 @@ class SimServer:
         try:
             self.faults.update(payload)
         except ValueError as exc:
-            raise RequestError(str(exc)) from None
+            raise request_error(str(exc)) from None
         await send_json(send, 200, self.faults.as_dict())
 
     async def _state(self, receive: Receive, send: Send) -> None:
