@@ -35,6 +35,8 @@ HELP: dict[str, str] = {
     "stall_instrument": "time every task step to find stalls (small cost per step)",
     "admin_token": "bearer token required by PUT /api/policy (default: none required)",
     "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
+    "backlog": "connections the kernel may queue before they are accepted",
+    "max_connections": "completion requests in flight; more get a fast 503 with Retry-After",
     "render_workers": "worker processes that parse and render large requests (default: one "
     "fewer than the CPU count, min 1)",
     "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "
@@ -114,7 +116,11 @@ def _resolve(
     file_values: dict[str, Any],
     values: dict[str, Any] | None = None,
 ) -> Any:
-    """Build `cls` from `values`, then flags, SLUICE_* variables, the TOML file, defaults."""
+    """Build `cls` from `values`, then flags, SLUICE_* variables, the TOML file, defaults.
+
+    Environment and file values go through the same conversion and checks as flags (a file's
+    `port = "eighty"` or `policy = "fastest"` stops with the same message a flag would get).
+    """
     hints = _field_types(cls)
     values = dict(values or {})
     unknown = set(file_values) - {f.name for f in dataclasses.fields(cls)} - {"backend"}
@@ -125,28 +131,37 @@ def _resolve(
         if f.name in values:
             continue
         from_flag = getattr(args, f.name, None)
-        env = os.environ.get("SLUICE_" + f.name.upper())
+        env_name = "SLUICE_" + f.name.upper()
+        env = os.environ.get(env_name)
         if from_flag is not None:
             values[f.name] = from_flag
         elif typing.get_origin(tp) is tuple:
             continue
         elif env is not None:
-            conv, choices = _converter(tp)
-            try:
-                value = conv(env)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                raise SystemExit(f"sluice: SLUICE_{f.name.upper()}: {exc}") from None
-            if choices is not None and value not in choices:
-                raise SystemExit(
-                    f"sluice: SLUICE_{f.name.upper()} must be one of {', '.join(choices)}"
-                )
-            values[f.name] = value
+            values[f.name] = _convert(env_name, tp, env)
         elif f.name in file_values:
-            values[f.name] = file_values[f.name]
+            values[f.name] = _convert(f"--config key {f.name}", tp, file_values[f.name])
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"sluice: {exc}") from None
+
+
+def _convert(where: str, tp: Any, raw: Any) -> Any:
+    """`raw` (an environment string, or a TOML value) as a flag of type `tp` would parse it."""
+    if isinstance(raw, list | dict):
+        raise SystemExit(f"sluice: {where}: expected a single value, got {raw!r}")
+    conv, choices = _converter(tp)
+    try:
+        value = conv(raw if isinstance(raw, str) else str(raw))
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"sluice: {where}: {exc}") from None
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(conv, "a string")
+        raise SystemExit(f"sluice: {where}: expected {kind}, got {raw!r}") from None
+    if choices is not None and value not in choices:
+        raise SystemExit(f"sluice: {where} must be one of {', '.join(choices)}, not {raw!r}")
+    return value
 
 
 def _backends(args: argparse.Namespace, file_values: dict[str, Any]) -> tuple[str, ...]:
@@ -158,7 +173,9 @@ def _backends(args: argparse.Namespace, file_values: dict[str, Any]) -> tuple[st
     listed = file_values.get("backends", file_values.get("backend", ()))
     if isinstance(listed, str):
         listed = [listed]
-    return tuple(str(url) for url in listed)
+    if not isinstance(listed, list) or not all(isinstance(url, str) for url in listed):
+        raise SystemExit("sluice: --config key backends must be a list of URLs")
+    return tuple(listed)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,7 +37,8 @@ class Settings:
     first_byte_timeout: float = 300.0
     idle_timeout: float = 60.0
     max_body_bytes: int = 16 * 1024 * 1024
-    max_connections: int = 1024
+    max_connections: int = 1024  # requests in flight; past it a fast 503
+    backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
     shutdown_grace: float = 10.0
 
     # Preprocessing.
@@ -75,6 +76,7 @@ class Settings:
             "breaker_failures",
             "max_connections",
             "max_body_bytes",
+            "backlog",
         )
         for name in at_least_one:
             if getattr(self, name) < 1:

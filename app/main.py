@@ -106,7 +106,9 @@ class Sluice:
                 proxy_urls = await servers.start(
                     _serve,
                     proxy,
-                    server_config(settings.host, settings.port, settings.shutdown_grace),
+                    server_config(
+                        settings.host, settings.port, settings.shutdown_grace, settings.backlog
+                    ),
                     self.shutdown.wait,
                 )
                 dashboard_urls = await servers.start(

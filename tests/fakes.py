@@ -28,6 +28,7 @@ class GateTokenizer:
     def __init__(self, real: TokenizerLike) -> None:
         self._real = real
         self.gate = threading.Event()
+        self.encoded_chars = 0  # characters given to encode_batch_fast, all calls together
         self._arrivals = threading.Semaphore(0)  # one release per GATE text at the gate
 
     def encode(
@@ -42,6 +43,7 @@ class GateTokenizer:
     def encode_batch_fast(
         self, input: Sequence[Any], is_pretokenized: bool = False, add_special_tokens: bool = True
     ) -> Sequence[EncodingLike]:
+        self.encoded_chars += sum(len(text) for text in input)
         if any("GATE" in text for text in input):
             self._arrivals.release()
             assert self.gate.wait(timeout=10), "the test never opened the gate"

@@ -75,3 +75,39 @@ def test_demo_needs_no_flags() -> None:
 def test_only_http_backends_are_accepted() -> None:
     with pytest.raises(SystemExit, match="only http://"):
         parse(["serve", "--backend", "https://gpu:8000"])
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ('port = "eighty"', "expected an integer, got 'eighty'"),
+        ('saturation = "drop"', "must be one of wait, bail-out"),
+        ("tokenize_mode = 3", "must be one of offload, inline"),
+        ("stall_instrument = 2", "expected true or false"),
+        ("port = 80.5", "expected an integer, got 80.5"),
+        ("host = [1, 2]", "expected a single value"),
+        ('backends = "http://a:1"', None),  # a single URL is a list of one
+        ("backends = [1]", "list of URLs"),
+        ("tokenize_threads = 0", "at least 1"),
+    ],
+)
+def test_the_config_file_gets_the_checks_flags_get(
+    tmp_path: Path, line: str, words: str | None
+) -> None:
+    config = tmp_path / "sluice.toml"
+    config.write_text(line + "\n")
+    if words is None:
+        _, settings = parse(["serve", "--config", str(config)])
+        assert isinstance(settings, Settings) and settings.backends == ("http://a:1",)
+        return
+    backend = [] if line.startswith("backends") else ["--backend", "http://a"]
+    with pytest.raises(SystemExit, match=words):
+        parse(["serve", *backend, "--config", str(config)])
+
+
+def test_typed_config_values_are_taken(tmp_path: Path) -> None:
+    config = tmp_path / "sluice.toml"
+    config.write_text("port = 8080\nstall_instrument = false\nidle_timeout = 5\n")
+    _, settings = parse(["serve", "--backend", "http://a", "--config", str(config)])
+    assert isinstance(settings, Settings)
+    assert (settings.port, settings.stall_instrument, settings.idle_timeout) == (8080, False, 5.0)

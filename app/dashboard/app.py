@@ -13,7 +13,15 @@ from quart_trio import QuartTrio
 
 from app.config import Saturation
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+
+def asset_folder(name: str) -> Path:
+    """`templates` or `static`: inside the package once installed from a wheel, at the top
+    of the repository in a checkout (and an editable install)."""
+    installed = HERE / name
+    return installed if installed.is_dir() else HERE.parents[1] / name
+
 EVENT_INTERVAL_SECONDS = 1.0
 
 Snapshot = Callable[[], dict[str, Any]]
@@ -31,8 +39,8 @@ def create_dashboard(
 ) -> QuartTrio:
     app = QuartTrio(
         __name__,
-        template_folder=str(ROOT / "templates"),
-        static_folder=str(ROOT / "static"),
+        template_folder=str(asset_folder("templates")),
+        static_folder=str(asset_folder("static")),
     )
 
     @app.get("/")

@@ -8,8 +8,9 @@ Two proofs, cheapest first:
    holds only when the tokenizer's normalizer cannot shrink the text (none, or an empty
    sequence, as the bundled DeepSeek tokenizer has); otherwise the bound is not used.
 2. A counted prefix. Tokens of consecutive chunks add up to the tokens of the text, up to
-   what a cut can change: chunks are cut just before a space or newline, where every
-   common pre-tokenizer splits anyway, so a cut changes at most a few tokens (`CUT_SLACK`).
+   what a cut can change: chunks are cut where a word ends, just before a space or newline,
+   where every common pre-tokenizer splits anyway, so a cut changes at most a few tokens
+   (`CUT_SLACK`). A text with no such place is counted whole.
    Once the chunks counted so far hold more than `budget + slack` tokens, the prompt cannot
    fit, and the rest of it is never encoded. The first chunk is `budget` characters (text
    denser than a character a token proves itself there); each next one is sized from the
@@ -21,12 +22,16 @@ A prompt short enough that encoding it whole costs little more than the proof wo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # English runs ~4 characters a token in the DeepSeek and Llama vocabularies, code ~3, CJK ~1.5.
 TYPICAL_CHARS_PER_TOKEN = 4
-# Tokens a whitespace cut may move between the two sides; more if no whitespace was near.
-CUT_SLACK = 4
+# Tokens a cut may add: a cut where a word ends splits no word, but may split a run of
+# whitespace or an added token that holds a space (rare) into a few more tokens.
+CUT_SLACK = 32
+# A non-space character followed by a space or newline: the cut goes between them.
+_WORD_END_BEFORE = re.compile(r"(?<=\S)(?=[ \n])")
 # Where to look back from the wanted cut for whitespace.
 CUT_SEARCH_CHARS = 1024
 # The smallest chunk worth a trip to a worker thread.
@@ -54,14 +59,18 @@ def least_tokens(prompt_bytes: int, max_token_bytes: int) -> int:
 
 
 def cut_before_whitespace(text: str, start: int, wanted: int) -> int:
-    """A cut in (start, len(text)] near `start + wanted`, just before whitespace if any is
-    within CUT_SEARCH_CHARS before it."""
+    """A cut in (start, len(text)] near `start + wanted`, where a space or newline follows a
+    non-space: the nearest such place at or before the wanted one (within CUT_SEARCH_CHARS),
+    else the first one after it, else the end of the text. Never inside a word."""
     target = min(len(text), start + max(wanted, 1))
     if target == len(text):
         return target
     low = max(start + 1, target - CUT_SEARCH_CHARS)
-    found = max(text.rfind(" ", low, target + 1), text.rfind("\n", low, target + 1))
-    return found if found > start else target
+    before = list(_WORD_END_BEFORE.finditer(text, low, target + 1))
+    if before:
+        return before[-1].end()
+    after = _WORD_END_BEFORE.search(text, target)
+    return after.end() if after is not None else len(text)
 
 
 @dataclass
@@ -71,6 +80,7 @@ class PrefixCount:
     text: str
     budget: int
     truncated: bool  # `text` is the head of a longer prompt, cut before whitespace
+    min_chunk: int = MIN_CHUNK_CHARS
     position: int = 0
     tokens: int = 0
     cuts: int = 0
@@ -94,7 +104,7 @@ class PrefixCount:
             chars_per_token = self.position / self.tokens
             missing = self.budget + self.slack + CUT_SLACK + 1 - self.tokens
             wanted = int(missing * chars_per_token * OVERSHOOT)
-        return cut_before_whitespace(self.text, self.position, max(wanted, MIN_CHUNK_CHARS))
+        return cut_before_whitespace(self.text, self.position, max(wanted, self.min_chunk))
 
     def counted(self, end: int, tokens: int) -> None:
         """The chunk text[position:end] held `tokens` tokens."""

@@ -95,10 +95,10 @@ def _text_prompt(
     # Lone surrogates (valid JSON, invalid Unicode) count three bytes; the tokenizer refuses
     # them later with a clear message.
     size = len(prompt.encode("utf-8", "surrogatepass"))
-    if head_chars is None or len(prompt) <= head_chars:
+    cut = len(prompt) if head_chars is None else cut_before_whitespace(prompt, 0, head_chars)
+    if cut == len(prompt):
         return Rendered(fields, prompt, len(prompt), size, True, messages, template_seconds)
-    head = prompt[: cut_before_whitespace(prompt, 0, head_chars)]
-    return Rendered(fields, head, len(prompt), size, False, messages, template_seconds)
+    return Rendered(fields, prompt[:cut], len(prompt), size, False, messages, template_seconds)
 
 
 def warm_up(spec: RenderSpec) -> None:

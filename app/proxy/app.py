@@ -117,6 +117,7 @@ class ProxyApp:
         self.metrics = metrics
         self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
         self.active_requests = 0
+        self.active_completions = 0  # what --max-connections bounds
         self._idle = trio.Event()
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
@@ -166,7 +167,15 @@ class ProxyApp:
             if method != "POST":
                 await send_method_not_allowed(send, b"POST")
                 return
-            await self.completion(scope, receive, send, path, kind)
+            if self.active_completions >= self.settings.max_connections:
+                # Refused before reading the body: past the bound, memory stays flat.
+                await send_overloaded(send, self.settings.max_connections)
+                return
+            self.active_completions += 1
+            try:
+                await self.completion(scope, receive, send, path, kind)
+            finally:
+                self.active_completions -= 1
             return
         if path in GET_PATHS:
             if method not in ("GET", "HEAD"):
@@ -213,11 +222,6 @@ class ProxyApp:
         self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind
     ) -> None:
         timing = Timing(started=time.perf_counter())
-        # Every request counts, those waiting for a worker too: past the bound, refuse fast
-        # rather than buffer bodies without end.
-        if self.active_requests > self.settings.max_connections:
-            await send_overloaded(send, self.settings.max_connections)
-            return
         try:
             body = await read_body(receive, self.settings.max_body_bytes)
             prepared = await self.prepare(kind, body)

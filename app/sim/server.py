@@ -227,7 +227,7 @@ async def serve_sim(
     """
     # Hypercorn's ASGI types are TypedDicts; the shared helpers use plain mappings.
     asgi_app: Any = app or create_sim_app(settings)
-    config = server_config(settings.host, settings.port)
+    config = server_config(settings.host, settings.port, backlog=settings.backlog)
     async with trio.open_nursery() as nursery:
         urls: list[str] = await nursery.start(partial(serve, asgi_app, config, mode="asgi"))
         task_status.started(urls[0])

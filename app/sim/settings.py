@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class SimSettings:
     host: str = "127.0.0.1"
     port: int = 9000
+    backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
     model: str = "deepseek-ai/DeepSeek-V4-sim"
     max_model_len: int = 131072
     # What /tokenize and prompt counting use: "words" (the stand-in, one id a word),
