@@ -8,6 +8,7 @@ then cancel everything and exit 0. A second signal cancels at once.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -117,6 +118,10 @@ class Sluice:
                     server_config(settings.dashboard_host, settings.dashboard_port, 1.0),
                     self.shutdown.wait,
                 )
+                # Everything loaded so far (modules, the tokenizer's tables, the template) lives
+                # as long as the process: out of the collector's sight, a full collection no
+                # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).
+                gc.freeze()
                 task_status.started((proxy_urls[0], dashboard_urls[0]))
                 await self.shutdown.wait()
                 # Hypercorn has stopped accepting; idle keep-alive connections would hold

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from load import bench_preprocess, burst, detector_cost, overhead
+from load import bench_preprocess, burst, detector_cost, hardening, overhead
 
 
 def main() -> None:
@@ -22,6 +22,9 @@ def main() -> None:
         sub.add_parser("detector-cost", help="proxy throughput with the stall timer on vs off")
     )
     sub.add_parser("preprocess", help="tokenizer cache, template and loop micro-benchmarks")
+    hardening.add_arguments(
+        sub.add_parser("hardening", help="long chats, a 12 MB prompt, 1,000 streams: the loop")
+    )
     args = parser.parse_args()
     if args.benchmark == "overhead":
         overhead.main(args)
@@ -31,6 +34,8 @@ def main() -> None:
         detector_cost.main(args)
     elif args.benchmark == "preprocess":
         bench_preprocess.main()
+    elif args.benchmark == "hardening":
+        hardening.main(args)
 
 
 main()

@@ -180,7 +180,7 @@ class Preprocessor:
         if isinstance(rendered.prompt, list):
             prepared = Prepared(rendered.fields, None, rendered.prompt, False, "given", 0.0, 0.0)
             return self._checked(kind, prepared, limit)
-        if limit is not None:
+        if limit is not None and self._settings.tokenize_mode != "inline":
             budget = limit - request_bodies.requested_completion_tokens(rendered.fields)
             fits = await self._refuse_if_too_long(kind, body, rendered, budget, limit)
             if fits is None:
