@@ -64,7 +64,7 @@ log = logging.getLogger("sluice.stalls")
 PROBE_INTERVAL_S = 0.005
 RECENT_LAG_WINDOW_S = 10.0
 # After an I/O wait the clocks are sampled only if the last sample is older than this: the
-# cost stays under ~3 µs a millisecond however often the loop waits, and a stall's window
+# cost stays under ~4 µs a millisecond however often the loop waits, and a stall's window
 # starts at most this much before the stall (stall_causes.py).
 MARK_MIN_AGE_S = 0.001
 # The other threads' run delays (a pread each) are read at the end of every stall, and in
