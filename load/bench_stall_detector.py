@@ -3,7 +3,7 @@
     .venv/bin/python -m load.bench_stall_detector [--tasks 100] [--steps 2000] [--repeats 7]
 
 1. Per task step: a trio.run of `--tasks` tasks that each take `--steps` bare steps
-   (`await trio.sleep(0)`), with no monitor, with the monitor's probe only (instrument off)
+   (`trio.lowlevel.checkpoint()`), with no monitor, with the monitor's probe only (instrument off)
    and with probe and instrument, interleaved so drift hits every variant alike. Reports the
    median time per step and the instrument's cost per step.
 2. Per probe tick: re-arming the stack alarm, called once per probe interval as the probe
