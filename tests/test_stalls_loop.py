@@ -312,7 +312,8 @@ async def test_repeated_stall_is_one_record_and_only_five_reports_a_minute(
     assert stall_in(monitor, "block_for_30ms")["count"] == 7
     reports = [log.getMessage() for log in caplog.records if log.name == "sluice.stalls"]
     assert len(reports) == 5
-    assert "block_for_30ms" in reports[0]
+    # The OS may preempt the probe on a busy machine, and that stall is reported too.
+    assert sum("block_for_30ms" in report for report in reports) >= 4
 
 
 async def test_snapshot_is_json_with_lag_and_stall_histograms(monitor: LoopMonitor) -> None:
