@@ -22,7 +22,7 @@ process, which Linux delivers to the main thread only while that thread "wants" 
 need not even run on the main thread. Why not block SIGALRM in every other thread instead:
 threads created later (trio's thread cache, threads a Rust or C library starts) inherit
 whatever mask their creator had. Why not `faulthandler.dump_traceback_later`: re-arming it
-joins its watchdog thread and starts a new one, 80-155 µs a tick and up to 14 ms when the
+joins its watchdog thread and starts a new one, 80-180 µs a tick and up to 14 ms when the
 cores are oversubscribed. Re-arm costs side by side: load/bench_stall_detector.py.
 
 The costs of a signal: the alarm interrupts whatever system call the loop thread is in
