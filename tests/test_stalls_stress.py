@@ -11,7 +11,7 @@ forced stall must have fired the alarm; every stack captured must be the loop th
 Jinja2 frame, which only worker threads run), and the forced stalls' own stacks must name
 the function that stalled.
 
-Slow (about 30-60 s on 2 cores), but part of the default run.
+Marked slow (5-10 s on 2 cores, a child process), but part of the default run.
 """
 
 from __future__ import annotations
