@@ -3,12 +3,16 @@
     .venv/bin/python -m load.bench_stall_detector [--tasks 100] [--steps 2000] [--repeats 7]
 
 1. Per task step: a trio.run of `--tasks` tasks that each take `--steps` bare steps
-   (`await trio.sleep(0)`), with no monitor, with the monitor's probe only (instrument off)
+   (`trio.lowlevel.checkpoint()`), with no monitor, with the monitor's probe only (instrument off)
    and with probe and instrument, interleaved so drift hits every variant alike. Reports the
    median time per step and the instrument's cost per step.
-2. Per probe tick: re-arming the stack alarm (`signal.setitimer`, what the monitor does)
-   against `faulthandler.dump_traceback_later` (the alternative it rejected), called once
-   per probe interval as the probe does, and the share of the loop's time that costs.
+2. Per probe tick: re-arming the stack alarm, called once per probe interval as the probe
+   does, between idle waits (`time.sleep`) and between busy spells (Python work), side by
+   side: the thread-directed POSIX timer the monitor uses (`timer_settime` via ctypes),
+   `signal.setitimer` (process-directed, what it used before) and
+   `faulthandler.dump_traceback_later` (rejected: a thread hand-off per re-arm).
+3. Per sample of the loop thread's clocks (stall causes): a light sample (after I/O waits)
+   and a full one (probe ticks), with the worker threads a proxy has.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import faulthandler
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -26,6 +31,8 @@ import trio.lowlevel
 
 from app.observe.loop_monitor import PROBE_INTERVAL_S, LoopMonitor
 from app.observe.metrics import Metrics
+from app.observe.thread_clocks import ThreadClocks
+from app.observe.thread_timer import ThreadTimer
 
 THRESHOLD_MS = 10.0
 VARIANTS = ("no monitor", "probe only", "probe + instrument")
@@ -64,31 +71,82 @@ def bench_steps(tasks: int, steps: int, repeats: int) -> dict[str, float]:
     return {variant: statistics.median(values) for variant, values in samples.items()}
 
 
-def _median_call_s(call: Callable[[], object], calls: int) -> float:
+def _busy(seconds: float) -> None:
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def _median_call_s(call: Callable[[], object], calls: int, between: Callable[[], None]) -> float:
     durations = []
     for _ in range(calls):
+        between()
         started = time.perf_counter()
         call()
         durations.append(time.perf_counter() - started)
-        # The probe's cadence: an idle CPU between calls is part of the cost (thread start-up).
-        time.sleep(PROBE_INTERVAL_S)
     return statistics.median(durations)
 
 
-def bench_rearm(calls: int) -> dict[str, float]:
+CADENCES: dict[str, Callable[[], None]] = {
+    # The probe's cadence on an idle loop: a cold CPU between calls is part of the cost.
+    "idle": lambda: time.sleep(PROBE_INTERVAL_S),
+    # A loaded loop: Python work between calls, as between two probe ticks under traffic.
+    "busy": lambda: _busy(PROBE_INTERVAL_S),
+}
+
+
+def bench_rearm(calls: int) -> dict[str, dict[str, float]]:
     timeout_s = (THRESHOLD_MS / 1000) + PROBE_INTERVAL_S
+    timer = ThreadTimer.create(threading.get_native_id(), signal.SIGALRM, timeout_s)
+    if isinstance(timer, str):
+        raise SystemExit(f"no thread-directed timer here: {timer}")
+    results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryFile() as dump:
-        later = _median_call_s(
-            lambda: faulthandler.dump_traceback_later(timeout_s, file=dump.fileno()), calls
-        )
-        faulthandler.cancel_dump_traceback_later()
-    faulthandler.register(signal.SIGALRM, all_threads=True, chain=False)
+        faulthandler.register(signal.SIGALRM, file=dump.fileno(), all_threads=False, chain=False)
+        try:
+            for cadence, between in CADENCES.items():
+                # Interleaved per cadence so drift on a shared machine hits each alike.
+                results[cadence] = {
+                    "timer_settime (thread-directed)": _median_call_s(timer.arm, calls, between),
+                    "signal.setitimer (process-directed)": _median_call_s(
+                        lambda: signal.setitimer(signal.ITIMER_REAL, timeout_s), calls, between
+                    ),
+                    "faulthandler.dump_traceback_later": _median_call_s(
+                        lambda: faulthandler.dump_traceback_later(timeout_s, file=dump.fileno()),
+                        calls // 4,
+                        between,
+                    ),
+                }
+                faulthandler.cancel_dump_traceback_later()
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                timer.disarm()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            timer.disarm()
+            faulthandler.unregister(signal.SIGALRM)
+            timer.close()
+    return results
+
+
+def bench_clock_samples(calls: int, threads: int) -> dict[str, float]:
+    """Median µs of a light and a full sample, with `threads` idle worker threads alive."""
+    clocks = ThreadClocks.open()
+    if isinstance(clocks, str):
+        raise SystemExit(f"no thread clocks here: {clocks}")
+    stop = threading.Event()
+    workers = [threading.Thread(target=stop.wait) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
     try:
-        alarm = _median_call_s(lambda: signal.setitimer(signal.ITIMER_REAL, timeout_s), calls)
+        clocks.sample(full=True)  # list the threads once
+        light = _median_call_s(clocks.sample, calls, lambda: _busy(0.0005))
+        full = _median_call_s(lambda: clocks.sample(full=True), calls, lambda: _busy(0.0005))
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        faulthandler.unregister(signal.SIGALRM)
-    return {"signal.setitimer": alarm, "faulthandler.dump_traceback_later": later}
+        stop.set()
+        for worker in workers:
+            worker.join()
+        clocks.close()
+    return {"light sample": light, f"full sample ({threads} other threads)": full}
 
 
 def main() -> None:
@@ -108,12 +166,17 @@ def main() -> None:
     instrument = per_step["probe + instrument"] - per_step["probe only"]
     print(f"   instrument cost: {instrument * 1e6:.2f} us/step ({instrument / bare:.1%} of a step)")
 
-    rearm = bench_rearm(args.rearm_calls)
     interval_ms = PROBE_INTERVAL_S * 1e3
     print(f"2. probe re-arm, median of {args.rearm_calls} calls, one per {interval_ms:g} ms")
-    print(f"   {'method':<36} {'us/call':>8} {'loop share':>11}")
-    for method, seconds in rearm.items():
-        print(f"   {method:<36} {seconds * 1e6:8.2f} {seconds / PROBE_INTERVAL_S:11.2%}")
+    print(f"   {'cadence':<8} {'method':<38} {'us/call':>8} {'loop share':>11}")
+    for cadence, methods in bench_rearm(args.rearm_calls).items():
+        for method, seconds in methods.items():
+            share = seconds / PROBE_INTERVAL_S
+            print(f"   {cadence:<8} {method:<38} {seconds * 1e6:8.2f} {share:11.2%}")
+
+    print(f"3. loop thread clock samples (stall causes), median of {args.rearm_calls} calls")
+    for kind, seconds in bench_clock_samples(args.rearm_calls, threads=6).items():
+        print(f"   {kind:<38} {seconds * 1e6:8.2f} us")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The stall detector inside a running proxy: an inline tokenization of a long unique prompt
-shows up as a stall in `/metrics` and in the dashboard's `/api/snapshot`, tagged with the
-`tokenize-inline` phase and with a stack that names the tokenizer call; the same prompt in
-offload mode leaves the loop free. Real time: lower bounds only."""
+shows up as a `blocking` stall in `/metrics` (with its cause label) and in the dashboard's
+`/api/snapshot`, tagged with the `tokenize-inline` phase and with a stack that names the
+tokenizer call; the same prompt in offload mode leaves the loop free (stalls the OS caused on
+a busy machine aside). Real time: lower bounds only."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ async def test_inline_tokenization_is_a_stall_with_the_tokenizer_in_its_stack(
     assert stalls, snapshot["loop"]
     worst = max(stalls, key=lambda s: s["max_duration_s"])
     assert worst["max_duration_s"] >= 0.02
+    assert worst["cause"] == "blocking"
     assert any("encode" in frame for frame in worst["stack"]), worst["stack"]
     metrics = (await client.get(running.proxy_url + "/metrics")).text
     count = next(
@@ -52,6 +54,7 @@ async def test_inline_tokenization_is_a_stall_with_the_tokenizer_in_its_stack(
         if line.startswith("sluice_event_loop_stall_seconds_count")
     )
     assert count >= 1
+    assert 'cause="blocking"' in metrics
 
 
 async def test_offloaded_tokenization_leaves_no_tokenizer_stall(
@@ -64,6 +67,8 @@ async def test_offloaded_tokenization_leaves_no_tokenizer_stall(
     assert not tokenizer_stalls(snapshot)
     # The simulated backend shares this loop and may stall it; the proxy's tokenizer may not.
     proxy_tokenizing = [
-        s for s in snapshot["loop"]["recent"] if any("app/preprocess" in f for f in s["stack"])
+        s
+        for s in snapshot["loop"]["recent"]
+        if any("app/preprocess" in f for f in s["stack"]) and s["cause"] != "preempted"
     ]
     assert not proxy_tokenizing, proxy_tokenizing

@@ -1,8 +1,10 @@
-"""The stall detector's pure parts, without Trio or real time (app/observe/stalls.py).
+"""The stall detector's pure parts, without Trio or real time.
 
-Covers: parsing faulthandler dumps (captured text and a live dump), keeping only a task's
-frames, the ring's de-duplication and bound, the log rate limiter and the label budget with
-an injected clock, the recent-max window, histogram quantiles and the report text.
+Covers (app/observe/stalls.py): parsing faulthandler's single-thread dumps (captured text and
+a live dump), keeping only a task's frames, the ring's de-duplication (cause included) and
+bound, the log rate limiter and the label budget with an injected clock, the recent-max
+window, histogram quantiles and the report text, which names the cause and never blames a
+task for a stall the GIL or the OS caused.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import tempfile
-import threading
 
 import pytest
 
@@ -23,33 +24,28 @@ from app.observe.stalls import (
     estimate_quantile,
     format_stall_report,
     frames_of_task,
-    parse_thread_stack,
+    parse_own_stack,
     summarize_histogram,
 )
 
-LOOP_THREAD = 0x7F364543FB80
-WORKER_THREAD = 0x7F36448376C0
-
-# Two dumps from faulthandler's SIGALRM handler (CPython 3.11) in one file: the first a
-# stale one, the second taken by the loop thread ("Current thread") inside a C call.
+# Two dumps from faulthandler's SIGALRM handler with all_threads=False (CPython 3.11) in one
+# file: a stale one, then one taken inside a C call, with lines that carry no frame.
 CAPTURED_DUMPS = """\
-Current thread 0x00007f364543fb80 (most recent call first):
+Stack (most recent call first):
   File "/srv/old.py", line 1 in stale
 
-Thread 0x00007f36448376c0 (most recent call first):
-  File "/usr/lib/python3.11/threading.py", line 327 in wait
-  File "/usr/lib/python3.11/threading.py", line 982 in run
-
-Current thread 0x00007f364543fb80 (most recent call first):
+Stack (most recent call first):
   File "/srv/app/preprocess.py", line 88 in tokenize_inline
   File "/srv/app/proxy.py", line 41 in handle
+  <invalid frame>
   File "<frozen runpy>", line ??? in ???
   File "/srv/trio/_core/_run.py", line 2498 in unrolled_run
+  ...
 """
 
 
-def test_parser_takes_the_latest_section_of_the_loop_thread_innermost_first() -> None:
-    stack = parse_thread_stack(CAPTURED_DUMPS, LOOP_THREAD)
+def test_parser_takes_the_latest_dump_innermost_first() -> None:
+    stack = parse_own_stack(CAPTURED_DUMPS)
 
     assert stack == [
         Frame("/srv/app/preprocess.py", 88, "tokenize_inline"),
@@ -61,24 +57,21 @@ def test_parser_takes_the_latest_section_of_the_loop_thread_innermost_first() ->
     assert str(stack[2]) == "<frozen runpy>:? ???"
 
 
-def test_parser_reads_other_threads_and_reports_missing_ones() -> None:
-    worker = parse_thread_stack(CAPTURED_DUMPS, WORKER_THREAD)
-    assert worker is not None
-    assert [frame.func for frame in worker] == ["wait", "run"]
-    assert parse_thread_stack(CAPTURED_DUMPS, 0x1234) is None
-    assert parse_thread_stack("", LOOP_THREAD) is None
+def test_parser_reports_no_stack_without_a_header() -> None:
+    assert parse_own_stack("") is None
+    assert parse_own_stack('  File "/srv/old.py", line 1 in stale\n') is None
+    assert parse_own_stack("Stack (most recent call first):\n  <no Python frame>\n") == []
 
 
 def _dump_this_thread() -> str:
     with tempfile.TemporaryFile() as file:
-        faulthandler.dump_traceback(file, all_threads=True)
+        faulthandler.dump_traceback(file, all_threads=False)
         file.seek(0)
         return file.read().decode()
 
 
 def test_parser_reads_a_live_dump_of_the_current_thread() -> None:
-    dump = _dump_this_thread()
-    stack = parse_thread_stack(dump, threading.get_ident())
+    stack = parse_own_stack(_dump_this_thread())
 
     assert stack is not None
     assert [frame.func for frame in stack[:2]] == [
@@ -100,7 +93,7 @@ def test_frames_of_task_cuts_at_the_root_coroutine_and_rejects_foreign_dumps() -
 
 
 def _add(ring: StallRing, time: float, duration: float, stack: list[str], task: str = "t") -> None:
-    ring.add(time=time, duration_s=duration, task=task, phase=None, stack=stack)
+    ring.add(time=time, duration_s=duration, task=task, phase=None, stack=stack, cause="blocking")
 
 
 def test_ring_folds_equal_stalls_into_one_record() -> None:
@@ -112,16 +105,19 @@ def test_ring_folds_equal_stalls_into_one_record() -> None:
     [record] = ring.recent()
     assert (record.count, record.first_time, record.last_time) == (3, 1.0, 3.0)
     assert (record.last_duration_s, record.max_duration_s) == (0.020, 0.080)
-    assert json.loads(json.dumps(record.to_json()))["stack"] == ["a.py:1 f"]
+    as_json = json.loads(json.dumps(record.to_json()))
+    assert (as_json["stack"], as_json["cause"]) == (["a.py:1 f"], "blocking")
 
 
-def test_ring_keeps_stalls_apart_by_task_phase_and_stack() -> None:
+def test_ring_keeps_stalls_apart_by_task_phase_stack_and_cause() -> None:
     ring = StallRing(capacity=8)
-    ring.add(time=1, duration_s=0.1, task="a", phase=None, stack=[])
-    ring.add(time=2, duration_s=0.1, task="b", phase=None, stack=[])
-    ring.add(time=3, duration_s=0.1, task="a", phase="template", stack=[])
-    ring.add(time=4, duration_s=0.1, task="a", phase=None, stack=["x.py:1 f"])
-    assert len(ring) == 4
+    ring.add(time=1, duration_s=0.1, task="a", phase=None, stack=[], cause="blocking")
+    ring.add(time=2, duration_s=0.1, task="b", phase=None, stack=[], cause="blocking")
+    ring.add(time=3, duration_s=0.1, task="a", phase="template", stack=[], cause="blocking")
+    ring.add(time=4, duration_s=0.1, task="a", phase=None, stack=["x.py:1 f"], cause="blocking")
+    ring.add(time=5, duration_s=0.1, task="a", phase=None, stack=[], cause="preempted")
+    assert len(ring) == 5
+    assert [record.cause for record in ring.recent()][:2] == ["preempted", "blocking"]
 
 
 def test_ring_is_bounded_and_a_repeat_counts_as_recent() -> None:
@@ -199,16 +195,49 @@ def test_summary_gives_per_bucket_counts_as_json() -> None:
         summarize_histogram(BOUNDS, (1.0,), 0.0)
 
 
-def test_report_names_duration_task_phase_stack_and_suppressed_reports() -> None:
-    ring = StallRing(capacity=2)
+SPLIT = {"blocking": 0.0021, "gil-wait": 0.0012, "preempted": 0.049}
+
+
+def test_report_names_duration_cause_task_phase_stack_and_suppressed_reports() -> None:
+    ring = StallRing(capacity=4)
     record = ring.add(
-        time=1.0, duration_s=0.0523, task="handle", phase="tokenize-inline", stack=["a.py:3 f"]
+        time=1.0,
+        duration_s=0.0523,
+        task="handle",
+        phase="tokenize-inline",
+        stack=["a.py:3 f"],
+        cause="blocking",
+        split={"blocking": 0.0501, "gil-wait": 0.0, "preempted": 0.0022},
     )
     report = format_stall_report(record, 0.0523, suppressed=4)
 
-    assert report.startswith("event loop stalled 52.3 ms in task 'handle' in phase tokenize-inline")
+    assert report.startswith(
+        "event loop stalled 52.3 ms (blocking) in task 'handle' in phase tokenize-inline; "
+        "blocking 50.1 ms, gil-wait 0.0 ms, preempted 2.2 ms"
+    )
     assert "4 reports suppressed" in report
     assert report.endswith("a.py:3 f")
-    unknown = ring.add(time=2.0, duration_s=0.02, task=None, phase=None, stack=[])
-    assert "unknown task" in format_stall_report(unknown, 0.02, 0)
+    unknown = ring.add(time=2.0, duration_s=0.02, task=None, phase=None, stack=[], cause="unknown")
+    assert "(unknown) in an unknown task" in format_stall_report(unknown, 0.02, 0)
     assert "stack not captured" in format_stall_report(unknown, 0.02, 0)
+
+
+def test_report_of_a_preempted_or_gil_stall_does_not_blame_the_task() -> None:
+    ring = StallRing(capacity=4)
+    preempted = ring.add(
+        time=1.0, duration_s=0.052, task="HealthChecker.check", phase=None, stack=[],
+        cause="preempted", split=SPLIT,
+    )  # fmt: skip
+    report = format_stall_report(preempted, 0.052, 0)
+    assert report.startswith(
+        "event loop stalled 52.0 ms (preempted: the OS ran other work for 49.0 ms; not the "
+        "task's doing) during task 'HealthChecker.check'"
+    )
+    assert " in task" not in report
+    gil = ring.add(
+        time=1.0, duration_s=0.052, task="handle", phase=None, stack=[], cause="gil-wait",
+        split={**SPLIT, "gil-wait": 0.045},
+    )  # fmt: skip
+    assert "(gil-wait: another thread held the GIL for 45.0 ms) during task 'handle'" in (
+        format_stall_report(gil, 0.052, 0)
+    )

@@ -1,24 +1,32 @@
-"""Watching the Trio event loop: how late it wakes, which task steps stall it, and where.
+"""Watching the Trio event loop: how late it wakes, which task steps stall it, where, and why.
 
-`LoopMonitor.run` goes in the main nursery and does three things:
+`LoopMonitor.run` goes in the main nursery and does four things:
 - a lag probe sleeps `probe_interval_s` and records how late it woke
   (`sluice_event_loop_lag_seconds`): the delay any request feels. Each tick also re-arms
-  the alarm of `stack_capture`, which dumps the stacks only if the next tick is late.
+  the alarm of `stack_capture`, which dumps the loop thread's stack only if the next tick
+  is late.
 - an instrument times every task step; a step longer than the threshold is a stall:
-  counted per task, timed, tied to the request phase (`phase`) and, when the timer fired
-  inside that step, to the stack it dumped.
+  counted per task and cause, timed, tied to the request phase (`phase`) and, when the
+  alarm fired inside that step, to the stack it dumped.
+- each stall gets a cause, `blocking`, `gil-wait` or `preempted` (stall_causes.py), from
+  the loop thread's clocks (thread_clocks.py) sampled at the probe's ticks and after I/O
+  waits (at most once a millisecond, ~4 µs a sample), and once more when the stall ends.
 - stalls go into a ring of recent distinct stalls and, a few a minute, to the
   "sluice.stalls" logger.
 
-With the instrument off (it costs about 0.5 µs per step), the probe alone notices stalls: a
-wake-up later than the threshold goes into the ring with its stack but no task, and the
-per-step metrics stay untouched.
+The probe also records stalls the instrument cannot see, with no task (label
+`(unknown)`): with the instrument off (it costs about 0.5 µs per step), every wake-up later
+than the threshold; with it on, a late wake-up that no stalled step explains and whose cause
+is the GIL or the OS — the loop thread waiting for the GIL as it returns from its I/O wait,
+before any step starts, is how a worker thread running `Tokenizer.encode` or a template
+render freezes the loop. Late wake-ups from many short steps are load, and stay lag.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from time import perf_counter
@@ -31,6 +39,14 @@ from prometheus_client.metrics_core import Metric
 
 from app.observe.metrics import Metrics
 from app.observe.stack_capture import LoopStackCapture
+from app.observe.stall_causes import (
+    BLOCKING,
+    UNKNOWN,
+    CauseSplit,
+    ThreadSample,
+    split_window,
+    stall_cause,
+)
 from app.observe.stalls import (
     BoundedLabels,
     Frame,
@@ -41,11 +57,21 @@ from app.observe.stalls import (
     frames_of_task,
     summarize_histogram,
 )
+from app.observe.thread_clocks import ThreadClocks
 
 log = logging.getLogger("sluice.stalls")
 
 PROBE_INTERVAL_S = 0.005
 RECENT_LAG_WINDOW_S = 10.0
+# After an I/O wait the clocks are sampled only if the last sample is older than this: the
+# cost stays under ~4 µs a millisecond however often the loop waits, and a stall's window
+# starts at most this much before the stall (stall_causes.py).
+MARK_MIN_AGE_S = 0.001
+# The other threads' run delays (a pread each) are read at the end of every stall, and in
+# between at this pace: ~13 µs with 6 threads, too much for every 5 ms tick.
+FULL_SAMPLE_EVERY_S = 0.025
+# The task label of stalls the probe found outside any timed step.
+UNKNOWN_TASK = "(unknown)"
 
 
 class _StepTimer(trio.abc.Instrument):
@@ -63,9 +89,16 @@ class _StepTimer(trio.abc.Instrument):
         # Start of the current step; phases that end after it belong to it. When the
         # instrument is off the probe moves it on each tick instead.
         self.window_started = perf_counter()
+        # The latest sample of the loop thread's clocks (None without clocks), and when.
+        self.clocks: ThreadClocks | None = None
+        self.mark: ThreadSample | None = None
+        self.mark_at = 0.0
 
     def after_io_wait(self, timeout: float) -> None:
-        self.window_started = perf_counter()
+        now = self.window_started = perf_counter()
+        if self.clocks is not None and now - self.mark_at >= MARK_MIN_AGE_S:
+            self.mark = self.clocks.sample()
+            self.mark_at = now
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         ended = perf_counter()
@@ -120,7 +153,10 @@ class LoopMonitor:
         self._recent_lag = RecentMax(RECENT_LAG_WINDOW_S)
         self._capture: LoopStackCapture | None = None
         self._stacks_off_reason: str | None = None
+        self._clocks: ThreadClocks | None = None
+        self._causes_off_reason: str | None = None
         self._loop_thread_id: int | None = None
+        self._step_stalls = 0  # stalled steps so far: tells the probe which lag they explain
         # The longest phase that ended in the current window (see _StepTimer.window_started).
         self._phase_name: str | None = None
         self._phase_longest = 0.0
@@ -128,9 +164,7 @@ class LoopMonitor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._loop_thread_id = threading.get_ident()
-        claimed = LoopStackCapture.claim(
-            self._loop_thread_id, self._threshold_s + self._probe_interval_s
-        )
+        claimed = LoopStackCapture.claim(self._threshold_s + self._probe_interval_s)
         if isinstance(claimed, str):
             self._stacks_off_reason = claimed
             log.warning(
@@ -138,6 +172,13 @@ class LoopMonitor:
             )
         else:
             self._capture = claimed
+        clocks = ThreadClocks.open()
+        if isinstance(clocks, str):
+            self._causes_off_reason = clocks
+            log.warning("stall causes are off for this monitor (%s)", clocks)
+        else:
+            self._clocks = self._step_timer.clocks = clocks
+            self._step_timer.mark = clocks.sample(full=True)
         if self._instrument_enabled:
             self._step_timer.window_started = perf_counter()
             trio.lowlevel.add_instrument(self._step_timer)
@@ -152,7 +193,10 @@ class LoopMonitor:
             if self._capture is not None:
                 self._capture.close()
                 self._capture = None
-            self._stacks_off_reason = None
+            if self._clocks is not None:
+                self._clocks.close()
+                self._clocks = self._step_timer.clocks = self._step_timer.mark = None
+            self._stacks_off_reason = self._causes_off_reason = None
             self._loop_thread_id = None
 
     def phase(self, name: str) -> _Phase:
@@ -169,12 +213,16 @@ class LoopMonitor:
         lag["max_recent_window_s"] = RECENT_LAG_WINDOW_S
         stalls = _summarize(self._metrics.loop_stall_seconds)
         stalls["by_task"] = _counts_by_label(self._metrics.loop_stalls, "task")
+        stalls["by_cause"] = _counts_by_label(self._metrics.loop_stalls, "cause")
         return {
             "threshold_ms": self._threshold_s * 1000,
             "probe_interval_ms": self._probe_interval_s * 1000,
             "instrument": self._instrument_enabled,
             "stacks": self._capture is not None,
             "stacks_off_reason": self._stacks_off_reason,
+            "stack_dumps": self._capture.dumps if self._capture is not None else 0,
+            "causes": self._clocks is not None,
+            "causes_off_reason": self._causes_off_reason,
             "lag": lag,
             "stalls": stalls,
             "recent": [record.to_json() for record in self._ring.recent()],
@@ -182,34 +230,90 @@ class LoopMonitor:
 
     async def _probe(self) -> None:
         interval = self._probe_interval_s
+        timer = self._step_timer
+        clocks = self._clocks
+        previous = timer.mark
+        explained = self._step_stalls
+        full_at = perf_counter()
         while True:
             due = perf_counter() + interval
             await trio.sleep(interval)
             woke = perf_counter()
             lag = max(0.0, woke - due)
+            sample = None
+            if clocks is not None:
+                full = lag > self._threshold_s or woke - full_at >= FULL_SAMPLE_EVERY_S
+                sample = clocks.sample(full=full)
+                full_at = woke if full else full_at
             self._metrics.loop_lag_seconds.observe(lag)
             self._recent_lag.add(woke, lag)
-            if not self._instrument_enabled and lag > self._threshold_s:
-                self._record_stall(None, lag, self._harvest_stack())
-            elif self._capture is not None:
+            recorded = False
+            if lag > self._threshold_s and (
+                not self._instrument_enabled or self._step_stalls == explained
+            ):
+                cause, split = self._cause(previous, sample, lag)
+                # With the instrument on, a late wake-up of the loop's own making is load:
+                # the steps that made it were each timed, and none was a stall.
+                if not self._instrument_enabled or cause not in (BLOCKING, UNKNOWN):
+                    self._count_stall(UNKNOWN_TASK, cause, lag)
+                    self._record_stall(None, lag, self._harvest_stack(), cause, split)
+                    recorded = True
+            if not recorded and self._capture is not None:
                 self._capture.rearm()
-            if not self._instrument_enabled:
-                self._step_timer.window_started = perf_counter()
+            if sample is not None:
+                previous = timer.mark = sample
+                timer.mark_at = woke
+            explained = self._step_stalls
+            if recorded or not self._instrument_enabled:
+                # The stall just recorded may have begun inside this very step (the loop
+                # waiting for the GIL after its I/O wait): the instrument must not time it
+                # again as the probe's own stall.
+                timer.window_started = perf_counter()
 
     def _on_step_stall(self, task: trio.lowlevel.Task, duration_s: float) -> None:
-        self._metrics.loop_stalls.labels(task=self._task_labels.label(task.name)).inc()
-        self._metrics.loop_stall_seconds.observe(duration_s)
+        self._step_stalls += 1
+        timer = self._step_timer
+        end = self._clocks.sample(full=True) if self._clocks is not None else None
+        cause, split = self._cause(timer.mark, end, duration_s)
+        if end is not None:
+            timer.mark = end
+            timer.mark_at = perf_counter()
+        self._count_stall(self._task_labels.label(task.name), cause, duration_s)
         frames = self._harvest_stack()
         root = getattr(task.coro, "cr_code", None)
         if frames is not None and root is not None:
             frames = frames_of_task(frames, root.co_filename, root.co_name)
-        self._record_stall(task.name, duration_s, frames)
+        self._record_stall(task.name, duration_s, frames, cause, split)
+
+    def _cause(
+        self, start: ThreadSample | None, end: ThreadSample | None, stall_s: float
+    ) -> tuple[str, CauseSplit | None]:
+        """The cause of a stall of `stall_s` that ended at `end`, over the window from `start`."""
+        if start is None or end is None:
+            return UNKNOWN, None
+        gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+        split = split_window(
+            start,
+            end,
+            unblamed_s=max(0.0, (end.wall_ns - start.wall_ns) / 1e9 - stall_s),
+            switch_interval_s=sys.getswitchinterval() if gil else 0.0,
+        )
+        return stall_cause(split, self._threshold_s), split
+
+    def _count_stall(self, task_label: str, cause: str, duration_s: float) -> None:
+        self._metrics.loop_stalls.labels(task=task_label, cause=cause).inc()
+        self._metrics.loop_stall_seconds.observe(duration_s)
 
     def _harvest_stack(self) -> list[Frame] | None:
         return self._capture.harvest() if self._capture is not None else None
 
     def _record_stall(
-        self, task: str | None, duration_s: float, frames: list[Frame] | None
+        self,
+        task: str | None,
+        duration_s: float,
+        frames: list[Frame] | None,
+        cause: str,
+        split: CauseSplit | None,
     ) -> None:
         record = self._ring.add(
             time=time.time(),
@@ -217,6 +321,8 @@ class LoopMonitor:
             task=task,
             phase=self._current_phase(),
             stack=[str(frame) for frame in frames or ()],
+            cause=cause,
+            split=split.to_json() if split is not None else None,
         )
         suppressed = self._report_limiter.admit(time.monotonic())
         if suppressed is not None:
@@ -257,8 +363,10 @@ def _only_metric(collector: Histogram | Counter) -> Metric:
 
 
 def _counts_by_label(counter: Counter, label: str) -> dict[str, float]:
-    return {
-        sample.labels[label]: sample.value
-        for sample in _only_metric(counter).samples
-        if sample.name.endswith("_total")
-    }
+    """The counter's total per value of `label`, summed over its other labels."""
+    counts: dict[str, float] = {}
+    for sample in _only_metric(counter).samples:
+        if sample.name.endswith("_total"):
+            value = sample.labels[label]
+            counts[value] = counts.get(value, 0.0) + sample.value
+    return counts

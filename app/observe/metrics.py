@@ -100,13 +100,14 @@ class Metrics:
         )
         self.loop_stalls = Counter(
             "sluice_event_loop_stalls",
-            "Task steps longer than the stall threshold",
-            ["task"],
+            "Event-loop stalls longer than the threshold, by task step ((unknown): found by "
+            "the lag probe) and cause (blocking, gil-wait, preempted; unknown without clocks)",
+            ["task", "cause"],
             registry=r,
         )
         self.loop_stall_seconds = Histogram(
             "sluice_event_loop_stall_seconds",
-            "Duration of task steps longer than the stall threshold",
+            "Duration of event-loop stalls longer than the threshold",
             buckets=LOOP_BUCKETS,
             registry=r,
         )

@@ -5,24 +5,32 @@ the GIL (`tokenizers.Tokenizer.encode`), no other Python thread runs until it re
 faulthandler's C-level dump needs no GIL, so it shows the loop thread mid-stall, down to
 the Python line that called into C.
 
-How the dump is triggered: `faulthandler.register(SIGALRM)` makes SIGALRM dump every
-thread's stack from the signal handler, and `signal.setitimer(ITIMER_REAL, timeout_s)` is a
-dead-man's switch that the caller re-arms from a periodic probe. If the probe runs late by
-`timeout_s`, the loop is stalled and the alarm dumps the stacks while it still is.
+How the dump is triggered: `faulthandler.register(SIGALRM, all_threads=False)` makes the
+thread that receives SIGALRM write its own stack, and a thread-directed POSIX timer
+(thread_timer.py) sends SIGALRM to the loop thread, never to another one. The timer is a
+dead-man's switch that the lag probe re-arms on every tick: if the next tick is late by the
+timeout, the loop is stalled and its thread dumps its stack while it still is.
 
-Why not `faulthandler.dump_traceback_later`, which also dumps from C: re-arming it joins
-its watchdog thread and starts a new one. Measured here at one re-arm per 5 ms: 80-115 µs
-a re-arm (1.6-2.3% of the loop's time) against 9 µs for `setitimer`
-(load/bench_stall_detector.py); and with the two cores oversubscribed the join waited up
-to 14 ms for the old thread to be scheduled, so the detector stalled the loop it watches.
-`setitimer` is one system call with no thread hand-off.
+Why only the receiving thread's own stack: with `all_threads=True` the handler walks the
+frames of every other thread while they run, and CPython does not make that safe. Under
+template renders in worker threads the process died with SIGSEGV within seconds (3 runs of
+3; tests/test_stalls_stress.py drives that load). A thread reading its own frames from its
+own signal handler is what faulthandler does on a fatal error, and it never crashed there.
 
-The costs of a signal: SIGALRM and ITIMER_REAL are process-wide, and the alarm interrupts
-whatever system call the receiving thread is in (Python retries them, PEP 475); it only
-fires during a stall. One capture per process holds them: `claim` returns None when
-another capture does, or when something else already uses SIGALRM (a Python handler or a
-running alarm, e.g. pytest-timeout's signal method), and on platforms without
-`setitimer`. The monitor then counts stalls without stacks.
+Why a thread-directed timer and not `setitimer(ITIMER_REAL)`: its SIGALRM goes to the
+process, which Linux delivers to the main thread only while that thread "wants" it; the loop
+need not even run on the main thread. Why not block SIGALRM in every other thread instead:
+threads created later (trio's thread cache, threads a Rust or C library starts) inherit
+whatever mask their creator had. Why not `faulthandler.dump_traceback_later`: re-arming it
+joins its watchdog thread and starts a new one, 80-180 µs a tick and up to 14 ms when the
+cores are oversubscribed. Re-arm costs side by side: load/bench_stall_detector.py.
+
+The costs of a signal: the alarm interrupts whatever system call the loop thread is in
+(Python retries them, PEP 475); it only fires during a stall. One capture per process holds
+SIGALRM: `claim` returns the reason instead of a capture when another capture does, when
+something else already uses SIGALRM (a Python handler or a running alarm, e.g.
+pytest-timeout's signal method), or where no thread-directed timer exists. The monitor then
+counts stalls without stacks.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ import tempfile
 import threading
 import time
 
-from app.observe.stalls import Frame, parse_thread_stack
+from app.observe.stalls import Frame, parse_own_stack
+from app.observe.thread_timer import ThreadTimer
 
 _owner_lock = threading.Lock()
 _owner: LoopStackCapture | None = None
@@ -43,20 +52,21 @@ _PENDING_ALARM_YIELDS = 1000
 
 
 class LoopStackCapture:
-    def __init__(self, loop_thread_id: int, timeout_s: float) -> None:
-        self._loop_thread_id = loop_thread_id
+    def __init__(self, timer: ThreadTimer, timeout_s: float) -> None:
+        self._timer = timer
         self._timeout_s = timeout_s
         # The signal handler writes to a raw fd, so it must be a real file; open until close().
         self._file = tempfile.TemporaryFile()  # noqa: SIM115
         self._fd = self._file.fileno()
         self._armed_at = 0.0
+        self._dumps = 0
 
     @classmethod
-    def claim(cls, loop_thread_id: int, timeout_s: float) -> LoopStackCapture | str:
-        """Take SIGALRM and arm it, or say why the stacks are unavailable."""
+    def claim(cls, timeout_s: float) -> LoopStackCapture | str:
+        """Take SIGALRM for the calling thread (the loop's) and arm it, or say why not."""
         global _owner
-        if not hasattr(signal, "setitimer"):
-            return "this platform has no setitimer"
+        if not hasattr(signal, "SIGALRM"):
+            return "this platform has no SIGALRM"
         with _owner_lock:
             if _owner is not None:
                 return "another monitor in this process owns SIGALRM"
@@ -64,10 +74,18 @@ class LoopStackCapture:
                 signal.getitimer(signal.ITIMER_REAL)
             ):
                 return "SIGALRM is already in use in this process"
-            _owner = capture = cls(loop_thread_id, timeout_s)
-        faulthandler.register(signal.SIGALRM, file=capture._fd, all_threads=True, chain=False)
+            timer = ThreadTimer.create(threading.get_native_id(), signal.SIGALRM, timeout_s)
+            if isinstance(timer, str):
+                return timer
+            _owner = capture = cls(timer, timeout_s)
+        faulthandler.register(signal.SIGALRM, file=capture._fd, all_threads=False, chain=False)
         capture.rearm()
         return capture
+
+    @property
+    def dumps(self) -> int:
+        """How many times the alarm fired and the loop thread dumped its stack."""
+        return self._dumps
 
     def rearm(self) -> None:
         """Restart the countdown, dropping a dump that fired without a stall to claim it.
@@ -77,8 +95,9 @@ class LoopStackCapture:
         """
         now = time.monotonic()
         if now - self._armed_at >= self._timeout_s and os.fstat(self._fd).st_size:
+            self._dumps += 1
             self._truncate()
-        signal.setitimer(signal.ITIMER_REAL, self._timeout_s)
+        self._timer.arm()
         self._armed_at = now
 
     def harvest(self) -> list[Frame] | None:
@@ -86,15 +105,19 @@ class LoopStackCapture:
 
         Called on the loop thread just after a stall.
         """
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        self._timer.disarm()
         size = os.fstat(self._fd).st_size
         dump = os.pread(self._fd, size, 0).decode("utf-8", "replace") if size else ""
-        self.rearm()
-        return parse_thread_stack(dump, self._loop_thread_id) if dump else None
+        if dump:
+            self._dumps += 1
+            self._truncate()
+        self._timer.arm()
+        self._armed_at = time.monotonic()
+        return parse_own_stack(dump) if dump else None
 
     def close(self) -> None:
         global _owner
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        self._timer.disarm()
         # An alarm raised just before the disarm must still find faulthandler's handler:
         # the default action of SIGALRM ends the process.
         for _ in range(_PENDING_ALARM_YIELDS):
@@ -102,6 +125,7 @@ class LoopStackCapture:
                 break
             os.sched_yield()
         faulthandler.unregister(signal.SIGALRM)
+        self._timer.close()
         self._file.close()
         with _owner_lock:
             _owner = None

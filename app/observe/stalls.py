@@ -1,6 +1,6 @@
 """Pure bookkeeping for event-loop stalls: no Trio, no clocks of its own, no I/O.
 
-- `parse_thread_stack` reads one thread's stack out of faulthandler's text dump;
+- `parse_own_stack` reads the stack out of faulthandler's dump of the thread it ran on;
   `frames_of_task` keeps the frames of one task and proves the dump was taken inside it.
 - `StallRing` keeps the last N distinct stalls, folding equal ones into a count.
 - `RateLimiter` lets a few reports a minute through (Seastar allows 5) and counts the rest.
@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from app.observe.stall_causes import BLOCKING, GIL_WAIT, PREEMPTED, UNKNOWN
+
 
 class Frame(NamedTuple):
     file: str
@@ -28,32 +30,25 @@ class Frame(NamedTuple):
         return f"{self.file}:{'?' if self.line is None else self.line} {self.func}"
 
 
-# faulthandler's format (CPython 3.11-3.13, Python/traceback.c): one section per thread,
-# headed "Current thread 0x..." for the thread that writes the dump (the one a signal
-# landed on) and "Thread 0x..." for the others, then one "  File" line per frame.
-_THREAD_HEADER = re.compile(
-    r"(?:Current thread|Thread) 0x([0-9a-fA-F]+) \(most recent call first\):"
-)
+# faulthandler's single-thread format (`all_threads=False`, CPython 3.11-3.14,
+# Python/traceback.c): a "Stack (most recent call first):" header, then one "  File" line per
+# frame, innermost first. Other lines ("  <no Python frame>", "  ...", "plus N frames",
+# "  <invalid frame>") carry no frame.
+_STACK_HEADER = "Stack (most recent call first):"
 _FRAME_LINE = re.compile(r'  File "(.*)", line (\d+|\?\?\?) in (.*)')
 
 
-def parse_thread_stack(dump: str, thread_id: int) -> list[Frame] | None:
-    """The stack of `thread_id` in faulthandler's `dump`, innermost frame first.
+def parse_own_stack(dump: str) -> list[Frame] | None:
+    """The stack in faulthandler's single-thread `dump`, innermost frame first.
 
-    When the text holds several dumps the latest section for that thread wins; None when
-    there is none.
+    When the text holds several dumps the latest wins; None when there is none.
     """
     found: list[Frame] | None = None
-    section: list[Frame] | None = None
     for line in dump.splitlines():
-        header = _THREAD_HEADER.fullmatch(line)
-        if header:
-            section = [] if int(header[1], 16) == thread_id else None
-            if section is not None:
-                found = section
-            continue
-        if section is not None and (frame := _FRAME_LINE.fullmatch(line)):
-            section.append(Frame(frame[1], None if frame[2] == "???" else int(frame[2]), frame[3]))
+        if line == _STACK_HEADER:
+            found = []
+        elif found is not None and (frame := _FRAME_LINE.fullmatch(line)):
+            found.append(Frame(frame[1], None if frame[2] == "???" else int(frame[2]), frame[3]))
     return found
 
 
@@ -74,30 +69,36 @@ class StallRecord:
     task: str | None
     phase: str | None
     stack: tuple[str, ...]
+    cause: str
     count: int
     first_time: float
     last_time: float
     last_duration_s: float
     max_duration_s: float
+    # How the latest occurrence's time went, by cause (stall_causes.CauseSplit.to_json).
+    last_split_s: dict[str, float] | None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "task": self.task,
             "phase": self.phase,
             "stack": list(self.stack),
+            "cause": self.cause,
             "count": self.count,
             "first_time": self.first_time,
             "last_time": self.last_time,
             "last_duration_s": self.last_duration_s,
             "max_duration_s": self.max_duration_s,
+            "last_split_s": self.last_split_s,
         }
 
 
 class StallRing:
     """The last `capacity` distinct stalls; a repeat of a known one updates it in place.
 
-    Two stalls are the same when task, phase and stack are equal: a stack alone would merge
-    every stall whose stack could not be captured.
+    Two stalls are the same when task, phase, stack and cause are equal: a stack alone would
+    merge every stall whose stack could not be captured, and the same step preempted once
+    and blocking once are two different stories.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -114,11 +115,15 @@ class StallRing:
         task: str | None,
         phase: str | None,
         stack: Sequence[str],
+        cause: str,
+        split: dict[str, float] | None = None,
     ) -> StallRecord:
-        key = (task, phase, tuple(stack))
+        key = (task, phase, tuple(stack), cause)
         record = self._records.get(key)
         if record is None:
-            record = StallRecord(task, phase, tuple(stack), 0, time, time, duration_s, duration_s)
+            record = StallRecord(
+                task, phase, tuple(stack), cause, 0, time, time, duration_s, duration_s, split
+            )
             self._records[key] = record
             if len(self._records) > self._capacity:
                 self._records.popitem(last=False)
@@ -128,6 +133,7 @@ class StallRing:
         record.last_time = time
         record.last_duration_s = duration_s
         record.max_duration_s = max(record.max_duration_s, duration_s)
+        record.last_split_s = split
         return record
 
     def recent(self) -> list[StallRecord]:
@@ -241,8 +247,29 @@ def summarize_histogram(
 
 
 def format_stall_report(record: StallRecord, duration_s: float, suppressed: int) -> str:
-    where = f"task {record.task!r}" if record.task is not None else "an unknown task"
+    """The log line: duration, cause, task, phase, how the time went, then the stack.
+
+    Only a `blocking` stall is said to be "in" its task; the GIL or the OS stalled the loop
+    "during" a task that is not at fault.
+    """
+    split = record.last_split_s
+    if record.cause == GIL_WAIT and split is not None:
+        cause = f" (gil-wait: another thread held the GIL for {split[GIL_WAIT] * 1e3:.1f} ms)"
+    elif record.cause == PREEMPTED and split is not None:
+        cause = (
+            f" (preempted: the OS ran other work for {split[PREEMPTED] * 1e3:.1f} ms;"
+            " not the task's doing)"
+        )
+    else:
+        cause = f" ({record.cause})"
+    where = "in" if record.cause in (BLOCKING, UNKNOWN) else "during"
+    task = f"task {record.task!r}" if record.task is not None else "an unknown task"
     phase = f" in phase {record.phase}" if record.phase else ""
+    shares = (
+        "; " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in split.items())
+        if split is not None
+        else ""
+    )
     seen = f" (seen {record.count} times)" if record.count > 1 else ""
     dropped = f"; {suppressed} reports suppressed before this one" if suppressed else ""
     stack = (
@@ -251,5 +278,6 @@ def format_stall_report(record: StallRecord, duration_s: float, suppressed: int)
         else "stack not captured"
     )
     return (
-        f"event loop stalled {duration_s * 1e3:.1f} ms in {where}{phase}{seen}{dropped}\n  {stack}"
+        f"event loop stalled {duration_s * 1e3:.1f} ms{cause} {where} {task}{phase}{shares}"
+        f"{seen}{dropped}\n  {stack}"
     )
