@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from app.config import Settings, is_loopback_host
 from app.dashboard.derive import decorate, derive_point, raw_sample
-from app.dashboard.feed import to_json_bytes
+from app.dashboard.feed import RecordCache, to_json_bytes
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
 from app.observe.backend_stats import BackendStats, backend_rows, quantile
 from app.observe.metric_summaries import counts_by_two_labels, summarize_by_label
@@ -285,3 +285,16 @@ def test_bearer_matches() -> None:
 def test_snapshot_json_is_strict_even_with_non_finite_numbers() -> None:
     payload = to_json_bytes({"a": math.nan, "b": [math.inf, 1.5], "c": {"d": -math.inf}})
     assert json.loads(payload) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+
+
+def test_record_cache_serialises_each_record_once_and_splices_the_log_in() -> None:
+    cache = RecordCache()
+    snap: dict[str, Any] = {"a": 1, "requests": {"total": 2, "recent": [record(2), record(1)]}}
+    first = cache.serialise(snap)
+    assert json.loads(first) == json.loads(json.dumps(snap))
+    assert snap["requests"]["recent"][0]["seq"] == 2  # the snapshot is left as it was
+    snap["requests"]["recent"] = [record(3, model="a new one"), record(2)]
+    second = json.loads(cache.serialise(snap))
+    assert [r["seq"] for r in second["requests"]["recent"]] == [3, 2]
+    assert second["requests"]["recent"][0]["model"] == "a new one"
+    assert json.loads(cache.serialise({"no": "log"})) == {"no": "log"}

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -51,6 +52,37 @@ class Broadcast:
         while self.version <= version:
             await self._changed.wait()
         return self.version, self._payload
+
+
+class RecordCache:
+    """The request log serialised one record at a time, each once in its life: the log is
+    most of a snapshot's bytes, and a record never changes once it is logged."""
+
+    def __init__(self) -> None:
+        self._by_seq: dict[int, bytes] = {}
+        # Stands for the list in the rest of the snapshot; no client can guess it.
+        self.placeholder = f"recent-{uuid.uuid4().hex}"
+
+    def encode(self, records: list[Any]) -> bytes:
+        kept: dict[int, bytes] = {}
+        for record in records:
+            seq = record["seq"]
+            kept[seq] = self._by_seq.get(seq) or to_json_bytes(record)
+        self._by_seq = kept  # bounded by the log's own capacity
+        return b"[" + b",".join(kept.values()) + b"]"
+
+    def serialise(self, snapshot: dict[str, Any]) -> bytes:
+        """`to_json_bytes(snapshot)`, the request log spliced in from the cache."""
+        requests = snapshot.get("requests")
+        if not isinstance(requests, dict) or not isinstance(requests.get("recent"), list):
+            return to_json_bytes(snapshot)
+        recent = requests["recent"]
+        requests["recent"] = self.placeholder
+        try:
+            text = to_json_bytes(snapshot)
+        finally:
+            requests["recent"] = recent
+        return text.replace(f'"{self.placeholder}"'.encode(), self.encode(recent), 1)
 
 
 def to_json_bytes(snapshot: Mapping[str, Any]) -> bytes:
@@ -96,13 +128,16 @@ class DashboardFeed:
         self._columns = Columns(history_points)
         self._peaks: dict[str, float] = {}
         self._broadcast = Broadcast()
+        self._records = RecordCache()
         self._poked = trio.Event()
         self._error_reports = RateLimiter(1, 60.0)
         self.pages = 0
 
     def snapshot(self) -> dict[str, Any]:
         """A fresh snapshot with the time series and the rates as of the last tick."""
-        snapshot = self._build()
+        return self._complete(self._build())
+
+    def _complete(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         decorate(snapshot, self._window)
         snapshot["series"] = self._columns.to_json()
         snapshot["dashboard"] = {
@@ -161,10 +196,11 @@ class DashboardFeed:
         point = {k: _rounded(v) for k, v in derive_point(self._window, snapshot).items()}
         self._columns.append(round(self._wall_clock(), 3), point)
         if self.pages:
-            self._publish()
+            self._publish(self._complete(snapshot))
 
-    def _publish(self) -> None:
-        self._broadcast.publish(to_json_bytes(self.snapshot()), trio.current_time())
+    def _publish(self, snapshot: dict[str, Any] | None = None) -> None:
+        payload = self._records.serialise(snapshot or self.snapshot())
+        self._broadcast.publish(payload, trio.current_time())
 
     async def _watch_occupancy(self) -> None:
         while True:

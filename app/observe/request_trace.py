@@ -98,7 +98,7 @@ class RequestTrace:
         self._timing = timing
         self._kind = kind
         self._model: str | None = None
-        self._stream: bool | None = None
+        self._stream: bool | None = None  # unknown until the body was read
         self._prompt_tokens: int | None = None
         self._tokenize_path: str | None = None
         self._status: int | None = None
@@ -112,8 +112,7 @@ class RequestTrace:
     def prepared(self, payload: Mapping[str, Any], prepared: PreparedLike) -> None:
         """What the request asked for and how its prompt was tokenized (never the prompt)."""
         self._model = clip(payload.get("model"))
-        stream = payload.get("stream")
-        self._stream = stream if isinstance(stream, bool) else None
+        self._stream = payload.get("stream") is True
         ids = prepared.token_ids
         self._prompt_tokens = None if ids is None else len(ids)
         self._tokenize_path = prepared.tokenize_path
@@ -155,7 +154,7 @@ class RequestTrace:
         recorder = self._recorder
         record: RequestRecord = {
             "seq": recorder.log.next_seq(),
-            "time": time.time() - duration,
+            "time": round(time.time() - duration, 3),
             "id": self._request_id,
             "kind": self._kind,
             "model": self._model,
@@ -164,12 +163,13 @@ class RequestTrace:
             "route": self._route,
             "prompt_tokens": self._prompt_tokens,
             "tokenize_path": self._tokenize_path,
-            "template_ms": timing.template * 1000,
-            "tokenize_ms": timing.tokenize * 1000,
-            "route_ms": timing.route * 1000,
+            # Microseconds are enough, and the log is most of a snapshot's bytes.
+            "template_ms": round(timing.template * 1000, 3),
+            "tokenize_ms": round(timing.tokenize * 1000, 3),
+            "route_ms": round(timing.route * 1000, 3),
             "status": CLIENT_GONE_STATUS if self._status is None else self._status,
-            "ttft_ms": None if first is None else (first - timing.started) * 1000,
-            "duration_ms": duration * 1000,
+            "ttft_ms": None if first is None else round((first - timing.started) * 1000, 3),
+            "duration_ms": round(duration * 1000, 3),
             "client_gone": not self._complete,
         }
         recorder.add(record, now)
