@@ -1,7 +1,7 @@
 """Recording each proxied request for the dashboard, from the proxy, in three calls:
 
     send = trace = metrics.traffic.trace(send, timing, kind)  # where a request starts
-    trace.prepared(payload, prepared)                         # once it is tokenized
+    trace.prepared(prepared)                                  # once it is tokenized
     trace.finish()                                            # where it ends
 
 The trace *is* the ASGI `send` the rest of the request uses: it sees the response head (the
@@ -37,6 +37,11 @@ class TimingLike(Protocol):
 
 
 class PreparedLike(Protocol):
+    """The preprocessed request: its fields but the prompt, and how it was tokenized."""
+
+    @property
+    def fields(self) -> Mapping[str, Any]: ...
+
     @property
     def token_ids(self) -> Any: ...
 
@@ -109,10 +114,11 @@ class RequestTrace:
         self._complete = False  # the last body byte was handed to the server
         self._done = False
 
-    def prepared(self, payload: Mapping[str, Any], prepared: PreparedLike) -> None:
+    def prepared(self, prepared: PreparedLike) -> None:
         """What the request asked for and how its prompt was tokenized (never the prompt)."""
-        self._model = clip(payload.get("model"))
-        self._stream = payload.get("stream") is True
+        fields = prepared.fields
+        self._model = clip(fields.get("model"))
+        self._stream = fields.get("stream") is True
         ids = prepared.token_ids
         self._prompt_tokens = None if ids is None else len(ids)
         self._tokenize_path = prepared.tokenize_path

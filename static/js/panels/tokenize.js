@@ -13,7 +13,7 @@ export function createTokenizePanel(root) {
     ["saturated", "saturated, waiting now"],
     ["waited", "saturated requests that waited", "since start"],
     ["bailed", "saturated requests that bailed out", "since start: routed without tokens"],
-    ["render", "template render pool"],
+    ["render", "template render workers", "processes that parse and render large requests"],
     ["mode", "tokenize mode", "offload: caches, threads, fallback; inline: the naive baseline"],
   ]);
   const charts = root.querySelector(".charts");
@@ -54,7 +54,12 @@ export function createTokenizePanel(root) {
     stats.set("waited", count(saturated.waited));
     stats.set("bailed", count(saturated.bailed_out));
     const render = pre.render;
-    stats.set("render", render ? `${count(render.busy)} / ${count(render.workers)} busy, ${count(render.queued)} queued` : DASH);
+    const workers = render ? render.total ?? render.workers : null;
+    stats.set(
+      "render",
+      render ? `${count(render.busy)} / ${count(workers)} busy, ${count(render.queued)} queued` : DASH,
+      render && workers ? render.busy / workers : null,
+    );
     stats.set("mode", pre.mode || DASH);
     const windowed = (snapshot.window || {}).tokenize || {};
     const paths = PATHS.filter((p) => windowed[p]).concat(Object.keys(windowed).filter((p) => !PATHS.includes(p)));
