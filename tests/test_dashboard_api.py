@@ -224,6 +224,9 @@ async def test_oversized_and_unknown_requests_get_json_errors(
     assert missing.status_code == 404 and "error" in missing.json()
     burst = await client.post(running.dashboard_url + "/api/demo/burst")
     assert burst.status_code == 404  # only `sluice demo` has bursts
+    wrong_method = await client.post(running.dashboard_url + "/api/policy")
+    assert wrong_method.status_code == 405 and "PUT" in wrong_method.headers["allow"]
+    assert "error" in wrong_method.json()
 
 
 async def test_writes_need_the_admin_token(

@@ -13,6 +13,7 @@ Every error is OpenAI-shaped JSON. Who may do what: security.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,12 @@ def create_dashboard(
         return response
 
     @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException) -> Answer:
-        kind = "invalid_request_error" if (error.code or 500) < 500 else "server_error"
-        return _error(error.code or 500, error.description or error.name, kind)
+    async def http_error(error: HTTPException) -> tuple[dict[str, Any], int, dict[str, str]]:
+        code = error.code or 500
+        kind = "invalid_request_error" if code < 500 else "server_error"
+        body, _ = _error(code, error.description or error.name, kind)
+        allowed = getattr(error, "valid_methods", None)
+        return body, code, {"allow": ", ".join(allowed)} if allowed else {}
 
     def refuse_write() -> Answer | None:
         """Why this write may not happen, or None."""
@@ -118,8 +122,10 @@ def create_dashboard(
         async def events() -> Any:
             # Browsers retry after this many ms when the stream breaks (Sluice restarting).
             yield b"retry: 1000\n\n"
-            async for payload in feed.pages_events():
-                yield b"data: " + payload + b"\n\n"
+            # Closed with the response, so that the page stops being counted at once.
+            async with aclosing(feed.pages_events()) as payloads:
+                async for payload in payloads:
+                    yield b"data: " + payload + b"\n\n"
 
         response = Response(events(), content_type="text/event-stream")
         response.headers["cache-control"] = "no-store"

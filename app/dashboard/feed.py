@@ -17,7 +17,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import trio
@@ -105,6 +105,9 @@ def _finite(value: Any) -> Any:
 
 
 class DashboardFeed:
+    """Run `run` in the main nursery; pages iterate `pages_events`, `/api/snapshot` calls
+    `snapshot`, a write calls `poke`."""
+
     def __init__(
         self,
         build: BuildSnapshot,
@@ -170,7 +173,7 @@ class DashboardFeed:
                     if self.pages:
                         self._guarded(self._publish)
 
-    async def pages_events(self) -> AsyncIterator[bytes]:
+    async def pages_events(self) -> AsyncGenerator[bytes, None]:
         """What one page receives: the current snapshot at once, then one a tick.
 
         Ends at once if the page limit was reached in the meantime.
