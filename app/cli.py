@@ -33,7 +33,9 @@ HELP: dict[str, str] = {
     "first_byte_timeout": "seconds to wait for a backend's response headers",
     "idle_timeout": "seconds allowed between two chunks of a streamed response",
     "stall_instrument": "time every task step to find stalls (small cost per step)",
-    "admin_token": "bearer token required by PUT /api/policy (default: none required)",
+    "admin_token": "bearer token required by the dashboard's writes (PUT /api/policy); "
+    "required with a non-loopback --dashboard-host",
+    "demo_burst_interval": "seconds between two bursts of large unique prompts (0: none)",
     "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
     "backlog": "connections the kernel may queue before they are accepted",
     "max_connections": "completion requests in flight; more get a fast 503 with Retry-After",
@@ -185,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy in front of OpenAI-compatible backends")
     serve.add_argument("--config", help="TOML file with any of the flags below")
     serve.add_argument("--backend", action="append", help=HELP["backend"])
-    _add_dataclass_flags(serve, Settings, skip=("demo_backends", "demo_rps"))
+    _add_dataclass_flags(serve, Settings, skip=("demo_backends", "demo_rps", "demo_burst_interval"))
 
     demo = sub.add_parser("demo", help="simulated backends + proxy + dashboard + light traffic")
     demo.add_argument("--config", help="TOML file with any of the flags below")

@@ -5,6 +5,7 @@ Precedence, highest first: command-line flag, environment variable, `--config` f
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -68,6 +69,8 @@ class Settings:
     # Demo only.
     demo_backends: int = 3
     demo_rps: float = 2.0
+    # Seconds between two bursts of large unique prompts (0: none; the page can still ask).
+    demo_burst_interval: float = 30.0
 
     def __post_init__(self) -> None:
         at_least_one = (
@@ -101,3 +104,22 @@ class Settings:
                 raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ValueError("--admin-token must not be empty")
+        if self.admin_token is None and not is_loopback_host(self.dashboard_host):
+            raise ValueError(
+                f"--dashboard-host {self.dashboard_host!r} is reachable from other machines: "
+                "set --admin-token too, or the saturation switch would be anyone's"
+            )
+        if self.demo_burst_interval < 0:
+            raise ValueError("--demo-burst-interval must not be negative")
+
+
+def is_loopback_host(host: str) -> bool:
+    """`localhost` or a loopback address (127.0.0.0/8, ::1); other names are not trusted."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -12,6 +12,7 @@ import gc
 import logging
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,7 +24,10 @@ from hypercorn.trio import serve
 from app.asgi import server_config
 from app.config import Saturation, Settings
 from app.dashboard.app import create_dashboard
+from app.dashboard.feed import DashboardFeed
+from app.observe.backend_stats import backend_rows
 from app.observe.loop_monitor import LoopMonitor
+from app.observe.metric_summaries import counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
 from app.preprocess import Preprocessor, TemplateLoadError, TokenizerLoadError
 from app.preprocess.tokenizer_loading import TokenizerLike
@@ -34,7 +38,7 @@ from app.routing.health import HealthChecker
 from app.routing.policies import make_policy
 from app.sim.server import serve_sim
 from app.sim.settings import SimSettings
-from app.sim.traffic import run_traffic
+from app.sim.traffic import DemoTraffic
 
 log = logging.getLogger("sluice")
 
@@ -65,18 +69,40 @@ class Sluice:
             settings, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
         )
         self.shutdown = trio.Event()
+        # `sluice demo` sets this: the dashboard's "send a burst" button calls it.
+        self.request_burst: Callable[[], bool] | None = None
+        self.dashboard_feed: DashboardFeed | None = None  # once running
 
     def set_saturation(self, policy: Saturation) -> None:
         log.info("saturation policy is now %s", policy)
         self.preprocessor.saturation = policy
 
     def snapshot(self) -> dict[str, Any]:
+        now = trio.current_time()
+        traffic = self.metrics.traffic
+        backends = self.pool.snapshot(now)
+        codes = counts_by_two_labels(self.metrics.backend_requests, "backend", "code")
+        backend_rows(backends, codes, traffic.backends.snapshot(time.perf_counter()))
         return {
-            "time": trio.current_time(),
+            "time": now,
+            "wall_time": time.time(),
             "policy": self.policy.name,
-            "backends": self.pool.snapshot(trio.current_time()),
+            "backends": backends,
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
+            "tokenize": tokenize_summary(self.metrics),
+            "requests": traffic.snapshot(),
+        }
+
+    def occupancy(self) -> dict[str, float]:
+        """The gauges the dashboard samples between ticks to catch short bursts."""
+        preprocess = self.preprocessor.snapshot()
+        threads = preprocess["threads"]
+        return {
+            "threads_busy": threads["busy"],
+            "queued": threads["queued"],
+            "saturated_waiting": threads["saturated_waiting"],
+            "fallback_busy": float(preprocess["fallback_busy"]),
         }
 
     async def run(
@@ -102,7 +128,20 @@ class Sluice:
             proxy = ProxyApp(
                 settings, self.pool, self.policy, upstream, self.preprocessor, self.metrics
             )
-            dashboard = create_dashboard(self.snapshot, self.set_saturation, settings.admin_token)
+            feed = self.dashboard_feed = DashboardFeed(
+                self.snapshot,
+                self.occupancy,
+                demo=self.request_burst is not None,
+                write_needs_token=settings.admin_token is not None,
+            )
+            await nursery.start(feed.run)
+            dashboard = create_dashboard(
+                feed,
+                self.set_saturation,
+                settings.admin_token,
+                bound_host=settings.dashboard_host,
+                request_burst=self.request_burst,
+            )
             async with trio.open_nursery() as servers:
                 proxy_urls = await servers.start(
                     _serve,
@@ -188,6 +227,8 @@ async def demo_main(settings: Settings) -> None:
             for i in range(settings.demo_backends)
         ]
         sluice = Sluice(_demo_settings(settings, tuple(backend_urls)))
+        traffic = DemoTraffic(settings.demo_rps, settings.demo_burst_interval)
+        sluice.request_burst = traffic.request_burst
         await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
         proxy_url, dashboard_url = await nursery.start(
             _run_then_cancel, sluice, nursery.cancel_scope
@@ -196,7 +237,7 @@ async def demo_main(settings: Settings) -> None:
         _print_urls(proxy_url, dashboard_url)
         print("Press Ctrl-C to stop.", flush=True)
         async with trio.open_nursery() as clients:
-            clients.start_soon(run_traffic, proxy_url, settings.demo_rps)
+            clients.start_soon(traffic.run, proxy_url)
             await sluice.shutdown.wait()
             clients.cancel_scope.cancel()
 

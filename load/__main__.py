@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from load import bench_preprocess, burst, detector_cost, hardening, overhead
+from load import bench_preprocess, burst, dashboard_cost, detector_cost, hardening, overhead
 
 
 def main() -> None:
@@ -21,6 +21,9 @@ def main() -> None:
     detector_cost.add_arguments(
         sub.add_parser("detector-cost", help="proxy throughput with the stall timer on vs off")
     )
+    dashboard_cost.add_arguments(
+        sub.add_parser("dashboard-cost", help="proxy CPU per request with 0 vs 5 dashboard pages")
+    )
     sub.add_parser("preprocess", help="tokenizer cache, template and loop micro-benchmarks")
     hardening.add_arguments(
         sub.add_parser("hardening", help="long chats, a 12 MB prompt, 1,000 streams: the loop")
@@ -32,6 +35,8 @@ def main() -> None:
         burst.main(args)
     elif args.benchmark == "detector-cost":
         detector_cost.main(args)
+    elif args.benchmark == "dashboard-cost":
+        dashboard_cost.main(args)
     elif args.benchmark == "preprocess":
         bench_preprocess.main()
     elif args.benchmark == "hardening":

@@ -35,8 +35,9 @@ def build_wheel(into: Path) -> Path:
 async def test_an_installed_wheel_serves_the_dashboard(tmp_path: Path) -> None:
     wheel = await trio.to_thread.run_sync(build_wheel, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    for asset in [*ROOT.glob("templates/*"), *ROOT.glob("static/*")]:
-        assert f"app/dashboard/{asset.parent.name}/{asset.name}" in names
+    for asset in [*ROOT.glob("templates/**/*"), *ROOT.glob("static/**/*")]:
+        if asset.is_file():
+            assert f"app/dashboard/{asset.relative_to(ROOT).as_posix()}" in names
 
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:

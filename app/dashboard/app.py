@@ -1,19 +1,44 @@
-"""The dashboard: a QuartTrio app on its own port, reading snapshots the runtime assembles."""
+"""The dashboard: a QuartTrio app on its own port. It reads what the feed publishes and makes
+the two writes an operator has: the saturation policy and, in the demo, a burst.
+
+    GET  /                the page (templates/dashboard.html, static/)
+    GET  /api/snapshot    one JSON snapshot (schema in the README)
+    GET  /api/events      server-sent events: a snapshot a tick, the same bytes for every page
+    PUT  /api/policy      {"saturation": "wait" | "bail-out"}
+    POST /api/demo/burst  `sluice demo` only: send a burst of large unique prompts now
+
+Every error is OpenAI-shaped JSON. Who may do what: security.py.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import trio
 from quart import Response, render_template, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
+from app.dashboard.feed import DashboardFeed
+from app.dashboard.security import bearer_matches, host_allowed, same_origin
 
 HERE = Path(__file__).resolve().parent
+MAX_WRITE_BYTES = 4096
+SATURATION_POLICIES: tuple[Saturation, ...] = ("wait", "bail-out")
+PAGE_HEADERS = {
+    # The page loads nothing but its own files, and no other site may frame the switch.
+    "content-security-policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+}
+
+SetSaturation = Callable[[Saturation], None]
+RequestBurst = Callable[[], bool]
+Answer = tuple[dict[str, Any], int]
 
 
 def asset_folder(name: str) -> Path:
@@ -22,26 +47,64 @@ def asset_folder(name: str) -> Path:
     installed = HERE / name
     return installed if installed.is_dir() else HERE.parents[1] / name
 
-EVENT_INTERVAL_SECONDS = 1.0
 
-Snapshot = Callable[[], dict[str, Any]]
-SetSaturation = Callable[[Saturation], None]
-SATURATION_POLICIES: tuple[Saturation, ...] = ("wait", "bail-out")
-
-
-def _error(status: int, message: str, param: str | None = None) -> tuple[dict[str, Any], int]:
-    error = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
-    return {"error": error}, status
+def _error(status: int, message: str, type_: str, param: str | None = None) -> Answer:
+    return {"error": {"message": message, "type": type_, "param": param, "code": None}}, status
 
 
 def create_dashboard(
-    snapshot: Snapshot, set_saturation: SetSaturation, admin_token: str | None
+    feed: DashboardFeed,
+    set_saturation: SetSaturation,
+    admin_token: str | None,
+    *,
+    bound_host: str = "127.0.0.1",
+    request_burst: RequestBurst | None = None,
 ) -> QuartTrio:
     app = QuartTrio(
         __name__,
         template_folder=str(asset_folder("templates")),
         static_folder=str(asset_folder("static")),
     )
+    app.config["MAX_CONTENT_LENGTH"] = MAX_WRITE_BYTES
+    # A restarted Sluice may serve a newer page: browsers revalidate rather than guess.
+    app.config["SEND_FILE_MAX_AGE_DEFAULT"] = 0
+
+    @app.before_request
+    async def refuse_foreign_hosts() -> Answer | None:
+        if not host_allowed(request.headers.get("host"), bound_host):
+            return _error(403, "this dashboard answers to loopback host names only", "forbidden")
+        return None
+
+    @app.after_request
+    async def page_headers(response: Response) -> Response:
+        for name, value in PAGE_HEADERS.items():
+            response.headers.setdefault(name, value)
+        return response
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> tuple[dict[str, Any], int, dict[str, str]]:
+        code = error.code or 500
+        kind = "invalid_request_error" if code < 500 else "server_error"
+        body, _ = _error(code, error.description or error.name, kind)
+        allowed = getattr(error, "valid_methods", None)
+        return body, code, {"allow": ", ".join(allowed)} if allowed else {}
+
+    def refuse_write() -> Answer | None:
+        """Why this write may not happen, or None."""
+        headers = request.headers
+        if not same_origin(
+            headers.get("origin"), headers.get("sec-fetch-site"), headers.get("host")
+        ):
+            return _error(403, "cross-origin writes are refused", "forbidden")
+        if admin_token is not None and not bearer_matches(
+            headers.get("authorization"), admin_token
+        ):
+            return _error(
+                401,
+                "this write needs 'Authorization: Bearer <admin token>'",
+                "authentication_error",
+            )
+        return None
 
     @app.get("/")
     async def page() -> str:
@@ -49,33 +112,59 @@ def create_dashboard(
 
     @app.get("/api/snapshot")
     async def api_snapshot() -> dict[str, Any]:
-        return snapshot()
+        return feed.snapshot()
 
     @app.get("/api/events")
-    async def api_events() -> Response:
-        async def events() -> AsyncIterator[bytes]:
-            while True:
-                yield b"data: " + json.dumps(snapshot()).encode() + b"\n\n"
-                await trio.sleep(EVENT_INTERVAL_SECONDS)
+    async def api_events() -> Response | Answer:
+        if feed.pages >= feed.max_pages:
+            return _error(503, f"at most {feed.max_pages} pages may listen at once", "overloaded")
+
+        async def events() -> Any:
+            # Browsers retry after this many ms when the stream breaks (Sluice restarting).
+            yield b"retry: 1000\n\n"
+            # Closed with the response, so that the page stops being counted at once.
+            async with aclosing(feed.pages_events()) as payloads:
+                async for payload in payloads:
+                    yield b"data: " + payload + b"\n\n"
 
         response = Response(events(), content_type="text/event-stream")
-        response.headers["cache-control"] = "no-cache"
+        response.headers["cache-control"] = "no-store"
+        response.headers["x-accel-buffering"] = "no"  # tell buffering reverse proxies not to
         response.timeout = None
         return response
 
     @app.put("/api/policy")
-    async def api_policy() -> tuple[dict[str, Any], int]:
-        if admin_token is not None:
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {admin_token}":
-                return _error(401, "PUT /api/policy needs 'Authorization: Bearer <admin token>'")
+    async def api_policy() -> Answer:
+        refused = refuse_write()
+        if refused is not None:
+            return refused
         payload = await request.get_json(force=True, silent=True)
         if not isinstance(payload, dict):
-            return _error(400, 'expected a JSON object like {"saturation": "wait"}')
+            return _error(
+                400, 'expected a JSON object like {"saturation": "wait"}', "invalid_request_error"
+            )
+        unknown = sorted(set(payload) - {"saturation"})
+        if unknown:
+            return _error(400, f"unknown field {unknown[0]!r}", "invalid_request_error", unknown[0])
         saturation = payload.get("saturation")
         if saturation not in SATURATION_POLICIES:
-            return _error(400, "'saturation' must be 'wait' or 'bail-out'", "saturation")
+            return _error(
+                400,
+                "'saturation' must be 'wait' or 'bail-out'",
+                "invalid_request_error",
+                "saturation",
+            )
         set_saturation(saturation)
+        feed.poke()
         return {"saturation": saturation}, 200
+
+    @app.post("/api/demo/burst")
+    async def api_burst() -> Answer:
+        if request_burst is None:
+            return _error(404, "bursts are a `sluice demo` feature", "invalid_request_error")
+        refused = refuse_write()
+        if refused is not None:
+            return refused
+        return {"queued": request_burst()}, 202
 
     return app

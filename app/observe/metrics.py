@@ -15,6 +15,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from app.observe.request_trace import TrafficRecorder
+
 # The `*_created` series double the exposition and no dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -137,6 +139,10 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
+
+        # Not exported: the dashboard's request log and per-backend first-token times,
+        # which the proxy feeds through `traffic.trace(...)` (observe/request_trace.py).
+        self.traffic = TrafficRecorder()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

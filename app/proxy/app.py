@@ -222,6 +222,7 @@ class ProxyApp:
         self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind
     ) -> None:
         timing = Timing(started=time.perf_counter())
+        send = trace = self.metrics.traffic.trace(send, timing, kind)
         try:
             body = await read_body(receive, self.settings.max_body_bytes)
             prepared = await self.prepare(kind, body)
@@ -230,6 +231,7 @@ class ProxyApp:
             return
         except ClientGone:
             return
+        trace.prepared(prepared)
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
         if prepared.token_ids is not None:
@@ -254,6 +256,7 @@ class ProxyApp:
             )
             await self.forward(send, outgoing)
             nursery.cancel_scope.cancel()
+        trace.finish()
 
     async def forward(self, send: Send, outgoing: Outgoing) -> None:
         tried: list[Backend] = []

@@ -1,13 +1,19 @@
-"""Simulated clients: a gentle, realistic mix of requests for `sluice demo`.
+"""Simulated clients for `sluice demo`: a gentle, realistic mix, and bursts worth watching.
 
-The mix follows seed 000's observation of real traffic: many requests share a few long
-system prompts (cache hits), conversations grow turn by turn (prefix hits), and some
-questions are one-offs (misses).
+The mix follows seed 000's observation of real traffic: some questions come again word for
+word (exact hits), many requests share a few long system prompts (prefix hits),
+conversations grow turn by turn (prefix hits), and some questions are one-offs (misses).
+
+Every `--demo-burst-interval` seconds, and whenever the dashboard's "send a burst" button
+asks, a burst of large unique prompts saturates the tokenizer, so that the fallback, the
+queue, the saturation policy and the stall detector all have something to show within
+seconds of opening the page.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +25,10 @@ log = logging.getLogger("sluice.traffic")
 
 MAX_CONCURRENT_REQUESTS = 16
 MAX_TURNS = 12
+BURST_SIZE = 32
+BURST_WORDS = 6000
+FIRST_BURST_AFTER_S = 5.0
+BURST_VOCABULARY = ("latency", "tokenizer", "kernel", "prefix", "batch", "stream", "cache", "GPU")
 
 SYSTEM_PROMPTS = (
     "You are a careful support agent for a cloud storage company. "
@@ -77,7 +87,13 @@ class Conversations:
 def requests(rng: random.Random, conversations: Conversations) -> Iterator[dict[str, Any]]:
     while True:
         roll = rng.random()
-        if roll < 0.5:
+        if roll < 0.2:
+            # The same question asked again, word for word (FAQ bots, retries): L0 hits.
+            messages = [
+                {"role": "system", "content": SYSTEM_PROMPTS[0]},
+                {"role": "user", "content": f"How do {rng.choice(TOPICS[:4])} work?"},
+            ]
+        elif roll < 0.55:
             messages = [
                 {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
                 {"role": "user", "content": _question(rng)},
@@ -95,39 +111,105 @@ def requests(rng: random.Random, conversations: Conversations) -> Iterator[dict[
 
 
 async def _send(
-    client: httpx.AsyncClient, body: dict[str, Any], conversations: Conversations
+    client: httpx.AsyncClient,
+    body: dict[str, Any],
+    conversations: Conversations | None,
+    path: str = "/v1/chat/completions",
 ) -> None:
     try:
-        if body["stream"]:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if body.get("stream"):
+            async with client.stream("POST", path, json=body) as response:
                 async for _ in response.aiter_raw():
                     pass
             return
-        response = await client.post("/v1/chat/completions", json=body)
-        if response.status_code == 200:
+        response = await client.post(path, json=body)
+        if response.status_code == 200 and conversations is not None:
             answer = response.json()["choices"][0]["message"]["content"]
             conversations.answered(body["messages"], answer)
     except httpx.HTTPError as exc:
         log.debug("demo request failed: %s", exc)
 
 
-async def run_traffic(proxy_url: str, rate: float, seed: int = 0) -> None:
-    """Send requests with Poisson arrivals at `rate` per second, forever."""
+def burst_text(seed: int, words: int = BURST_WORDS) -> str:
+    """~58 KB of made-up words, ~12k DeepSeek tokens: ~30 ms to tokenize on these machines."""
     rng = random.Random(seed)
-    conversations = Conversations(rng)
-    limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
-    # Building a client loads CA certificates (~30 ms, seen by the stall detector): not on the loop.
-    client = await trio.to_thread.run_sync(
-        lambda: httpx.AsyncClient(base_url=proxy_url, timeout=30, trust_env=False)
-    )
-    async with client, trio.open_nursery() as nursery:
-        for body in requests(rng, conversations):
-            await trio.sleep(rng.expovariate(rate))
-            if limiter.available_tokens == 0:
-                continue
+    return " ".join(f"{rng.choice(BURST_VOCABULARY)}{rng.randrange(1000)}" for _ in range(words))
 
-            async def one(body: dict[str, Any] = body) -> None:
-                async with limiter:
-                    await _send(client, body, conversations)
 
-            nursery.start_soon(one)
+class DemoTraffic:
+    """Steady traffic with Poisson arrivals, and now and then a burst that saturates the
+    tokenizer: `burst_size` large prompts at once, each unique from its first word on, so
+    that no cache helps. With one tokenizer thread and a queue of 8, a burst of 16 fills the
+    thread and the queue, takes the capacity-one fallback (a stall of the loop) and leaves
+    the rest to the saturation policy: they wait, or they bail out."""
+
+    def __init__(
+        self,
+        rate: float,
+        burst_interval: float,
+        *,
+        seed: int = 0,
+        burst_size: int = BURST_SIZE,
+        first_burst_after: float = FIRST_BURST_AFTER_S,
+    ) -> None:
+        self.rate = rate
+        self.burst_interval = burst_interval
+        self.burst_size = burst_size
+        self.first_burst_after = first_burst_after
+        self.bursts_sent = 0
+        self._rng = random.Random(seed)
+        self._asks, self._asked = trio.open_memory_channel[None](1)
+
+    def request_burst(self) -> bool:
+        """Ask for a burst now; False when one is already asked for and not yet sent."""
+        try:
+            self._asks.send_nowait(None)
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def run(self, proxy_url: str) -> None:
+        """Send traffic to `proxy_url` forever."""
+        # Building a client loads CA certificates (~30 ms, seen by the stall detector): not
+        # on the loop.
+        client = await trio.to_thread.run_sync(
+            lambda: httpx.AsyncClient(base_url=proxy_url, timeout=60, trust_env=False)
+        )
+        async with client, trio.open_nursery() as nursery:
+            nursery.start_soon(self._steady, client)
+            nursery.start_soon(self._bursts, client)
+
+    async def _steady(self, client: httpx.AsyncClient) -> None:
+        rng = self._rng
+        conversations = Conversations(rng)
+        limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
+        async with trio.open_nursery() as nursery:
+            for body in requests(rng, conversations):
+                await trio.sleep(rng.expovariate(self.rate))
+                if limiter.available_tokens == 0:
+                    continue
+
+                async def one(body: dict[str, Any] = body) -> None:
+                    async with limiter:
+                        await _send(client, body, conversations)
+
+                nursery.start_soon(one)
+
+    async def _bursts(self, client: httpx.AsyncClient) -> None:
+        # Made once, in a thread: building ~58 KB of words holds the loop for milliseconds.
+        text = await trio.to_thread.run_sync(burst_text, self._rng.randrange(10**9))
+        wait = self.first_burst_after if self.burst_interval else math.inf
+        while True:
+            with trio.move_on_after(wait):
+                await self._asked.receive()
+            self.bursts_sent += 1
+            log.info("demo: burst %d, %d large unique prompts", self.bursts_sent, self.burst_size)
+            async with trio.open_nursery() as nursery:
+                for index in range(self.burst_size):
+                    body = {
+                        "model": "demo",
+                        "prompt": f"Burst {self.bursts_sent}.{index}: summarise this log. {text}",
+                        "max_tokens": 8,
+                    }
+                    nursery.start_soon(_send, client, body, None, "/v1/completions")
+            wait = self.burst_interval or math.inf

@@ -1,0 +1,154 @@
+"""From snapshots to what changes over time: pure functions of a snapshot and a
+`CounterWindow` of past samples (no Trio, no clock of their own).
+
+Once a tick the feed flattens the snapshot's cumulative counters, bucket counts and the
+occupancy peaks seen since the last tick into a `raw_sample`; `derive_point` turns the
+window of samples into one point of every chart's series, and `decorate` adds to a snapshot
+what only the window knows: current rates, and histograms of the last minute (a histogram
+since start-up would hide this minute's burst under hours of quiet).
+
+Series names (`series` in `/api/snapshot`, units in the name): `lag_p50_ms`, `lag_p99_ms`,
+`stalls_per_s`, `l0_hit_pct`, `l1_hit_pct` (by requests), `l0_token_pct`, `l1_token_pct`
+(by tokens: prompt tokens served from that cache / prompt tokens), `threads_busy`,
+`queued`, `saturated_waiting`, `fallback_busy` (peaks during the tick), `waited_per_s`,
+`bailed_out_per_s`, `requests_per_s`, `errors_per_s`, and `backend_rps:<url>` per backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from app.observe.timeseries import CounterWindow
+
+RATE_TICKS = 10  # rates and hit ratios shown as numbers: over the last 10 ticks
+CHART_RATE_TICKS = 5  # request rates in charts: smoothed over 5 ticks
+HISTOGRAM_TICKS = 60  # histograms on the page: the last 60 ticks
+PEAKS = ("threads_busy", "queued", "saturated_waiting", "fallback_busy")
+
+
+def _bucket_counts(summary: Mapping[str, Any] | None) -> list[float]:
+    if not summary:
+        return []
+    return [float(bucket["count"]) for bucket in summary.get("buckets", ())]
+
+
+def _bounds(summary: Mapping[str, Any] | None) -> list[float]:
+    if not summary:
+        return []
+    return [float(b["le"]) for b in summary.get("buckets", ()) if b["le"] != "+Inf"]
+
+
+def _put_buckets(sample: dict[str, float], prefix: str, summary: Mapping[str, Any] | None) -> None:
+    for index, count in enumerate(_bucket_counts(summary)):
+        sample[f"{prefix}.{index}"] = count
+
+
+def raw_sample(snapshot: Mapping[str, Any], peaks: Mapping[str, float]) -> dict[str, float]:
+    """The snapshot's cumulative numbers, flattened; `peaks` are gauges' maxima this tick."""
+    sample: dict[str, float] = {f"peak.{name}": float(peaks.get(name, 0.0)) for name in PEAKS}
+    loop = snapshot.get("loop", {})
+    _put_buckets(sample, "lag", loop.get("lag"))
+    _put_buckets(sample, "stall", loop.get("stalls"))
+    sample["stalls"] = float(loop.get("stalls", {}).get("count", 0.0))
+    pre = snapshot.get("preprocess", {})
+    for cache in ("l0", "l1"):
+        block = pre.get(cache) or {}
+        if "hits" in block:
+            sample[f"{cache}.hits"] = float(block["hits"])
+            sample[f"{cache}.misses"] = float(block["misses"])
+    tokens = pre.get("tokens")
+    if isinstance(tokens, Mapping):
+        for key in ("prompt", "from_l0", "from_l1"):
+            if isinstance(tokens.get(key), int | float):
+                sample[f"tokens.{key}"] = float(tokens[key])
+    tokenize = snapshot.get("tokenize", {})
+    for path, summary in tokenize.get("latency_by_path", {}).items():
+        _put_buckets(sample, f"tok.{path}", summary)
+    saturated = tokenize.get("saturated", {})
+    sample["sat.waited"] = float(saturated.get("waited", 0))
+    sample["sat.bailed_out"] = float(saturated.get("bailed_out", 0))
+    requests = snapshot.get("requests", {})
+    sample["req.total"] = float(requests.get("total", 0))
+    sample["req.errors"] = float(requests.get("by_class", {}).get("5xx", 0))
+    for backend in snapshot.get("backends", ()):
+        traffic = backend.get("traffic") or {}
+        sample[f"be.{backend['url']}.requests"] = float(traffic.get("requests_total", 0))
+        sample[f"be.{backend['url']}.errors"] = float(traffic.get("errors_total", 0))
+    return sample
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else value * 100
+
+
+def _lag_quantiles(window: CounterWindow, bounds: Sequence[float]) -> tuple[Any, Any]:
+    """p50 and p99 of the lag probes of the last tick, in ms."""
+    if not bounds:
+        return None, None
+    keys = [f"lag.{i}" for i in range(len(bounds) + 1)]
+    summary = window.histogram(keys, bounds, 1)
+    p50, p99 = summary["p50"], summary["p99"]
+    return (
+        None if p50 is None else p50 * 1000,
+        None if p99 is None else p99 * 1000,
+    )
+
+
+def derive_point(window: CounterWindow, snapshot: Mapping[str, Any]) -> dict[str, float | None]:
+    """One point of every series, from the window whose newest sample is `snapshot`'s."""
+    lag_p50, lag_p99 = _lag_quantiles(window, _bounds(snapshot.get("loop", {}).get("lag")))
+    point: dict[str, float | None] = {
+        "lag_p50_ms": lag_p50,
+        "lag_p99_ms": lag_p99,
+        "stalls_per_s": window.rate("stalls", 1),
+        "l0_hit_pct": _pct(window.ratio("l0.hits", ("l0.hits", "l0.misses"), RATE_TICKS)),
+        "l1_hit_pct": _pct(window.ratio("l1.hits", ("l1.hits", "l1.misses"), RATE_TICKS)),
+        "l0_token_pct": _pct(window.ratio("tokens.from_l0", ("tokens.prompt",), RATE_TICKS)),
+        "l1_token_pct": _pct(window.ratio("tokens.from_l1", ("tokens.prompt",), RATE_TICKS)),
+        "waited_per_s": window.rate("sat.waited", 1),
+        "bailed_out_per_s": window.rate("sat.bailed_out", 1),
+        "requests_per_s": window.rate("req.total", CHART_RATE_TICKS),
+        "errors_per_s": window.rate("req.errors", CHART_RATE_TICKS),
+    }
+    for name in PEAKS:
+        point[name] = window.latest(f"peak.{name}")
+    for backend in snapshot.get("backends", ()):
+        url = backend["url"]
+        point[f"backend_rps:{url}"] = window.rate(f"be.{url}.requests", CHART_RATE_TICKS)
+    return point
+
+
+def _window_histogram(
+    window: CounterWindow, prefix: str, summary: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    bounds = _bounds(summary)
+    if not bounds:
+        return None
+    keys = [f"{prefix}.{i}" for i in range(len(bounds) + 1)]
+    return window.histogram(keys, bounds, HISTOGRAM_TICKS)
+
+
+def decorate(snapshot: dict[str, Any], window: CounterWindow) -> None:
+    """Add current rates and last-minute histograms to `snapshot` (in place)."""
+    loop = snapshot.get("loop", {})
+    tokenize = snapshot.get("tokenize", {})
+    snapshot["window"] = {
+        "seconds": window.seconds(HISTOGRAM_TICKS),
+        "lag": _window_histogram(window, "lag", loop.get("lag")),
+        "stalls": _window_histogram(window, "stall", loop.get("stalls")),
+        "tokenize": {
+            path: _window_histogram(window, f"tok.{path}", summary)
+            for path, summary in tokenize.get("latency_by_path", {}).items()
+        },
+    }
+    requests = snapshot.get("requests")
+    if isinstance(requests, dict):
+        requests["per_s"] = window.rate("req.total", RATE_TICKS)
+        requests["errors_per_s"] = window.rate("req.errors", RATE_TICKS)
+    for backend in snapshot.get("backends", ()):
+        traffic = backend.get("traffic")
+        if isinstance(traffic, dict):
+            url = backend["url"]
+            traffic["requests_per_s"] = window.rate(f"be.{url}.requests", RATE_TICKS)
+            traffic["errors_per_s"] = window.rate(f"be.{url}.errors", RATE_TICKS)

@@ -1,0 +1,227 @@
+"""The dashboard's heartbeat: one task that, once a tick, takes a snapshot, adds a point to
+every time series and — only while a page is listening — serialises the snapshot once for
+all of them.
+
+Pages never build anything: each waits for the next published payload (the same bytes for
+every page), and a slow page simply skips to the newest one, so nothing queues up behind
+it. The proxy's requests never wait for the dashboard either: recording a request is a few
+microseconds on its own path (observe/request_trace.py), and everything here happens once
+a tick, whatever the traffic. Occupancy gauges (threads, queue, fallback) are read ten times
+a tick and their peak kept, so a half-second burst still shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
+
+import trio
+
+from app.dashboard.derive import HISTOGRAM_TICKS, decorate, derive_point, raw_sample
+from app.observe.stalls import RateLimiter
+from app.observe.timeseries import Columns, CounterWindow
+
+log = logging.getLogger("sluice.dashboard")
+
+BuildSnapshot = Callable[[], dict[str, Any]]
+ReadOccupancy = Callable[[], Mapping[str, float]]
+
+
+class Broadcast:
+    """The newest payload, numbered, and a way to wait for a newer one."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.published_at = -math.inf
+        self._payload = b""
+        self._changed = trio.Event()
+
+    def publish(self, payload: bytes, now: float) -> None:
+        self._payload = payload
+        self.version += 1
+        self.published_at = now
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def newer_than(self, version: int) -> tuple[int, bytes]:
+        while self.version <= version:
+            await self._changed.wait()
+        return self.version, self._payload
+
+
+class RecordCache:
+    """The request log serialised one record at a time, each once in its life: the log is
+    most of a snapshot's bytes, and a record never changes once it is logged."""
+
+    def __init__(self) -> None:
+        self._by_seq: dict[int, bytes] = {}
+        # Stands for the list in the rest of the snapshot; no client can guess it.
+        self.placeholder = f"recent-{uuid.uuid4().hex}"
+
+    def encode(self, records: list[Any]) -> bytes:
+        kept: dict[int, bytes] = {}
+        for record in records:
+            seq = record["seq"]
+            kept[seq] = self._by_seq.get(seq) or to_json_bytes(record)
+        self._by_seq = kept  # bounded by the log's own capacity
+        return b"[" + b",".join(kept.values()) + b"]"
+
+    def serialise(self, snapshot: dict[str, Any]) -> bytes:
+        """`to_json_bytes(snapshot)`, the request log spliced in from the cache."""
+        requests = snapshot.get("requests")
+        if not isinstance(requests, dict) or not isinstance(requests.get("recent"), list):
+            return to_json_bytes(snapshot)
+        recent = requests["recent"]
+        requests["recent"] = self.placeholder
+        try:
+            text = to_json_bytes(snapshot)
+        finally:
+            requests["recent"] = recent
+        return text.replace(f'"{self.placeholder}"'.encode(), self.encode(recent), 1)
+
+
+def to_json_bytes(snapshot: Mapping[str, Any]) -> bytes:
+    """Strict JSON (a browser's JSON.parse refuses NaN): non-finite numbers become null."""
+    try:
+        text = json.dumps(snapshot, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(snapshot), separators=(",", ":"), allow_nan=False)
+    return text.encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
+class DashboardFeed:
+    """Run `run` in the main nursery; pages iterate `pages_events`, `/api/snapshot` calls
+    `snapshot`, a write calls `poke`."""
+
+    def __init__(
+        self,
+        build: BuildSnapshot,
+        occupancy: ReadOccupancy,
+        *,
+        demo: bool,
+        write_needs_token: bool,
+        tick_s: float = 1.0,
+        history_points: int = 180,
+        max_pages: int = 32,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._build = build
+        self._occupancy = occupancy
+        self.demo = demo
+        self.write_needs_token = write_needs_token
+        self.tick_s = tick_s
+        self.max_pages = max_pages
+        self._wall_clock = wall_clock
+        self._window = CounterWindow(HISTOGRAM_TICKS)
+        self._columns = Columns(history_points)
+        self._peaks: dict[str, float] = {}
+        self._broadcast = Broadcast()
+        self._records = RecordCache()
+        self._poked = trio.Event()
+        self._error_reports = RateLimiter(1, 60.0)
+        self.pages = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A fresh snapshot with the time series and the rates as of the last tick."""
+        return self._complete(self._build())
+
+    def _complete(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+        decorate(snapshot, self._window)
+        snapshot["series"] = self._columns.to_json()
+        snapshot["dashboard"] = {
+            "demo": self.demo,
+            "write_needs_token": self.write_needs_token,
+            "pages": self.pages,
+            "tick_s": self.tick_s,
+            "history_points": self._columns.capacity,
+        }
+        return snapshot
+
+    def poke(self) -> None:
+        """Publish a fresh snapshot now rather than at the next tick (a policy changed)."""
+        self._poked.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_occupancy)
+            task_status.started()
+            next_tick = trio.current_time()
+            while True:
+                now = trio.current_time()
+                if now >= next_tick:
+                    self._guarded(self._tick)
+                    next_tick = max(next_tick + self.tick_s, now)
+                with trio.move_on_at(next_tick):
+                    await self._poked.wait()
+                if self._poked.is_set():
+                    self._poked = trio.Event()
+                    if self.pages:
+                        self._guarded(self._publish)
+
+    async def pages_events(self) -> AsyncGenerator[bytes, None]:
+        """What one page receives: the current snapshot at once, then one a tick.
+
+        Ends at once if the page limit was reached in the meantime.
+        """
+        if self.pages >= self.max_pages:
+            return
+        self.pages += 1
+        try:
+            if trio.current_time() - self._broadcast.published_at > self.tick_s:
+                self._guarded(self._publish)
+            version = 0
+            while True:
+                version, payload = await self._broadcast.newer_than(version)
+                yield payload
+        finally:
+            self.pages -= 1
+
+    def _tick(self) -> None:
+        snapshot = self._build()
+        peaks, self._peaks = self._peaks, {}
+        self._note_occupancy(peaks)
+        self._window.push(trio.current_time(), raw_sample(snapshot, peaks))
+        point = {k: _rounded(v) for k, v in derive_point(self._window, snapshot).items()}
+        self._columns.append(round(self._wall_clock(), 3), point)
+        if self.pages:
+            self._publish(self._complete(snapshot))
+
+    def _publish(self, snapshot: dict[str, Any] | None = None) -> None:
+        payload = self._records.serialise(snapshot or self.snapshot())
+        self._broadcast.publish(payload, trio.current_time())
+
+    async def _watch_occupancy(self) -> None:
+        while True:
+            await trio.sleep(self.tick_s / 10)
+            self._guarded(self._note_occupancy, self._peaks)
+
+    def _note_occupancy(self, peaks: dict[str, float]) -> None:
+        for name, value in self._occupancy().items():
+            peaks[name] = max(peaks.get(name, value), value)
+
+    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+        """A bug in a snapshot must cost the page a tick, never the proxy its nursery."""
+        try:
+            step(*args)
+        except Exception:
+            if self._error_reports.admit(time.monotonic()) is not None:
+                log.exception("dashboard feed: a tick failed (at most one report a minute)")
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)

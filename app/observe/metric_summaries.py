@@ -1,0 +1,82 @@
+"""Reading Prometheus collectors back as the JSON the dashboard shows.
+
+A labelled histogram becomes one summary per label value (buckets, count, sum, p50, p99, by
+`stalls.summarize_histogram`, the same shape as the event loop's), a labelled counter a dict
+of totals. The collectors stay the single source of truth: what `/metrics` exports and what
+the page shows cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from app.observe.metrics import Metrics
+from app.observe.stalls import summarize_histogram
+
+
+def summarize_by_label(histogram: Histogram, label: str | None) -> dict[str, dict[str, Any]]:
+    """One summary per value of `label` (other labels added together); with `label=None`,
+    one summary under the key "" for the whole histogram."""
+    bounds: list[float] = []
+    cumulative: dict[str, list[float]] = {}
+    sums: dict[str, float] = {}
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            key = "" if label is None else sample.labels[label]
+            if sample.name.endswith("_bucket"):
+                le = sample.labels["le"]
+                if le == "+Inf":
+                    index = len(bounds)
+                else:
+                    # Every label set has the same bounds, listed in ascending order.
+                    if float(le) not in bounds:
+                        bounds.append(float(le))
+                    index = bounds.index(float(le))
+                counts = cumulative.setdefault(key, [])
+                counts.extend([0.0] * (index + 1 - len(counts)))
+                counts[index] += sample.value
+            elif sample.name.endswith("_sum"):
+                sums[key] = sums.get(key, 0.0) + sample.value
+    return {
+        key: summarize_histogram(bounds, counts, sums.get(key, 0.0))
+        for key, counts in cumulative.items()
+    }
+
+
+def counts_by_label(counter: Counter, label: str) -> dict[str, float]:
+    """Totals by one label, the other labels added together."""
+    totals: dict[str, float] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                key = sample.labels[label]
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def counts_by_two_labels(counter: Counter, outer: str, inner: str) -> dict[str, dict[str, float]]:
+    """Totals as {outer value: {inner value: n}}."""
+    totals: dict[str, dict[str, float]] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                row = totals.setdefault(sample.labels[outer], {})
+                row[sample.labels[inner]] = row.get(sample.labels[inner], 0.0) + sample.value
+    return totals
+
+
+def tokenize_summary(metrics: Metrics) -> dict[str, Any]:
+    """Tokenization latency by path, template render time, and saturated requests."""
+    by_path = summarize_by_label(metrics.tokenize_seconds, "path")
+    template = summarize_by_label(metrics.template_seconds, None)[""]
+    saturated = counts_by_label(metrics.tokenize_saturated, "outcome")
+    return {
+        "latency_by_path": by_path,
+        "template": template,
+        "saturated": {
+            "waited": int(saturated.get("waited", 0)),
+            "bailed_out": int(saturated.get("bailed_out", 0)),
+        },
+    }

@@ -1,0 +1,80 @@
+"""The live request log: the last N finished requests, what the dashboard lists. Pure.
+
+A record says how a request went — when, which model, which backend and why, how many
+prompt tokens and where they came from, how long each phase took, the status — and never
+what it said: no prompt text, no message, no header but the request id, no API key. Text
+that a client controls (model name, request id) is clipped, so a record's size is bounded
+whatever the client sends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TypedDict
+
+MAX_TEXT = 96  # characters kept of a client-chosen string (model, request id)
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": no response was finished
+
+
+class RequestRecord(TypedDict):
+    seq: int  # 1, 2, 3... in the order requests finished: lets a page render only new rows
+    time: float  # Unix seconds when the request arrived
+    id: str | None  # x-request-id (the client's, or the one Sluice made)
+    kind: str  # chat | completion
+    model: str | None
+    stream: bool | None
+    backend: str | None  # the backend that answered; None when none did
+    route: str | None  # policy:reason, as in x-sluice-route
+    prompt_tokens: int | None  # None: not tokenized (bail-out, or refused before)
+    tokenize_path: str | None  # l0 | l1 | thread | fallback | inline | bailed_out | given
+    template_ms: float
+    tokenize_ms: float
+    route_ms: float
+    status: int  # the status sent to the client, or 499 if it left before a response
+    ttft_ms: float | None  # until the first body byte went to the client
+    duration_ms: float
+    client_gone: bool  # the client disconnected before the response was complete
+
+
+def clip(text: object) -> str | None:
+    """A client-chosen value as bounded text; None when absent or not a string."""
+    if not isinstance(text, str):
+        return None
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "…"
+
+
+def status_class(status: int) -> str:
+    """2xx, 4xx, 5xx... and `client_gone` for 499, which no server sent."""
+    return "client_gone" if status == CLIENT_GONE_STATUS else f"{status // 100}xx"
+
+
+class RequestLog:
+    """The newest `capacity` records, plus running totals by status class."""
+
+    def __init__(self, capacity: int = 200) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self._records: deque[RequestRecord] = deque(maxlen=capacity)
+        self.total = 0
+        self.by_class: dict[str, int] = {}
+
+    def next_seq(self) -> int:
+        return self.total + 1
+
+    def add(self, record: RequestRecord) -> None:
+        self._records.append(record)
+        self.total += 1
+        key = status_class(record["status"])
+        self.by_class[key] = self.by_class.get(key, 0) + 1
+
+    @property
+    def server_errors(self) -> int:
+        return self.by_class.get("5xx", 0)
+
+    def recent(self) -> list[RequestRecord]:
+        """Newest first. The records are shared, not copied: nobody mutates one once added."""
+        return list(reversed(self._records))
+
+    def __len__(self) -> int:
+        return len(self._records)

@@ -1,0 +1,32 @@
+// The dashboard page: one live stream of snapshots, five panels and the control.
+
+import { connect } from "./connection.js";
+import { createControl } from "./control.js";
+import { createBackendsPanel } from "./panels/backends.js";
+import { createCachesPanel } from "./panels/caches.js";
+import { createLoopPanel } from "./panels/loop.js";
+import { createRequestsPanel } from "./panels/requests.js";
+import { createTokenizePanel } from "./panels/tokenize.js";
+import { clock } from "./format.js";
+
+const updates = [
+  ["control", createControl(document.querySelector("header"))],
+  ["loop", createLoopPanel(document.querySelector("#panel-loop"))],
+  ["caches", createCachesPanel(document.querySelector("#panel-caches"))],
+  ["tokenize", createTokenizePanel(document.querySelector("#panel-tokenize"))],
+  ["backends", createBackendsPanel(document.querySelector("#panel-backends"))],
+  ["requests", createRequestsPanel(document.querySelector("#panel-requests"))],
+];
+const updated = document.querySelector("#updated");
+
+connect(document.querySelector("#connection"), (snapshot) => {
+  updated.textContent = `snapshot ${clock(snapshot.wall_time)}`;
+  for (const [name, update] of updates) {
+    try {
+      update(snapshot);
+    } catch (error) {
+      // One panel's bad day must not freeze the others.
+      console.error(`panel ${name}:`, error);
+    }
+  }
+});

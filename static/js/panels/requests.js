@@ -1,0 +1,106 @@
+// Requests: the live log of the last requests (never their text, never a key), filterable.
+// Rows are added as new records arrive (by `seq`) rather than rebuilt every second.
+
+import { TimeChart } from "../charts.js";
+import { DASH, Stats, clock, count, el, ms, rate } from "../format.js";
+
+function statusClass(record) {
+  if (record.client_gone && record.status === 499) return "gone";
+  return `s${Math.floor(record.status / 100)}xx`;
+}
+
+function row(record) {
+  const route = record.route ? record.route.split(":").slice(1).join(":") : DASH;
+  const tokens = record.prompt_tokens === null ? (record.tokenize_path === "bailed_out" ? "estimated" : DASH) : count(record.prompt_tokens);
+  const status = record.client_gone ? `${record.status} (client left)` : String(record.status);
+  const cells = [
+    el("td", { class: "mono" }, clock(record.time)),
+    el("td", {}, record.model ?? DASH),
+    el("td", { class: "mono" }, record.backend ?? DASH),
+    el("td", {}, route),
+    el("td", { class: "num" }, tokens),
+    el("td", {}, record.tokenize_path ?? DASH),
+    el("td", { class: "num" }, ms(record.template_ms, 2)),
+    el("td", { class: "num" }, ms(record.tokenize_ms, 2)),
+    el("td", { class: "num" }, ms(record.route_ms, 2)),
+    el("td", { class: `num status ${statusClass(record)}` }, status),
+    el("td", { class: "num" }, ms(record.ttft_ms)),
+    el("td", { class: "num" }, ms(record.duration_ms)),
+    el("td", {}, record.stream === null ? DASH : record.stream ? "stream" : "whole"),
+    el("td", { class: "mono small" }, record.id ?? DASH),
+  ];
+  const node = el("tr", { dataset: { seq: record.seq } }, cells);
+  node.searchText = [record.model, record.backend, record.route, record.tokenize_path, record.status, record.id, record.kind]
+    .filter((v) => v !== null && v !== undefined)
+    .join(" ")
+    .toLowerCase();
+  node.statusGroup = statusClass(record);
+  return node;
+}
+
+export function createRequestsPanel(root) {
+  const stats = new Stats(root.querySelector(".stats"), [
+    ["rate", "requests/s (10 s)"],
+    ["errors", "5xx/s (10 s)"],
+    ["total", "requests since start"],
+    ["classes", "by status"],
+  ]);
+  const chart = new TimeChart(root.querySelector(".charts"), {
+    title: "Requests (5 s windows)",
+    yLabel: "requests/s",
+    series: [
+      { key: "requests_per_s", label: "all", color: "#4fc3f7", fmt: (v) => rate(v) },
+      { key: "errors_per_s", label: "5xx", color: "#e57373", fmt: (v) => rate(v) },
+    ],
+  });
+  const table = root.querySelector("table.requests tbody");
+  const text = root.querySelector("input.filter-text");
+  const status = root.querySelector("select.filter-status");
+  const shownCount = root.querySelector(".shown");
+  let lastSeq = 0;
+
+  function visible(node) {
+    const wanted = status.value;
+    if (wanted !== "all" && node.statusGroup !== wanted) return false;
+    const needle = text.value.trim().toLowerCase();
+    return !needle || node.searchText.includes(needle);
+  }
+
+  function applyFilter() {
+    let shown = 0;
+    for (const node of table.children) {
+      node.hidden = !visible(node);
+      if (!node.hidden) shown += 1;
+    }
+    shownCount.textContent = `${shown} of ${table.children.length} shown`;
+  }
+  text.addEventListener("input", applyFilter);
+  status.addEventListener("change", applyFilter);
+
+  return (snapshot) => {
+    const requests = snapshot.requests || {};
+    const recent = requests.recent || [];
+    stats.set("rate", rate(requests.per_s));
+    stats.set("errors", rate(requests.errors_per_s));
+    stats.set("total", count(requests.total));
+    stats.set("classes", Object.entries(requests.by_class || {}).map(([k, n]) => `${k.replace("_", " ")} ${count(n)}`).join(" · ") || DASH);
+    chart.update(snapshot.series);
+    // A restarted Sluice counts from 1 again: start over.
+    if (recent.length && recent[0].seq < lastSeq) {
+      table.replaceChildren();
+      lastSeq = 0;
+    }
+    const fresh = recent.filter((r) => r.seq > lastSeq).reverse();
+    for (const record of fresh) {
+      const node = row(record);
+      node.hidden = !visible(node);
+      table.prepend(node);
+    }
+    if (recent.length) lastSeq = recent[0].seq;
+    const oldest = recent.length ? recent[recent.length - 1].seq : Infinity;
+    while (table.lastElementChild && Number(table.lastElementChild.dataset.seq) < oldest) {
+      table.lastElementChild.remove();
+    }
+    applyFilter();
+  };
+}

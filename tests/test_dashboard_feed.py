@@ -1,0 +1,201 @@
+"""The dashboard feed under a fake clock: a point a tick, serialised only while a page listens
+and once per tick however many listen, a slow page skipping to the newest snapshot, a
+failing snapshot costing a tick and not the feed, occupancy peaks caught between ticks; and
+the demo's traffic: bursts of large unique prompts, on request and no more than one queued."""
+
+from __future__ import annotations
+
+import json
+from contextlib import aclosing
+from typing import Any
+
+import pytest
+import trio
+
+from app.asgi import Receive, Scope, Send, answer_lifespan, read_body, send_json
+from app.dashboard import feed as feed_module
+from app.dashboard.feed import DashboardFeed
+from app.sim.traffic import DemoTraffic
+from tests.conftest import StartASGI, wait_until
+
+
+class Source:
+    """A runtime stand-in: snapshots whose request counter grows by 2 a call."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.fail_on: set[int] = set()
+        self.busy = 0.0
+
+    def build(self) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("a bug in a snapshot")
+        return {"requests": {"total": 2 * self.calls, "by_class": {}}, "backends": []}
+
+    def occupancy(self) -> dict[str, float]:
+        return {"threads_busy": self.busy}
+
+
+def make_feed(source: Source) -> DashboardFeed:
+    return DashboardFeed(
+        source.build,
+        source.occupancy,
+        demo=False,
+        write_needs_token=False,
+        wall_clock=trio.current_time,
+    )
+
+
+@pytest.fixture
+def serialised(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = feed_module.to_json_bytes
+
+    def counting(snapshot: Any) -> bytes:
+        calls.append(1)
+        return original(snapshot)
+
+    monkeypatch.setattr(feed_module, "to_json_bytes", counting)
+    return calls
+
+
+async def test_a_point_a_tick_and_no_serialising_without_pages(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, serialised: list[int]
+) -> None:
+    source = Source()
+    feed = make_feed(source)
+    await nursery.start(feed.run)
+    await trio.sleep(5.5)
+    series = feed.snapshot()["series"]
+    assert len(series["t"]) == 6  # t = 0, 1, ..., 5
+    assert series["requests_per_s"][-1] == pytest.approx(2.0)
+    assert not serialised
+
+
+async def test_one_serialisation_a_tick_for_every_page(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, serialised: list[int]
+) -> None:
+    feed = make_feed(Source())
+    await nursery.start(feed.run)
+    received: list[list[bytes]] = [[], [], []]
+
+    async def listen(index: int) -> None:
+        async with aclosing(feed.pages_events()) as events:
+            async for payload in events:
+                received[index].append(payload)
+                if len(received[index]) == 4:
+                    return
+
+    async with trio.open_nursery() as pages:
+        for index in range(3):
+            pages.start_soon(listen, index)
+    assert received[0] == received[1] == received[2]
+    assert len(serialised) == 4  # the first page's catch-up, then one a tick
+    assert feed.pages == 0
+    snapshots = [json.loads(payload) for payload in received[0]]
+    assert [s["dashboard"]["pages"] for s in snapshots][1:] == [3, 3, 3]
+
+
+async def test_a_slow_page_skips_to_the_newest_snapshot(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    source = Source()
+    feed = make_feed(source)
+    await nursery.start(feed.run)
+    events = feed.pages_events()
+    first = json.loads(await events.__anext__())
+    await trio.sleep(5.5)  # five ticks published while this page was not reading
+    newest = json.loads(await events.__anext__())
+    assert newest["requests"]["total"] - first["requests"]["total"] >= 10
+    read_at = trio.current_time()
+    await events.__anext__()  # nothing queued behind it: the next one is the next tick's
+    assert trio.current_time() - read_at >= 0.4
+    await events.aclose()
+    assert feed.pages == 0
+
+
+async def test_a_failing_snapshot_costs_a_tick_not_the_feed(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = Source()
+    source.fail_on = {2, 3}
+    feed = make_feed(source)
+    await nursery.start(feed.run)
+    await trio.sleep(4.5)
+    assert len(feed.snapshot()["series"]["t"]) == 3  # ticks 0, 3, 4; ticks 1 and 2 failed
+    reports = [r for r in caplog.records if "tick failed" in r.getMessage()]
+    assert len(reports) == 1  # rate-limited
+
+
+async def test_occupancy_peaks_between_ticks_are_kept(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    source = Source()
+    feed = make_feed(source)
+    await nursery.start(feed.run)
+    await trio.sleep(1.25)
+    source.busy = 1.0
+    await trio.sleep(0.15)  # one 100 ms sample sees it
+    source.busy = 0.0
+    await trio.sleep(1.7)
+    busy = feed.snapshot()["series"]["threads_busy"]
+    assert busy == [0.0, 0.0, 1.0, 0.0]  # ticks at 0, 1, 2 (the peak at 1.3), 3
+
+
+async def test_a_policy_change_is_published_before_the_next_tick(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    source = Source()
+    feed = make_feed(source)
+    await nursery.start(feed.run)
+    events = feed.pages_events()
+    await events.__anext__()
+    await trio.sleep(0.3)
+    started = trio.current_time()
+    feed.poke()
+    await events.__anext__()
+    assert trio.current_time() - started < feed.tick_s / 2
+    await events.aclose()
+
+
+class CountingBackend:
+    """An OpenAI-ish ASGI app that records each request's path and body size."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, str]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+            return
+        body = json.loads(await read_body(receive, 1 << 24))
+        prompt = body.get("prompt", "")
+        self.seen.append((scope["path"], len(prompt), prompt[:20]))
+        answer = {"choices": [{"message": {"content": "ok"}, "text": "ok"}]}
+        await send_json(send, 200, answer)
+
+    def bursts(self) -> list[tuple[str, int, str]]:
+        return [s for s in self.seen if s[0] == "/v1/completions"]
+
+
+async def test_demo_bursts_on_request_large_and_unique(
+    start_asgi: StartASGI, nursery: trio.Nursery
+) -> None:
+    backend = CountingBackend()
+    url = await start_asgi(backend)
+    traffic = DemoTraffic(0.01, burst_interval=0, burst_size=4)
+    assert traffic.request_burst() is True
+    assert traffic.request_burst() is False  # one already asked for
+    nursery.start_soon(traffic.run, url)
+
+    async def burst_arrived(count: int) -> bool:
+        return len(backend.bursts()) >= count
+
+    await wait_until(lambda: burst_arrived(4), timeout=10)
+    bursts = backend.bursts()
+    assert all(size > 50_000 for _, size, _ in bursts)
+    assert len({start for _, _, start in bursts}) == 4  # unique from the first word on
+    assert traffic.request_burst() is True
+    await wait_until(lambda: burst_arrived(8), timeout=10)
+    assert traffic.bursts_sent == 2
