@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from load.burst import english_like_text
+from load.burst import english_like_text, parse_metrics
 from load.processes import start_instant_sim, start_proxy, stop_all
 
 TARGET_WORST_HEALTH_S = 0.010
@@ -56,6 +56,20 @@ class Round:
     health_p99_s: float
     probes: int
     detail: str
+    stalls: dict[str, float]  # the proxy's own stall detector: stalls by cause in the round
+
+
+STALLS = "sluice_event_loop_stalls_total{"
+
+
+async def stalls_by_cause(client: httpx.AsyncClient, proxy_url: str) -> dict[str, float]:
+    samples = parse_metrics((await client.get(proxy_url + "/metrics")).text)
+    causes: dict[str, float] = {}
+    for key, value in samples.items():
+        if key.startswith(STALLS):
+            cause = key.split('cause="', 1)[1].split('"', 1)[0] if 'cause="' in key else "?"
+            causes[cause] = causes.get(cause, 0.0) + value
+    return causes
 
 
 def conversation(rng: random.Random) -> bytes:
@@ -67,10 +81,15 @@ def conversation(rng: random.Random) -> bytes:
 
 
 async def under_probe(
-    proxy_url: str, scenario: str, mode: str, load: Callable[[], Awaitable[str]]
+    client: httpx.AsyncClient,
+    proxy_url: str,
+    scenario: str,
+    mode: str,
+    load: Callable[[], Awaitable[str]],
 ) -> Round:
     """Run `load` while a separate process probes /health; `load` returns a one-line detail
     for the table."""
+    before = await stalls_by_cause(client, proxy_url)
     probe = await trio.lowlevel.open_process(
         [sys.executable, "-m", "load.probe", proxy_url, str(PROBE_INTERVAL_S)],
         stdin=subprocess.PIPE,
@@ -90,8 +109,17 @@ async def under_probe(
         await probe.wait()
     if summary["failures"]:
         detail += f"; {summary['failures']} /health probes failed"
+    after = await stalls_by_cause(client, proxy_url)
+    stalls = {cause: after[cause] - before.get(cause, 0.0) for cause in after}
     return Round(
-        scenario, mode, wall, summary["worst_s"], summary["p99_s"], summary["probes"], detail
+        scenario,
+        mode,
+        wall,
+        summary["worst_s"],
+        summary["p99_s"],
+        summary["probes"],
+        detail,
+        {cause: n for cause, n in stalls.items() if n},
     )
 
 
@@ -126,7 +154,7 @@ async def long_chats(client: httpx.AsyncClient, proxy_url: str, mode: str, seed:
         ok = statuses.count(200)
         return f"{ok}/{len(statuses)} answered 200"
 
-    return await under_probe(proxy_url, "long-chats", mode, load)
+    return await under_probe(client, proxy_url, "long-chats", mode, load)
 
 
 async def huge_prompt(client: httpx.AsyncClient, proxy_url: str, mode: str, seed: int) -> Round:
@@ -143,7 +171,7 @@ async def huge_prompt(client: httpx.AsyncClient, proxy_url: str, mode: str, seed
         code = response.json().get("error", {}).get("code") if response.status_code != 200 else ""
         return f"{response.status_code} {code}"
 
-    return await under_probe(proxy_url, "huge-prompt", mode, load)
+    return await under_probe(client, proxy_url, "huge-prompt", mode, load)
 
 
 async def streams(client: httpx.AsyncClient, proxy_url: str, mode: str, count: int) -> Round:
@@ -173,7 +201,7 @@ async def streams(client: httpx.AsyncClient, proxy_url: str, mode: str, count: i
                 nursery.start_soon(one)
         return f"{finished.count(True)}/{count} ended with [DONE]"
 
-    return await under_probe(proxy_url, "streams", mode, load)
+    return await under_probe(client, proxy_url, "streams", mode, load)
 
 
 async def measure(args: argparse.Namespace) -> list[Round]:
@@ -207,11 +235,13 @@ async def measure(args: argparse.Namespace) -> list[Round]:
 
 def report(scenario: str, rounds: list[Round]) -> None:
     print(f"\n{scenario}: worst GET /health while loaded (probe every 1 ms)")
-    print("round mode     wall s  /health worst ms  p99 ms  probes  result")
+    print("round mode     wall s  /health worst ms  p99 ms  probes  stalls by cause  result")
     for i, r in enumerate(rounds):
+        stalls = ",".join(f"{cause}:{n:g}" for cause, n in sorted(r.stalls.items())) or "none"
         print(
             f"{i // len({x.mode for x in rounds}) + 1:5} {r.mode:8} {r.wall_s:6.2f} "
-            f"{r.health_worst_s * 1e3:17.1f} {r.health_p99_s * 1e3:7.1f} {r.probes:7}  {r.detail}"
+            f"{r.health_worst_s * 1e3:17.1f} {r.health_p99_s * 1e3:7.1f} {r.probes:7}  "
+            f"{stalls:15}  {r.detail}"
         )
     offload = [r for r in rounds if r.mode == "offload"]
     worst = max(r.health_worst_s for r in offload)
