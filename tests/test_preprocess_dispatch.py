@@ -137,7 +137,7 @@ async def test_switching_saturation_changes_the_next_saturated_request() -> None
 
 async def test_a_saturated_waiter_takes_the_thread_when_it_frees_first() -> None:
     preprocessor, tokenizer, metrics = gated(tokenize_threads=1, tokenize_queue=0)
-    dispatcher = preprocessor._tokenizes
+    dispatcher = preprocessor._tokens.dispatcher
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", completion("GATE pins the thread"))
         await tokenizer.arrived()
@@ -234,10 +234,10 @@ async def test_context_window_is_enforced_unless_tokens_were_skipped() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))
         await tokenizer.arrived()
-        preprocessor._tokenizes._fallback.acquire_nowait()  # stand-in: an inline encode running
+        preprocessor._tokens.dispatcher._fallback.acquire_nowait()  # stand-in: an inline encode running
         # Not in L0 (unlike the prompt refused above), so it needs a tokenizer: bails out.
         bailed = await prepare(preprocessor, "completion", {"model": "m", "prompt": "term " * 40})
         assert bailed.tokenize_path == "bailed_out" and bailed.estimated
         assert bailed.token_ids is None
-        preprocessor._tokenizes._fallback.release()
+        preprocessor._tokens.dispatcher._fallback.release()
         tokenizer.gate.set()

@@ -10,9 +10,7 @@ Where the work runs, so that none of it holds the event loop for long:
   behind the dispatcher's queue, capacity-one fallback and saturation policy.
 - a prompt that cannot fit the context window is refused from its size, or from a counted
   prefix, before it is tokenized whole (length_gate.py).
-- tokens: L0 (exact text, on the loop) -> the tokenizer dispatcher (worker threads calling the
-  GIL-releasing `encode_batch_fast`, capacity-one fallback, saturation policy), whose job
-  consults L1 (prefix at added-token cuts) before encoding.
+- tokens: L0, then the tokenizer dispatcher and L1 (tokenization.py).
 `tokenize_mode="inline"` is the naive baseline kept for comparisons: everything on the loop,
 `Tokenizer.encode` included, no caches.
 """
@@ -35,9 +33,7 @@ from app.observe.metrics import Metrics
 from app.preprocess import length_gate, request_bodies
 from app.preprocess.chat_template import calibrate_render_cost, load_chat_template
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
-from app.preprocess.encoding import facts_for, gil_releasing_encoder, naive_encoder
-from app.preprocess.l0_cache import L0Cache
-from app.preprocess.l1_cache import L1Cache, L1Outcome
+from app.preprocess.encoding import facts_for
 from app.preprocess.rendering import (
     Kind,
     Rendered,
@@ -46,6 +42,7 @@ from app.preprocess.rendering import (
     render_payload,
     warm_up,
 )
+from app.preprocess.tokenization import Tokenization, dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
     TokenizerLike,
@@ -60,9 +57,6 @@ RENDER_ON_LOOP_BUDGET = 1e-3  # seconds a render may hold the event loop
 # Bodies parsed on the loop: json.loads takes ~0.25 ms for 64 KiB here (1.7 ms for 438 KB,
 # 22 ms for 12 MB), so anything larger is parsed where the render happens, off the loop.
 PARSE_ON_LOOP_BYTES = 64 * 1024
-# Settings bound L0 by entries and text size; this bounds its total memory (10,000 entries
-# of 64 KiB texts would otherwise reach ~1 GiB).
-L0_MAX_MEMORY_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -106,13 +100,6 @@ class Preprocessor:
         )
         self._spec = RenderSpec(self._template, self._source, self._facts.vocab_size)
         self._render_cost = calibrate_render_cost(self._template) if self._template else None
-        self._encode = gil_releasing_encoder(loaded.tokenizer)
-        self._naive_encode = naive_encoder(loaded.tokenizer)
-        self._l0 = L0Cache(settings.l0_max_entries, L0_MAX_MEMORY_BYTES, settings.l0_max_text_bytes)
-        finder = self._facts.finder
-        self._l1 = L1Cache(finder, self._encode, settings.l1_max_memory) if finder else None
-        # Prompt tokens counted, and how many of them came from each cache, for the dashboard.
-        self._tokens = {"prompt": 0, "from_l0": 0, "from_l1": 0}
         self._processes = ProcessPool(settings.render_workers)
         self._renders = self._dispatcher(
             self._processes,
@@ -120,8 +107,11 @@ class Preprocessor:
             "template-fallback",
             metrics.render_queue_depth,
         )
-        self._tokenizes = self._dispatcher(
+        threads = self._dispatcher(
             in_thread, settings.tokenize_threads, "tokenize-fallback", metrics.tokenize_queue_depth
+        )
+        self._tokens = Tokenization(
+            settings, metrics, loaded.tokenizer, self._facts, threads, self._phase
         )
 
     def _dispatcher(
@@ -144,17 +134,17 @@ class Preprocessor:
 
     @property
     def saturation(self) -> Saturation:
-        return self._tokenizes.saturation
+        return self._renders.saturation
 
     @saturation.setter
     def saturation(self, policy: Saturation) -> None:
         self._renders.saturation = policy
-        self._tokenizes.saturation = policy
+        self._tokens.dispatcher.saturation = policy
 
     def encode_plain(self, text: str) -> list[int]:
         """`text`'s ids as prompts are encoded (no post-processor tokens), on the calling
         thread: for short start-up texts such as the backends' tokenizer probe."""
-        return list(self._naive_encode(text))
+        return self._tokens.encode_plain(text)
 
     def special_tokens(self) -> list[str]:
         """The tokenizer's special added tokens, lowest id first."""
@@ -187,7 +177,7 @@ class Preprocessor:
                 return _bailed_out(rendered.fields, str(rendered.prompt), template_seconds)
             rendered = fits
         prompt = str(rendered.prompt)
-        ids, path, tokenize_seconds = await self._tokenize(prompt)
+        ids, path, tokenize_seconds = await self._tokens.tokenize(prompt)
         bos, eos = self._facts.bos_affix, self._facts.eos_affix
         if kind == "completion" and ids is not None and (bos or eos):
             ids = array("I", bos) + ids + array("I", eos)
@@ -241,11 +231,10 @@ class Preprocessor:
             proof = length_gate.PrefixCount(text, budget, truncated=not rendered.complete)
             while not proof.exhausted and not proof.proven_too_long:
                 end = proof.next_cut()
-                chunk = text[proof.position : end]
-                counted = await self._tokenizes.run(functools.partial(self._count, chunk))
+                counted = await self._tokens.count(text[proof.position : end])
                 if counted is None:
                     return None
-                proof.counted(end, counted[0])
+                proof.counted(end, counted)
             if proof.proven_too_long:
                 raise _too_long(kind, limit, budget, f"more than {budget}")
         if rendered.complete:
@@ -253,66 +242,12 @@ class Preprocessor:
         # Long yet possibly within the window (dense text): the whole prompt is needed now.
         return await self._render_off_loop(kind, body, None)
 
-    def _count(self, text: str) -> int:
-        return len(self._encode(text))
-
-    async def _tokenize(self, text: str) -> tuple[array[int] | None, str, float]:
-        start = time.perf_counter()
-        ids: array[int] | None
-        if self._settings.tokenize_mode == "inline":
-            with self._phase("tokenize-inline"):
-                ids = self._naive_encode(text)
-            path = "inline"
-        else:
-            ids = self._l0.get(text)
-            if ids is not None:
-                self._metrics.l0_hits.inc()
-                self._metrics.l0_hit_tokens.inc(len(ids))
-                self._tokens["from_l0"] += len(ids)
-                path = "l0"
-            else:
-                self._metrics.l0_misses.inc()
-                job = functools.partial(self._tokenize_job, text)
-                dispatched = await self._tokenizes.run(job)
-                if dispatched is None:
-                    return None, "bailed_out", time.perf_counter() - start
-                outcome, where = dispatched
-                self._count_l1(outcome)
-                ids = outcome.ids
-                path = "l1" if outcome.result == "hit" else _PATHS[where]
-                self._l0.put(text, ids)
-                self._metrics.l0_entries.set(len(self._l0))
-                self._metrics.l0_memory_bytes.set(self._l0.memory_bytes)
-        seconds = time.perf_counter() - start
-        self._metrics.tokenize_seconds.labels(path=path).observe(seconds)
-        return ids, path, seconds
-
-    def _tokenize_job(self, text: str) -> L1Outcome:
-        """Runs in a worker thread or, as the fallback, on the loop."""
-        if self._l1 is None:
-            return L1Outcome(self._encode(text), "off")
-        return self._l1.tokenize(text)
-
-    def _count_l1(self, outcome: L1Outcome) -> None:
-        counters = {
-            "hit": self._metrics.l1_hits,
-            "miss": self._metrics.l1_misses,
-            "mismatch": self._metrics.l1_mismatches,
-        }
-        counter = counters.get(outcome.result)
-        if counter is not None:
-            counter.inc()
-        self._metrics.l1_hit_tokens.inc(outcome.cached_tokens)
-        self._tokens["from_l1"] += outcome.cached_tokens
-        if self._l1 is not None:
-            self._metrics.l1_memory_bytes.set(self._l1.memory_bytes)
-
     def _checked(self, kind: Kind, prepared: Prepared, limit: int | None) -> Prepared:
         """Refuse a prompt whose exact token count does not fit the context window."""
         if prepared.token_ids is None:
             return prepared
         prompt_tokens = len(prepared.token_ids)
-        self._tokens["prompt"] += prompt_tokens
+        self._tokens.counted(prompt_tokens)
         if limit is None:
             return prepared
         completion = request_bodies.requested_completion_tokens(prepared.fields)
@@ -329,11 +264,10 @@ class Preprocessor:
 
     def snapshot(self) -> dict[str, Any]:
         """Caches, queues and policy, for the dashboard."""
-        renders, tokenizes, l0 = self._renders, self._tokenizes, self._l0
-        cost = self._render_cost
+        renders, cost = self._renders, self._render_cost
         return {
             "mode": self._settings.tokenize_mode,
-            "saturation": tokenizes.saturation,
+            "saturation": renders.saturation,
             "tokenizer": self._source,
             "chat_template": self._template.origin if self._template else None,
             "render_on_loop": None
@@ -344,54 +278,14 @@ class Preprocessor:
                 "per_message_seconds": cost.per_message,
                 "per_char_seconds": cost.per_char,
             },
-            "render": _dispatcher_snapshot(renders) | {"fallback_busy": renders.fallback_busy},
-            "threads": _dispatcher_snapshot(tokenizes),
-            "fallback_busy": tokenizes.fallback_busy,
-            "tokens": dict(self._tokens),
-            "l0": {
-                "entries": len(l0),
-                "memory_bytes": l0.memory_bytes,
-                "max_entries": l0.max_entries,
-                "max_bytes": l0.max_bytes,
-                "max_text_bytes": l0.max_text_bytes,
-                "hits": l0.hits,
-                "misses": l0.misses,
-            },
-            "l1": self._l1_snapshot(),
+            "render": dispatcher_snapshot(renders) | {"fallback_busy": renders.fallback_busy},
+            **self._tokens.snapshot(),
         }
-
-    def _l1_snapshot(self) -> dict[str, Any]:
-        l1 = self._l1
-        if l1 is None:
-            return {"enabled": False, "unavailable_reason": self._facts.l1_unavailable}
-        return {
-            "enabled": l1.disabled_reason is None,
-            "unavailable_reason": l1.disabled_reason,
-            "entries": len(l1),
-            "memory_bytes": l1.memory_bytes,
-            "max_bytes": l1.max_bytes,
-            "hits": l1.hits,
-            "misses": l1.misses,
-            "mismatches": l1.mismatches,
-        }
-
-
-_PATHS = {"offloaded": "thread", "fallback": "fallback"}
 
 
 def _bailed_out(fields: dict[str, Any], prompt: str | None, template_seconds: float) -> Prepared:
     """Saturated and told to bail out: the request goes on without tokens."""
     return Prepared(fields, prompt, None, True, "bailed_out", template_seconds, 0.0)
-
-
-def _dispatcher_snapshot(dispatcher: Dispatcher) -> dict[str, int]:
-    return {
-        "total": dispatcher.workers,
-        "busy": dispatcher.workers_busy,
-        "queued": dispatcher.queued,
-        "queue_limit": dispatcher.queue_limit,
-        "saturated_waiting": dispatcher.saturated_waiting,
-    }
 
 
 def _too_long(kind: Kind, limit: int, budget: int, prompt_tokens: str) -> ClientError:

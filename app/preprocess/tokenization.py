@@ -1,0 +1,169 @@
+"""Prompt text to token ids, without holding the event loop: L0, then the tokenizer dispatcher.
+
+- L0 (exact text, LRU) is looked up on the loop: a hit costs a dictionary lookup.
+- A miss goes to the dispatcher (dispatcher.py): a worker thread calling `encode_batch_fast`,
+  which releases the GIL, then the capacity-one fallback on the loop, then the saturation
+  policy (None: bail out, the request goes on without tokens). The job consults L1 (token ids
+  of prefixes that end at added-token cuts, l1_cache.py) before encoding.
+- `inline` mode, the naive baseline kept for comparisons: `Tokenizer.encode` on the loop, no
+  caches.
+
+Every outcome is counted: per path in `sluice_tokenize_seconds`, cache hits and misses, and
+the tokens each cache served (by requests and by tokens, as the dashboard shows them).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from array import array
+from typing import Any
+
+from app.config import Settings
+from app.observe.metrics import Metrics
+from app.preprocess.dispatcher import Dispatcher, Phase
+from app.preprocess.encoding import TokenizerFacts, gil_releasing_encoder, naive_encoder
+from app.preprocess.l0_cache import L0Cache
+from app.preprocess.l1_cache import L1Cache, L1Outcome
+from app.preprocess.tokenizer_loading import TokenizerLike
+
+# Settings bound L0 by entries and text size; this bounds its total memory (10,000 entries
+# of 64 KiB texts would otherwise reach ~1 GiB).
+L0_MAX_MEMORY_BYTES = 256 * 1024 * 1024
+PATHS = {"offloaded": "thread", "fallback": "fallback"}
+
+
+class Tokenization:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        tokenizer: TokenizerLike,
+        facts: TokenizerFacts,
+        dispatcher: Dispatcher,
+        phase: Phase,
+    ) -> None:
+        self._inline = settings.tokenize_mode == "inline"
+        self._metrics = metrics
+        self._facts = facts
+        self.dispatcher = dispatcher
+        self._phase = phase
+        self._encode = gil_releasing_encoder(tokenizer)
+        self._naive_encode = naive_encoder(tokenizer)
+        self._l0 = L0Cache(settings.l0_max_entries, L0_MAX_MEMORY_BYTES, settings.l0_max_text_bytes)
+        finder = facts.finder
+        self._l1 = L1Cache(finder, self._encode, settings.l1_max_memory) if finder else None
+        # Prompt tokens counted, and how many of them came from each cache, for the dashboard.
+        self._tokens = {"prompt": 0, "from_l0": 0, "from_l1": 0}
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text`'s ids as prompts are encoded (no post-processor tokens), on the calling
+        thread: for short start-up texts such as the backends' tokenizer probe."""
+        return list(self._naive_encode(text))
+
+    async def tokenize(self, text: str) -> tuple[array[int] | None, str, float]:
+        """The ids, the path that produced them, and the seconds it took; no ids when the
+        tokenizer was saturated and the policy is to bail out."""
+        start = time.perf_counter()
+        ids: array[int] | None
+        if self._inline:
+            with self._phase("tokenize-inline"):
+                ids = self._naive_encode(text)
+            path = "inline"
+        else:
+            ids = self._l0.get(text)
+            if ids is not None:
+                self._metrics.l0_hits.inc()
+                self._metrics.l0_hit_tokens.inc(len(ids))
+                self._tokens["from_l0"] += len(ids)
+                path = "l0"
+            else:
+                self._metrics.l0_misses.inc()
+                dispatched = await self.dispatcher.run(functools.partial(self._job, text))
+                if dispatched is None:
+                    return None, "bailed_out", time.perf_counter() - start
+                outcome, where = dispatched
+                self._count_l1(outcome)
+                ids = outcome.ids
+                path = "l1" if outcome.result == "hit" else PATHS[where]
+                self._l0.put(text, ids)
+                self._metrics.l0_entries.set(len(self._l0))
+                self._metrics.l0_memory_bytes.set(self._l0.memory_bytes)
+        seconds = time.perf_counter() - start
+        self._metrics.tokenize_seconds.labels(path=path).observe(seconds)
+        return ids, path, seconds
+
+    async def count(self, text: str) -> int | None:
+        """How many tokens `text` holds (no caches: a chunk of a prompt being proven too
+        long), or None on bail-out."""
+        dispatched = await self.dispatcher.run(functools.partial(self._count, text))
+        return None if dispatched is None else dispatched[0]
+
+    def counted(self, prompt_tokens: int) -> None:
+        self._tokens["prompt"] += prompt_tokens
+
+    def _count(self, text: str) -> int:
+        return len(self._encode(text))
+
+    def _job(self, text: str) -> L1Outcome:
+        """Runs in a worker thread or, as the fallback, on the loop."""
+        if self._l1 is None:
+            return L1Outcome(self._encode(text), "off")
+        return self._l1.tokenize(text)
+
+    def _count_l1(self, outcome: L1Outcome) -> None:
+        counters = {
+            "hit": self._metrics.l1_hits,
+            "miss": self._metrics.l1_misses,
+            "mismatch": self._metrics.l1_mismatches,
+        }
+        counter = counters.get(outcome.result)
+        if counter is not None:
+            counter.inc()
+        self._metrics.l1_hit_tokens.inc(outcome.cached_tokens)
+        self._tokens["from_l1"] += outcome.cached_tokens
+        if self._l1 is not None:
+            self._metrics.l1_memory_bytes.set(self._l1.memory_bytes)
+
+    def snapshot(self) -> dict[str, Any]:
+        l0 = self._l0
+        return {
+            "threads": dispatcher_snapshot(self.dispatcher),
+            "fallback_busy": self.dispatcher.fallback_busy,
+            "tokens": dict(self._tokens),
+            "l0": {
+                "entries": len(l0),
+                "memory_bytes": l0.memory_bytes,
+                "max_entries": l0.max_entries,
+                "max_bytes": l0.max_bytes,
+                "max_text_bytes": l0.max_text_bytes,
+                "hits": l0.hits,
+                "misses": l0.misses,
+            },
+            "l1": self._l1_snapshot(),
+        }
+
+    def _l1_snapshot(self) -> dict[str, Any]:
+        l1 = self._l1
+        if l1 is None:
+            return {"enabled": False, "unavailable_reason": self._facts.l1_unavailable}
+        return {
+            "enabled": l1.disabled_reason is None,
+            "unavailable_reason": l1.disabled_reason,
+            "entries": len(l1),
+            "memory_bytes": l1.memory_bytes,
+            "max_bytes": l1.max_bytes,
+            "hits": l1.hits,
+            "misses": l1.misses,
+            "mismatches": l1.mismatches,
+        }
+
+
+def dispatcher_snapshot(dispatcher: Dispatcher) -> dict[str, int]:
+    return {
+        "total": dispatcher.workers,
+        "busy": dispatcher.workers_busy,
+        "queued": dispatcher.queued,
+        "queue_limit": dispatcher.queue_limit,
+        "saturated_waiting": dispatcher.saturated_waiting,
+    }
