@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from load import bench_preprocess, burst, dashboard_cost, detector_cost, hardening, overhead
+from load import bench, profile, runner, soak
 
 
 def main() -> None:
@@ -28,6 +29,10 @@ def main() -> None:
     hardening.add_arguments(
         sub.add_parser("hardening", help="long chats, a 12 MB prompt, 1,000 streams: the loop")
     )
+    runner.add_arguments(sub.add_parser("run", help="open- or closed-loop load against a URL"))
+    bench.add_arguments(sub.add_parser("bench", help="a seed's experiment, variants side by side"))
+    soak.add_arguments(sub.add_parser("soak", help="mixed soak with faults, verdict at the end"))
+    profile.add_arguments(sub.add_parser("profile", help="py-spy profile of the proxy under load"))
     args = parser.parse_args()
     if args.benchmark == "overhead":
         overhead.main(args)
@@ -41,6 +46,14 @@ def main() -> None:
         bench_preprocess.main()
     elif args.benchmark == "hardening":
         hardening.main(args)
+    elif args.benchmark == "run":
+        runner.main(args)
+    elif args.benchmark == "bench":
+        bench.main(args)
+    elif args.benchmark == "soak":
+        soak.main(args)
+    elif args.benchmark == "profile":
+        profile.main(args)
 
 
 main()

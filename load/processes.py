@@ -1,20 +1,24 @@
 """Start Sluice and simulated backends as separate processes, as a user would run them.
 
 Each binds port 0 and prints its URL; we read the URL from its output, so benchmarks never
-race for ports.
+race for ports. Output goes to a log file, not a pipe: a pipe nobody drains would block a
+process that logs a lot (a soak's proxy does), and the log is what a crash report needs.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
-URL_PATTERN = re.compile(rb"(http://127\.0\.0\.1:\d+)")
+URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:\d+)")
+LOG_DIR = Path(tempfile.gettempdir()) / "sluice-load-logs"
 
 # A simulated backend whose GPU time is zero: what remains is HTTP and the proxy's own work.
 INSTANT_SIM = (
@@ -27,52 +31,79 @@ INSTANT_SIM = (
 )  # fmt: skip
 
 
-@contextmanager
-def _terminating(process: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def log_path(process: subprocess.Popen[bytes]) -> Path:
+    return LOG_DIR / f"{process.pid}.log"
 
 
 async def start_instant_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
-    return await start_process([*INSTANT_SIM, *extra], b"Simulated backend", stack)
+    return await start_process([*INSTANT_SIM, *extra], "Simulated backend", stack)
 
 
-async def start_proxy(stack: list[subprocess.Popen[bytes]], backend: str, *extra: str) -> str:
-    """`sluice serve` in front of `backend` on free ports, quiet but for warnings."""
-    serve = ("serve", "--backend", backend, "--port", "0", "--dashboard-port", "0")
-    return await start_process([*serve, "--log-level", "warning", *extra], b"Sluice proxy", stack)
+async def start_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
+    """`sluice sim-backend` with its default (GPU-like) latency model on a free port."""
+    return await start_process(["sim-backend", "--port", "0", *extra], "Simulated backend", stack)
+
+
+async def start_proxy(
+    stack: list[subprocess.Popen[bytes]], backend: str | Sequence[str], *extra: str
+) -> str:
+    """`sluice serve` in front of `backend`(s) on free ports, quiet but for warnings."""
+    backends = [backend] if isinstance(backend, str) else list(backend)
+    serve = ["serve", "--port", "0", "--dashboard-port", "0"]
+    for url in backends:
+        serve += ["--backend", url]
+    return await start_process([*serve, "--log-level", "warning", *extra], "Sluice proxy", stack)
 
 
 async def start_process(
-    args: Sequence[str], marker: bytes, stack: list[subprocess.Popen[bytes]]
+    args: Sequence[str], marker: str, stack: list[subprocess.Popen[bytes]]
 ) -> str:
     """Run `python -m app ARGS`, wait for the line holding `marker`, return its URL."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "app", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
+    LOG_DIR.mkdir(exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=LOG_DIR, suffix=".log", delete=False) as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app", *args], stdout=log, stderr=subprocess.STDOUT
+        )
+    os.replace(log.name, log_path(process))
     stack.append(process)
-    assert process.stdout is not None
-    stdout = process.stdout
-    with trio.fail_after(30):
+    with trio.fail_after(60):
         while True:
-            line = await trio.to_thread.run_sync(stdout.readline)
-            if not line:
-                raise RuntimeError(f"`sluice {' '.join(args)}` exited before listening")
-            if marker in line:
+            text = log_path(process).read_text(errors="replace")
+            for line in text.splitlines():
                 match = URL_PATTERN.search(line)
-                if match:
-                    return match.group(1).decode()
+                if marker in line and match:
+                    return match.group(1)
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"`sluice {' '.join(args)}` exited ({process.returncode}) before listening:\n"
+                    + text[-2000:]
+                )
+            await trio.sleep(0.05)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def stop_all(stack: list[subprocess.Popen[bytes]]) -> None:
     for process in reversed(stack):
-        with _terminating(process):
-            pass
+        stop(process)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0

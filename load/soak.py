@@ -1,0 +1,388 @@
+"""`python -m load soak --minutes N`: a mixed soak of `sluice serve` in front of two
+simulated backends, all separate processes, with every kind of traffic that has broken a
+proxy before, at once:
+
+- steady open-loop traffic (rag, hot, chat and unique prompts, half of it streaming) and a
+  few long streams always in flight;
+- conversations of 1,500-4,000 short messages, back to back;
+- every 30 s a burst of 20 unique ~4k-token prompts;
+- every 2.5 min a burst of 1,000 new connections, each streaming;
+- every 2 s one malformed body (deep JSON nesting, megabyte garbage, a 12 MB over-long
+  prompt, a body over the size limit, wrong types, ...);
+- every 3 min one backend SIGKILLed mid-stream and restarted 20 s later on its port.
+
+`/health` is polled every 5 ms. Every minute a line: requests, errors by kind (expected
+ones, 4xx for bad input, 502/503 while a backend was down, fast 503s shed over
+`--max-connections`, apart from Sluice's own faults), the worst /health latency, stalls by
+cause from `/metrics` and the proxy's RSS. A proxy that dies is counted, its log kept, and
+restarted on its port. The verdict: crashes, requests lost to Sluice itself, RSS growth from
+the end of minute 1 to the end (targets: 0, 0, <= 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import trio
+
+from load import processes
+from load.bench.common import label_values, metric, parse_metrics
+from load.client import Record, new_client, send
+from load.soak_inputs import BadInput, catalog
+from load.workloads import Request, Workload, completion, workload
+
+DOWN_GRACE_S = 10.0  # after a restart: health check interval (3 s) + breaker cooldown slack
+STEADY_RATE = 8.0
+BURST_EVERY_S = 30.0
+CONNECTION_BURST_EVERY_S = 150.0
+CONNECTION_BURST = 1000
+MALFORMED_EVERY_S = 2.0
+KILL_EVERY_S = 180.0
+KILL_DOWN_S = 20.0
+HEALTH_EVERY_S = 0.005
+REQUEST_TIMEOUT_S = 120.0
+STALLS = "sluice_event_loop_stalls_total"
+EXPECTED_WHEN_DOWN = {"http_502", "http_503", "http_504", "stream_broken", "no_done"}
+
+
+@dataclass
+class Minute:
+    requests: int = 0
+    ok: int = 0
+    expected: Counter[str] = field(default_factory=Counter)
+    sluice: Counter[str] = field(default_factory=Counter)
+    health_worst_s: float = 0.0
+    health_failures: int = 0
+    stalls: dict[str, float] = field(default_factory=dict)
+    rss_bytes: int = 0
+
+
+class Soak:
+    def __init__(self, minutes: float, seed: int) -> None:
+        self.minutes = minutes
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.stack: list[subprocess.Popen[bytes]] = []
+        self.backends: list[str] = []
+        self.backend_procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.proxy_url = ""
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.proxy_args: list[str] = []
+        self.crashes: list[str] = []
+        self.down: list[list[float]] = []  # [kill time, back-up time + grace]
+        self.shedding: list[list[float]] = []  # connection-burst windows
+        self.current = Minute()
+        self.done: list[Minute] = []
+        self.lost_examples: list[str] = []
+        self.start = 0.0
+        self.trio_start = 0.0
+        self.stalls_before: dict[str, float] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _within(self, windows: list[list[float]], start: float, end: float) -> bool:
+        return any(start <= w[1] and end >= w[0] for w in windows)
+
+    def account(self, record: Record) -> None:
+        """Count a valid request's outcome as ok, expected, or Sluice's fault."""
+        minute = self.current
+        minute.requests += 1
+        if record.ok:
+            minute.ok += 1
+            return
+        kind = record.error or "unknown"
+        end = record.start + (record.e2e or 0.0)
+        if kind in EXPECTED_WHEN_DOWN and self._within(self.down, record.start, end):
+            minute.expected[f"backend_down:{kind}"] += 1
+        elif kind == "http_503" and self._within(self.shedding, record.start, end):
+            minute.expected["shed_503"] += 1
+        else:
+            minute.sluice[f"{record.tag}:{kind}"] += 1
+            if len(self.lost_examples) < 20:
+                self.lost_examples.append(
+                    f"t={record.start:.1f}s {record.tag} -> {kind} after {record.e2e or 0:.2f}s"
+                )
+
+    def account_bad(self, bad: BadInput, status: int | None, error: str | None) -> None:
+        minute = self.current
+        minute.requests += 1
+        if status is not None and 400 <= status < 500:
+            minute.expected[f"4xx_bad_input:{status}"] += 1
+        else:
+            minute.sluice[f"bad_input:{bad.name}:{status or error}"] += 1
+            if len(self.lost_examples) < 20:
+                self.lost_examples.append(f"t={self.now():.1f}s {bad.name} -> {status or error}")
+
+    # -- processes ---------------------------------------------------------------------
+
+    async def start_stack(self) -> None:
+        sim_flags = ("--max-num-seqs", "256")
+        for _ in range(2):
+            url = await processes.start_sim(self.stack, *sim_flags)
+            self.backends.append(url)
+            self.backend_procs[url] = self.stack[-1]
+        self.proxy_url = await processes.start_proxy(self.stack, self.backends)
+        self.proxy = self.stack[-1]
+        port = self.proxy_url.rsplit(":", 1)[1]
+        self.proxy_args = ["--port", port]
+
+    async def watch_proxy(self) -> None:
+        """A dead proxy is a crash: keep its log, restart it on its port."""
+        while True:
+            await trio.sleep(0.5)
+            assert self.proxy is not None
+            code = self.proxy.poll()
+            if code is None:
+                continue
+            log = processes.log_path(self.proxy)
+            kept = log.with_name(f"crash-{len(self.crashes) + 1}-{log.name}")
+            log.replace(kept)
+            self.crashes.append(f"t={self.now():.0f}s exit {code}, log {kept}")
+            print(f"!! proxy died (exit {code}) at t={self.now():.0f}s; log kept in {kept}")
+            self.stack.remove(self.proxy)
+            self.proxy_url = await processes.start_proxy(
+                self.stack, self.backends, *self.proxy_args
+            )
+            self.proxy = self.stack[-1]
+
+    async def kill_backends(self) -> None:
+        """Every KILL_EVERY_S, SIGKILL the second backend mid-stream; restart it later."""
+        url = self.backends[1]
+        port = url.rsplit(":", 1)[1]
+        while True:
+            await trio.sleep(KILL_EVERY_S / 2)
+            window = [self.now(), float("inf")]
+            self.down.append(window)
+            victim = self.backend_procs[url]
+            victim.send_signal(signal.SIGKILL)
+            victim.wait()
+            self.stack.remove(victim)
+            print(f"   t={self.now():.0f}s backend {url} killed")
+            await trio.sleep(KILL_DOWN_S)
+            await processes.start_sim(self.stack, "--port", port, "--max-num-seqs", "256")
+            self.backend_procs[url] = self.stack[-1]
+            window[1] = self.now() + DOWN_GRACE_S
+            print(f"   t={self.now():.0f}s backend {url} restarted")
+            await trio.sleep(KILL_EVERY_S / 2 - KILL_DOWN_S)
+
+    # -- traffic -----------------------------------------------------------------------
+
+    async def one(self, client: httpx.AsyncClient, request: Request, stream: bool) -> None:
+        self.account(await send(client, self.proxy_url, request, stream, self.start))
+
+    async def steady(self, client: httpx.AsyncClient) -> None:
+        source = workload("mixed", self.seed)
+        async with trio.open_nursery() as nursery:
+            next_at = trio.current_time()
+            while True:
+                next_at += self.rng.expovariate(STEADY_RATE)
+                await trio.sleep_until(next_at)
+                for request in source.next():
+                    nursery.start_soon(self.one, client, request, self.rng.random() < 0.5)
+
+    async def long_streams(self, client: httpx.AsyncClient) -> None:
+        """Two 400-token streams (~2 s each) always in flight: a backend kill breaks them."""
+        body = {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "Tell a story."}],
+            "max_tokens": 400,
+        }
+        request = Request("/v1/chat/completions", body, "long_stream")
+
+        async def loop() -> None:
+            while True:
+                await self.one(client, request, True)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(loop)
+
+    async def long_conversations(self, client: httpx.AsyncClient) -> None:
+        source: Workload = workload("long", self.seed + 1)
+        while True:
+            for request in source.next():
+                await self.one(client, request, False)
+            await trio.sleep(1.0)
+
+    async def bursts(self, client: httpx.AsyncClient) -> None:
+        source = workload("unique", self.seed + 2)
+        while True:
+            await trio.sleep(BURST_EVERY_S)
+            prompts = [
+                completion(
+                    source.corpus.text(self.rng, 4000) + f" [{self.rng.getrandbits(48):x}]",
+                    1,
+                    "large",
+                )
+                for _ in range(20)
+            ]
+            async with trio.open_nursery() as nursery:
+                for request in prompts:
+                    nursery.start_soon(self.one, client, request, False)
+
+    async def connection_bursts(self) -> None:
+        """1,000 new connections at once, each streaming a short answer."""
+        body = {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "Count to four."}],
+            "max_tokens": 4,
+        }
+        request = Request("/v1/chat/completions", body, "conn_burst")
+        await trio.sleep(45.0)
+        while True:
+            window = [self.now(), float("inf")]
+            self.shedding.append(window)
+            async with (
+                new_client(CONNECTION_BURST, REQUEST_TIMEOUT_S) as burst,
+                trio.open_nursery() as nursery,
+            ):
+                for _ in range(CONNECTION_BURST):
+                    nursery.start_soon(self.one, burst, request, True)
+            window[1] = self.now()
+            await trio.sleep(CONNECTION_BURST_EVERY_S)
+
+    async def malformed(self) -> None:
+        inputs = catalog()
+        index = 0
+        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+            while True:
+                await trio.sleep(MALFORMED_EVERY_S)
+                bad = inputs[index % len(inputs)]
+                index += 1
+                try:
+                    response = await client.post(
+                        self.proxy_url + bad.path,
+                        content=bad.body,
+                        headers={"content-type": bad.content_type},
+                    )
+                    self.account_bad(bad, response.status_code, None)
+                except httpx.HTTPError as exc:
+                    self.account_bad(bad, None, type(exc).__name__)
+
+    async def poll_health(self) -> None:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+            while True:
+                sent = time.perf_counter()
+                try:
+                    await client.get(self.proxy_url + "/health")
+                except httpx.HTTPError:
+                    self.current.health_failures += 1
+                    await trio.sleep(0.1)
+                    continue
+                elapsed = time.perf_counter() - sent
+                self.current.health_worst_s = max(self.current.health_worst_s, elapsed)
+                await trio.sleep(HEALTH_EVERY_S)
+
+    # -- per minute --------------------------------------------------------------------
+
+    async def stalls_by_cause(self, client: httpx.AsyncClient) -> dict[str, float]:
+        try:
+            samples = parse_metrics((await client.get(self.proxy_url + "/metrics")).text)
+        except httpx.HTTPError:
+            return {}
+        by_cause = label_values(samples, STALLS, "cause")
+        if not by_cause:
+            total = metric(samples, STALLS)
+            by_cause = {} if total is None else {"all (no cause label)": total}
+        return by_cause
+
+    async def every_minute(self, client: httpx.AsyncClient) -> None:
+        self.stalls_before = await self.stalls_by_cause(client)
+        number = 0
+        while True:
+            number += 1
+            await trio.sleep_until(self.trio_start + 60.0 * number)
+            minute, self.current = self.current, Minute()
+            now = await self.stalls_by_cause(client)
+            minute.stalls = {k: v - self.stalls_before.get(k, 0.0) for k, v in now.items()}
+            self.stalls_before = now
+            assert self.proxy is not None
+            minute.rss_bytes = (
+                processes.rss_bytes(self.proxy.pid) if self.proxy.poll() is None else 0
+            )
+            self.done.append(minute)
+            print_minute(number, minute)
+
+    async def run(self) -> None:
+        try:
+            await self.start_stack()
+            print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}")
+            self.start = time.perf_counter()
+            self.trio_start = trio.current_time()
+            async with new_client(256, REQUEST_TIMEOUT_S) as client, trio.open_nursery() as nursery:
+                nursery.start_soon(self.every_minute, client)
+                for task in (self.steady, self.long_streams, self.long_conversations, self.bursts):
+                    nursery.start_soon(task, client)
+                for job in (
+                    self.connection_bursts,
+                    self.malformed,
+                    self.poll_health,
+                    self.watch_proxy,
+                    self.kill_backends,
+                ):
+                    nursery.start_soon(job)
+                await trio.sleep_until(self.trio_start + 60.0 * self.minutes + 0.5)
+                nursery.cancel_scope.cancel()
+        finally:
+            processes.stop_all(self.stack)
+
+
+def kinds(counter: Counter[str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"
+
+
+def print_minute(number: int, m: Minute) -> None:
+    stalls = ", ".join(f"{k} {v:g}" for k, v in sorted(m.stalls.items())) or "none"
+    print(
+        f"min {number:2}: {m.requests} requests, {m.ok} ok | expected: {kinds(m.expected)} | "
+        f"SLUICE'S FAULT: {kinds(m.sluice)} | /health worst {m.health_worst_s * 1e3:.1f} ms"
+        f"{f' ({m.health_failures} failed)' if m.health_failures else ''} | stalls: {stalls} | "
+        f"RSS {m.rss_bytes / 2**20:.1f} MiB",
+        flush=True,
+    )
+
+
+def verdict(soak: Soak) -> bool:
+    minutes = soak.done
+    lost = sum(sum(m.sluice.values()) for m in minutes)
+    requests = sum(m.requests for m in minutes)
+    first = minutes[0].rss_bytes if minutes else 0
+    last = minutes[-1].rss_bytes if minutes else 0
+    growth = (last / first - 1) * 100 if first else float("nan")
+    worst = max((m.health_worst_s for m in minutes), default=0.0)
+    passed = not soak.crashes and lost == 0 and growth <= 10.0
+    print(f"\nverdict after {len(minutes)} min, {requests} requests:")
+    print(f"  crashes: {len(soak.crashes)} (target 0) {soak.crashes or ''}")
+    print(f"  requests lost to Sluice itself: {lost} (target 0)")
+    for example in soak.lost_examples:
+        print(f"    e.g. {example}")
+    print(
+        f"  proxy RSS: {first / 2**20:.1f} MiB after minute 1 -> {last / 2**20:.1f} MiB at the "
+        f"end ({growth:+.1f}%, target <= +10%)"
+    )
+    print(f"  worst /health: {worst * 1e3:.1f} ms")
+    print(f"  {'PASS' if passed else 'FAIL'}")
+    return passed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.minutes < 1:
+        raise SystemExit("soak: --minutes must be at least 1")
+    soak = Soak(args.minutes, args.seed)
+    trio.run(soak.run)
+    raise SystemExit(0 if verdict(soak) else 1)
