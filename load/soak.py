@@ -80,7 +80,7 @@ class Soak:
         self.shedding: list[list[float]] = []  # connection-burst windows
         self.current = Minute()
         self.done: list[Minute] = []
-        self.lost_examples: list[str] = []
+        self.lost_examples: dict[str, str] = {}  # the first of each kind
         self.start = 0.0
         self.trio_start = 0.0
         self.stalls_before: dict[str, float] = {}
@@ -107,11 +107,11 @@ class Soak:
         elif kind == "http_503" and self._within(self.shedding, record.start, end):
             minute.expected["shed_503"] += 1
         else:
-            minute.sluice[f"{record.tag}:{kind}"] += 1
-            if len(self.lost_examples) < 20:
-                self.lost_examples.append(
-                    f"t={record.start:.1f}s {record.tag} -> {kind} after {record.e2e or 0:.2f}s"
-                )
+            key = f"{record.tag}:{kind}"
+            minute.sluice[key] += 1
+            self.lost_examples.setdefault(
+                key, f"t={record.start:.1f}s {record.tag} -> {kind} after {record.e2e or 0:.2f}s"
+            )
 
     def account_bad(self, bad: BadInput, status: int | None, error: str | None) -> None:
         minute = self.current
@@ -119,9 +119,11 @@ class Soak:
         if status is not None and 400 <= status < 500:
             minute.expected[f"4xx_bad_input:{status}"] += 1
         else:
-            minute.sluice[f"bad_input:{bad.name}:{status or error}"] += 1
-            if len(self.lost_examples) < 20:
-                self.lost_examples.append(f"t={self.now():.1f}s {bad.name} -> {status or error}")
+            key = f"bad_input:{bad.name}:{status or error}"
+            minute.sluice[key] += 1
+            self.lost_examples.setdefault(
+                key, f"t={self.now():.1f}s {bad.name} -> {status or error}"
+            )
 
     # -- processes ---------------------------------------------------------------------
 
@@ -177,8 +179,10 @@ class Soak:
 
     # -- traffic -----------------------------------------------------------------------
 
-    async def one(self, client: httpx.AsyncClient, request: Request, stream: bool) -> None:
-        self.account(await send(client, self.proxy_url, request, stream, self.start))
+    async def one(self, client: httpx.AsyncClient, request: Request, stream: bool) -> bool:
+        record = await send(client, self.proxy_url, request, stream, self.start)
+        self.account(record)
+        return record.ok
 
     async def steady(self, client: httpx.AsyncClient) -> None:
         source = workload("mixed", self.seed)
@@ -201,7 +205,8 @@ class Soak:
 
         async def loop() -> None:
             while True:
-                await self.one(client, request, True)
+                if not await self.one(client, request, True):
+                    await trio.sleep(0.5)  # a client backs off; a dead proxy is not hammered
 
         async with trio.open_nursery() as nursery:
             for _ in range(2):
@@ -212,7 +217,7 @@ class Soak:
         while True:
             for request in source.next():
                 await self.one(client, request, False)
-            await trio.sleep(1.0)
+            await trio.sleep(1.0)  # think time
 
     async def bursts(self, client: httpx.AsyncClient) -> None:
         source = workload("unique", self.seed + 2)
@@ -364,8 +369,8 @@ def verdict(soak: Soak) -> bool:
     print(f"\nverdict after {len(minutes)} min, {requests} requests:")
     print(f"  crashes: {len(soak.crashes)} (target 0) {soak.crashes or ''}")
     print(f"  requests lost to Sluice itself: {lost} (target 0)")
-    for example in soak.lost_examples:
-        print(f"    e.g. {example}")
+    for example in soak.lost_examples.values():
+        print(f"    first: {example}")
     print(
         f"  proxy RSS: {first / 2**20:.1f} MiB after minute 1 -> {last / 2**20:.1f} MiB at the "
         f"end ({growth:+.1f}%, target <= +10%)"

@@ -9,7 +9,8 @@ import math
 import platform
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,44 @@ def write(name: str, blob: dict[str, Any], out_dir: Path | None = None) -> Path:
 def report(name: str, seed_note: str, text: str, png: Path) -> None:
     print(f"\n== {name} ({time.strftime('%Y-%m-%d')}) ==\n{text}\n\n{seed_note}")
     print(f"wrote {png.with_suffix('.json')} and {png}")
+
+
+class HealthProbe:
+    """GET /health every `interval` on one keep-alive connection while the body of
+    `async with probe.running(url):` runs; the latencies are how long the loop froze."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.latencies: list[float] = []
+
+    @asynccontextmanager
+    async def running(self, url: str) -> AsyncIterator[HealthProbe]:
+        self.latencies = []
+        ready = trio.Event()
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            await client.get(url + "/health")  # open the connection first
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._loop, client, url, ready)
+                await ready.wait()
+                yield self
+                nursery.cancel_scope.cancel()
+
+    async def _loop(self, client: httpx.AsyncClient, url: str, ready: trio.Event) -> None:
+        ready.set()
+        while True:
+            sent = time.perf_counter()
+            await client.get(url + "/health")
+            self.latencies.append(time.perf_counter() - sent)
+            await trio.sleep(self.interval)
+
+
+async def wait_healthy(url: str, timeout: float = 30.0) -> None:
+    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
+        with trio.fail_after(timeout):
+            while True:
+                try:
+                    if (await client.get(url + "/health")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.1)
