@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -47,9 +48,20 @@ class Stack:
         self.pids[url] = self.processes[-1].pid
         return url
 
-    async def command(self, argv: Sequence[str], url: str, health: str = "/health") -> int:
+    async def command(
+        self,
+        argv: Sequence[str],
+        url: str,
+        health: str = "/health",
+        env: dict[str, str] | None = None,
+    ) -> int:
         """A foreign process (SMG, LiteLLM) serving at `url`; waits until `health` answers."""
-        process = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
         self.processes.append(process)
         self.pids[url] = process.pid
         async with httpx.AsyncClient(trust_env=False, timeout=2) as client:
@@ -141,7 +153,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def machine() -> dict[str, Any]:
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpus": __import__("os").cpu_count(),
+        "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
