@@ -67,6 +67,7 @@ class SimServer:
         self.metrics = SimMetrics(self.engine, settings.model)
         self.faults = SimFaults.from_settings(settings)
         self.created = int(time.time())
+        self.preprocessing = trio.Lock()
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
             "/v1/completions": {"POST": partial(self._generate, "completion")},
@@ -124,6 +125,9 @@ class SimServer:
             return
         request = parse_generation(kind, parse_json_object(body), self.tokenizer, self.settings)
         self.prompts_by_form[request.prompt_form] += 1
+        if request.prompt_form != "token_ids" and self.settings.preprocess_per_token:
+            async with self.preprocessing:  # one GIL: one request preprocessed at a time
+                await trio.sleep(self.settings.preprocess_per_token * len(request.prompt_tokens))
         if self.faults.draw_error():
             raise request_error(
                 "Simulated internal server error",

@@ -23,6 +23,10 @@ class SimSettings:
     prefill_per_token: float = 0.00002
     # decode = (output_tokens - 1) * inter_token_latency
     inter_token_latency: float = 0.005
+    # A monolithic server's own templating + tokenizing, seconds per prompt token, for
+    # prompts sent as text or messages (not token ids), one request at a time as GIL-bound
+    # preprocessing runs (seed 002, experiment 7). 0: off.
+    preprocess_per_token: float = 0.0
     default_max_tokens: int = 16
     # Prefix KV cache: this many blocks of `block_size` tokens, LRU.
     kv_cache_blocks: int = 4096
