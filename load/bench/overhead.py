@@ -17,6 +17,7 @@ Environment: SMG_BIN, LITELLM_BIN override where those live.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -31,8 +32,10 @@ import trio
 from load import arrivals, processes
 from load.bench import common
 from load.plots import plot_bars
+from load.rawhttp import RawConnection
 from load.stats import percentile
 
+PATH = "/v1/chat/completions"
 BODY = {"model": "sim", "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1}
 SMG_BIN = Path(os.environ.get("SMG_BIN", "/tmp/venv-smg/bin/smg"))
 LITELLM_BIN = Path(os.environ.get("LITELLM_BIN", "/tmp/venv-litellm/bin/litellm"))
@@ -129,14 +132,34 @@ async def answers(url: str, headers: dict[str, str], timeout: float = 60.0) -> b
     return False
 
 
-async def open_loop(
-    client: httpx.AsyncClient,
-    url: str,
-    headers: dict[str, str],
-    rate: float,
-    seconds: float,
-    seed: int,
-) -> tuple[list[float], int]:
+class Pool:
+    """Idle keep-alive connections to one target, reused as a client library would."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.url = url
+        self.request = RawConnection.request(url, PATH, json.dumps(BODY).encode(), headers)
+        self.idle: list[RawConnection] = []
+
+    async def send(self) -> int:
+        """One request; a pooled connection the server closed meanwhile is retried once."""
+        reused = bool(self.idle)
+        connection = self.idle.pop() if reused else RawConnection(self.url)
+        try:
+            status = await connection.send(self.request)
+        except (OSError, trio.BrokenResourceError):
+            if not reused:
+                raise
+            connection = RawConnection(self.url)
+            status = await connection.send(self.request)
+        self.idle.append(connection)
+        return status
+
+    async def close(self) -> None:
+        for connection in self.idle:
+            await connection.close()
+
+
+async def open_loop(pool: Pool, rate: float, seconds: float, seed: int) -> tuple[list[float], int]:
     latencies: list[float] = []
     errors = 0
 
@@ -144,11 +167,11 @@ async def open_loop(
         nonlocal errors
         sent = time.perf_counter()
         try:
-            response = await client.post(url + "/v1/chat/completions", json=BODY, headers=headers)
-        except httpx.HTTPError:
+            status = await pool.send()
+        except (OSError, trio.BrokenResourceError):
             errors += 1
             return
-        if response.status_code == 200:
+        if status == 200:
             latencies.append(time.perf_counter() - sent)
         else:
             errors += 1
@@ -161,22 +184,23 @@ async def open_loop(
     return latencies, errors
 
 
-async def closed_loop(
-    client: httpx.AsyncClient, url: str, headers: dict[str, str], clients: int, seconds: float
-) -> float:
+async def closed_loop(pool: Pool, clients: int, seconds: float) -> float:
+    """`clients` workers, each on its own keep-alive connection, as closed-loop clients are."""
     done = 0
     deadline = trio.current_time() + seconds
 
     async def worker() -> None:
         nonlocal done
-        while trio.current_time() < deadline:
-            try:
-                response = await client.post(
-                    url + "/v1/chat/completions", json=BODY, headers=headers
-                )
-                done += response.status_code == 200
-            except httpx.HTTPError:
-                pass
+        connection = RawConnection(pool.url)
+        try:
+            while trio.current_time() < deadline:
+                try:
+                    status = await connection.send(pool.request)
+                    done += status == 200  # not `done += await ...`: that reads `done` first
+                except (OSError, trio.BrokenResourceError):
+                    await trio.sleep(0.01)
+        finally:
+            await connection.close()
 
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -200,40 +224,40 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 del targets[name]
         names = list(targets)
         fixed: dict[str, dict[str, dict[str, Any]]] = {}
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        async with httpx.AsyncClient(limits=limits, timeout=30, trust_env=False) as client:
-            for url, _, headers in targets.values():  # warm pools and first-request costs
-                for _ in range(50):
-                    await client.post(url + "/v1/chat/completions", json=BODY, headers=headers)
-            for rate in rates:
-                samples = {n: {"lat": [], "errors": 0, "cpu": 0.0, "n": 0} for n in names}
-                for number, name in common.alternate(rounds, names):
-                    url, pid, headers = targets[name]
-                    cpu0 = tree_cpu(pid) if pid else 0.0
-                    lat, errors = await open_loop(client, url, headers, rate, seconds, number)
-                    s = samples[name]
-                    s["lat"] += lat
-                    s["errors"] += errors
-                    s["n"] += len(lat) + errors
-                    s["cpu"] += (tree_cpu(pid) - cpu0) if pid else 0.0
-                direct = samples["direct"]["lat"]
-                fixed[f"{rate:g}"] = {
-                    n: {
-                        "p50_ms": percentile(s["lat"], 50) * 1e3,
-                        "p99_ms": percentile(s["lat"], 99) * 1e3,
-                        "added_p50_ms": (percentile(s["lat"], 50) - percentile(direct, 50)) * 1e3,
-                        "added_p99_ms": (percentile(s["lat"], 99) - percentile(direct, 99)) * 1e3,
-                        "cpu_ms_per_request": s["cpu"] / max(s["n"], 1) * 1e3
-                        if n != "direct"
-                        else float("nan"),
-                        "errors": s["errors"],
-                    }
-                    for n, s in samples.items()
+        pools = {name: Pool(url, headers) for name, (url, _, headers) in targets.items()}
+        for pool in pools.values():  # warm connections and first-request costs
+            for _ in range(50):
+                await pool.send()
+        for rate in rates:
+            samples = {n: {"lat": [], "errors": 0, "cpu": 0.0, "n": 0} for n in names}
+            for number, name in common.alternate(rounds, names):
+                pid = targets[name][1]
+                cpu0 = tree_cpu(pid) if pid else 0.0
+                lat, errors = await open_loop(pools[name], rate, seconds, number)
+                s = samples[name]
+                s["lat"] += lat
+                s["errors"] += errors
+                s["n"] += len(lat) + errors
+                s["cpu"] += (tree_cpu(pid) - cpu0) if pid else 0.0
+            direct = samples["direct"]["lat"]
+            fixed[f"{rate:g}"] = {
+                n: {
+                    "p50_ms": percentile(s["lat"], 50) * 1e3,
+                    "p99_ms": percentile(s["lat"], 99) * 1e3,
+                    "added_p50_ms": (percentile(s["lat"], 50) - percentile(direct, 50)) * 1e3,
+                    "added_p99_ms": (percentile(s["lat"], 99) - percentile(direct, 99)) * 1e3,
+                    "cpu_ms_per_request": s["cpu"] / max(s["n"], 1) * 1e3
+                    if n != "direct"
+                    else float("nan"),
+                    "errors": s["errors"],
                 }
-            closed = {n: [] for n in names}
-            for _, name in common.alternate(rounds, names):
-                url, _, headers = targets[name]
-                closed[name].append(await closed_loop(client, url, headers, 32, seconds / 2))
+                for n, s in samples.items()
+            }
+        closed = {n: [] for n in names}
+        for _, name in common.alternate(rounds, names):
+            closed[name].append(await closed_loop(pools[name], 32, seconds / 2))
+        for pool in pools.values():
+            await pool.close()
         idle: dict[str, float] = {}
         for name, (_, pid, _) in targets.items():
             if pid:
