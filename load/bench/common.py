@@ -136,8 +136,8 @@ def fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers], *[[fmt(c) for c in row] for row in rows]]
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> str:
+    cells = [[str(h) for h in headers], *[[fmt(c, digits) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(
