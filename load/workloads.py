@@ -141,7 +141,7 @@ class Workload:
     def _chat(self) -> list[Request]:
         index = self.rng.randrange(len(self._conversations))
         conversation = self._conversations[index]
-        if len(conversation) >= 2 * self.chat_turns + 1:
+        if len(conversation) >= 2 * self.chat_turns:  # system + turns users + turns-1 replies
             conversation = self._conversations[index] = []
         if not conversation:
             conversation.append({"role": "system", "content": self._systems[0]})

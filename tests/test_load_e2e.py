@@ -1,0 +1,89 @@
+"""The load tools end to end, as a user runs them: `python -m load bench submit --quick` starts
+its own proxies and simulated backend as processes and writes its table, JSON and PNG; and
+`python -m load run` drives a proxy it did not start, writing its JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import trio
+
+from load.bench.common import Stack, wait_healthy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_quick_scenario_prints_its_table_and_writes_json_and_png(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "load",
+            "bench",
+            "submit",
+            "--quick",
+            "--rounds",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "seed 003" in completed.stdout
+    table_rows = [
+        line for line in completed.stdout.splitlines() if line.startswith(("inline", "offload"))
+    ]
+    assert len(table_rows) == 2
+    result = json.loads((tmp_path / "submit.json").read_text())
+    assert set(result["summary"]) == {"inline", "offload"}
+    assert result["summary"]["offload"]["errors"] == 0
+    assert result["machine"]["cpus"] >= 1
+    assert (tmp_path / "submit.png").read_bytes().startswith(PNG_MAGIC)
+
+
+async def test_run_drives_a_running_proxy_and_writes_its_report(tmp_path: Path) -> None:
+    async with Stack() as stack:
+        sim = await stack.sim(instant=True)
+        proxy = await stack.proxy(sim)
+        await wait_healthy(proxy)
+        out = tmp_path / "run.json"
+        completed = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "load",
+                "run",
+                "--target",
+                proxy,
+                "--workload",
+                "mixed",
+                "--rate",
+                "20",
+                "--duration",
+                "2",
+                "--stream",
+                "--slo",
+                "ttft:10000",
+                "--out",
+                str(out),
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["requests"] > 10
+    assert result["ok"] == result["requests"]
+    assert result["goodput_per_s"] > 0
+    assert result["latency_ms"]["ttft"]["count"] == result["ok"]
+    assert set(result["backends"]) == {sim}
+    assert "tokenize" in result["server_timing_ms"]
+    assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)

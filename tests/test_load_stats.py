@@ -1,0 +1,143 @@
+"""The load generator's pure parts: arrival processes (mean and variance of seeded schedules),
+percentiles against a reference, SLOs and goodput, `server-timing` parsing, and the shapes of
+the workloads."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from load import arrivals
+from load.client import parse_server_timing
+from load.stats import goodput, meets, parse_slos, percentile, summary
+from load.workloads import WORKLOADS, workload
+
+
+def gaps_of(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip([0.0, *times], times, strict=False)]
+
+
+def test_poisson_schedule_has_the_rate_and_exponential_variance() -> None:
+    rate = 50.0
+    times = arrivals.schedule("poisson", rate, 400.0, seed=7)
+    gaps = gaps_of(times)
+    # 20,000 arrivals: the count's standard deviation is sqrt(20,000) ~ 141.
+    assert abs(len(times) - rate * 400) < 5 * (rate * 400) ** 0.5
+    assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.03)
+    # Exponential gaps: variance = mean squared.
+    assert statistics.pvariance(gaps) == pytest.approx(1 / rate**2, rel=0.08)
+
+
+def test_seeded_schedules_repeat_and_differ_by_seed() -> None:
+    assert arrivals.schedule("poisson", 10, 10, seed=1) == arrivals.schedule(
+        "poisson", 10, 10, seed=1
+    )
+    assert arrivals.schedule("poisson", 10, 10, seed=1) != arrivals.schedule(
+        "poisson", 10, 10, seed=2
+    )
+
+
+def test_constant_schedule_is_evenly_spaced() -> None:
+    times = arrivals.schedule("constant", 4.0, 3.0)
+    assert times == pytest.approx([0.25 * i for i in range(1, 12)])
+
+
+@pytest.mark.parametrize("shape", [0.25, 1.0, 4.0])
+def test_gamma_keeps_the_mean_and_burstiness_sets_the_variance(shape: float) -> None:
+    rate = 20.0
+    gaps = list(
+        next(g)
+        for g in [arrivals.gaps("gamma", rate, random.Random(3), shape)]
+        for _ in range(40_000)
+    )
+    assert statistics.fmean(gaps) == pytest.approx(1 / rate, rel=0.04)
+    # Gamma(k, theta = 1 / (rate k)): variance = k theta^2 = 1 / (k rate^2).
+    assert statistics.pvariance(gaps) == pytest.approx(1 / (shape * rate**2), rel=0.12)
+
+
+def test_arrivals_refuse_impossible_rates() -> None:
+    with pytest.raises(ValueError):
+        arrivals.schedule("poisson", 0, 1)
+    with pytest.raises(ValueError):
+        arrivals.schedule("gamma", 1, 1, burstiness=0)
+
+
+def test_percentile_matches_numpys_linear_method() -> None:
+    values = [15.0, 20.0, 35.0, 40.0, 50.0]
+    # numpy.percentile(values, q) with the default "linear" method.
+    reference = {0: 15.0, 25: 20.0, 40: 29.0, 50: 35.0, 90: 46.0, 99: 49.6, 100: 50.0}
+    for q, expected in reference.items():
+        assert percentile(values, q) == pytest.approx(expected)
+    assert percentile(list(reversed(values)), 50) == 35.0
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_percentile_of_nothing_is_nan() -> None:
+    assert percentile([], 50) != percentile([], 50)
+
+
+def test_summary_scales_to_milliseconds() -> None:
+    s = summary([0.001, 0.002, 0.003], 1e3)
+    assert s["count"] == 3
+    assert s["p50"] == pytest.approx(2.0)
+    assert s["max"] == pytest.approx(3.0)
+    assert summary([])["count"] == 0
+
+
+def test_slos_parse_to_seconds_and_reject_nonsense() -> None:
+    assert parse_slos(["ttft:500", "e2e:2000"]) == {"ttft": 0.5, "e2e": 2.0}
+    for bad in ("ttft", "latency:5", "ttft:-1", "ttft:abc"):
+        with pytest.raises(ValueError):
+            parse_slos([bad])
+
+
+def test_goodput_counts_only_successes_within_every_slo() -> None:
+    slos = {"ttft": 0.5}
+    records = [
+        {"ok": 1.0, "ttft": 0.1},
+        {"ok": 1.0, "ttft": 0.6},  # too slow
+        {"ok": 0.0, "ttft": 0.1},  # failed
+        {"ok": 1.0, "ttft": None},  # unknown: not counted as good
+    ]
+    assert goodput(records, slos, 2.0) == 0.5
+    assert meets({"ttft": 0.5}, slos)
+
+
+def test_server_timing_parses_sluices_header() -> None:
+    timing = parse_server_timing("template;dur=0.125, tokenize;dur=2.500, route;dur=0.010")
+    assert timing == pytest.approx({"template": 0.000125, "tokenize": 0.0025, "route": 0.00001})
+    assert parse_server_timing("garbage, x;dur=abc") == {}
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_workloads_are_seeded_and_openai_shaped(name: str) -> None:
+    first = [r.body for _ in range(30) for r in workload(name, seed=5).next()]
+    again = [r.body for _ in range(30) for r in workload(name, seed=5).next()]
+    assert first == again
+    for request in workload(name, seed=5).next():
+        assert request.path in ("/v1/chat/completions", "/v1/completions")
+        assert ("messages" in request.body) == (request.path == "/v1/chat/completions")
+
+
+def test_chat_conversations_grow_and_restart() -> None:
+    source = workload("chat", seed=1, conversations=1, chat_turns=3)
+    lengths = [len(source.next()[0].body["messages"]) for _ in range(5)]
+    assert lengths == [2, 4, 6, 2, 4]
+
+
+def test_burst_sends_a_run_of_unique_large_prompts() -> None:
+    source = workload("burst", seed=1, burst_every=5)
+    arrivals_ = [source.next() for _ in range(10)]
+    bursts = [a for a in arrivals_ if len(a) > 1]
+    assert len(bursts) == 2
+    prompts = [r.body["prompt"] for r in bursts[0]]
+    assert len(set(prompts)) == 20
+    assert min(len(p) for p in prompts) > 10_000
+
+
+def test_long_conversations_have_thousands_of_short_messages() -> None:
+    messages = workload("long", seed=2).next()[0].body["messages"]
+    assert 1500 <= len(messages) <= 4002
+    assert max(len(m["content"]) for m in messages[1:-1]) <= 80
