@@ -202,9 +202,10 @@ class HealthProbe:
             await trio.sleep(self.interval)
 
 
-async def wait_healthy(url: str, timeout: float = 30.0) -> None:
+async def wait_healthy(url: str) -> None:
+    """Wait (30 s at most) until `url` answers /health with 200."""
     async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
-        with trio.fail_after(timeout):
+        with trio.fail_after(30):
             while True:
                 try:
                     if (await client.get(url + "/health")).status_code == 200:

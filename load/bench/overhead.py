@@ -76,13 +76,13 @@ def tree_cpu(pid: int) -> float:
 
 
 async def start_targets(
-    stack: common.Stack, sim: str
+    stack: common.Stack, sim: str, peers: list[str]
 ) -> dict[str, tuple[str, int | None, dict[str, str]]]:
-    """{name: (base URL, pid to measure or None, headers)}."""
+    """{name: (base URL, pid to measure or None, headers)}; `peers`: the installed ones."""
     targets: dict[str, tuple[str, int | None, dict[str, str]]] = {"direct": (sim, None, {})}
     url = await stack.proxy(sim)
     targets["sluice"] = (url, stack.pids[url], {})
-    if SMG_BIN.exists():
+    if "smg" in peers:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [str(SMG_BIN), "launch", "--host", "127.0.0.1", "--port", str(port),
@@ -92,7 +92,7 @@ async def start_targets(
             targets["smg"] = (url, await stack.command(argv, url), {})
         except (RuntimeError, trio.TooSlowError) as exc:
             print(f"smg did not start: {exc}")
-    if LITELLM_BIN.exists():
+    if "litellm" in peers:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         config = Path(tempfile.mkdtemp()) / "litellm.yaml"
@@ -115,10 +115,11 @@ async def start_targets(
     return targets
 
 
-async def answers(url: str, headers: dict[str, str], timeout: float = 60.0) -> bool:
-    """Wait until `url` answers a chat request with 200 (SMG registers its worker late)."""
+async def answers(url: str, headers: dict[str, str]) -> bool:
+    """Wait (60 s at most) until `url` answers a chat request with 200 (SMG registers its
+    worker late)."""
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(60):
             while True:
                 try:
                     response = await client.post(
@@ -209,7 +210,7 @@ async def closed_loop(pool: Pool, clients: int, seconds: float) -> float:
     return done / (time.perf_counter() - started)
 
 
-async def measure(args: argparse.Namespace) -> dict[str, Any]:
+async def measure(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
     quick = args.quick
     rates = (25.0, 100.0) if quick else (25.0, 100.0, 200.0)
     rounds = args.rounds or (2 if quick else 4)
@@ -217,7 +218,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     async with common.Stack() as stack:
         # The model is called "sim" on the backend too: SMG routes by the backend's model id.
         sim = await stack.sim("--model", "sim", instant=True)
-        targets = await start_targets(stack, sim)
+        targets = await start_targets(stack, sim, peers)
         for name, (url, _, headers) in list(targets.items()):
             if not await answers(url, headers):
                 print(f"{name} never answered a request; left out")
@@ -274,7 +275,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> None:
-    result = trio.run(measure, args)
+    installed = {"smg": SMG_BIN, "litellm": LITELLM_BIN}
+    peers = [name for name, path in installed.items() if path.exists()]
+    result = trio.run(measure, args, peers)
     png = common.write("overhead", result, args.out_dir)
     names = [n for n in result["closed_loop_32_req_per_s"] if n != "direct"]
     rates = list(result["fixed_rates"])
