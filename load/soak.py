@@ -150,7 +150,7 @@ class Soak:
             kept = log.with_name(f"crash-{len(self.crashes) + 1}-{log.name}")
             log.replace(kept)
             self.crashes.append(f"t={self.now():.0f}s exit {code}, log {kept}")
-            print(f"!! proxy died (exit {code}) at t={self.now():.0f}s; log kept in {kept}")
+            print(f"!! proxy died (exit {code}) at t={self.now():.0f}s; log in {kept}", flush=True)
             self.stack.remove(self.proxy)
             self.proxy_url = await processes.start_proxy(
                 self.stack, self.backends, *self.proxy_args
@@ -169,12 +169,12 @@ class Soak:
             victim.send_signal(signal.SIGKILL)
             victim.wait()
             self.stack.remove(victim)
-            print(f"   t={self.now():.0f}s backend {url} killed")
+            print(f"   t={self.now():.0f}s backend {url} killed", flush=True)
             await trio.sleep(KILL_DOWN_S)
             await processes.start_sim(self.stack, "--port", port, "--max-num-seqs", "256")
             self.backend_procs[url] = self.stack[-1]
             window[1] = self.now() + DOWN_GRACE_S
-            print(f"   t={self.now():.0f}s backend {url} restarted")
+            print(f"   t={self.now():.0f}s backend {url} restarted", flush=True)
             await trio.sleep(KILL_EVERY_S / 2 - KILL_DOWN_S)
 
     # -- traffic -----------------------------------------------------------------------
@@ -321,7 +321,7 @@ class Soak:
     async def run(self) -> None:
         try:
             await self.start_stack()
-            print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}")
+            print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}", flush=True)
             self.start = time.perf_counter()
             self.trio_start = trio.current_time()
             async with new_client(256, REQUEST_TIMEOUT_S) as client, trio.open_nursery() as nursery:
