@@ -1,0 +1,147 @@
+"""`python -m load profile`: where the proxy's CPU per request goes, with py-spy.
+
+Starts one instant simulated backend and `sluice serve` in front of it (separate processes),
+drives the overhead scenario's traffic (non-streaming one-token chats, open loop, through
+the lean raw client) and meanwhile samples the proxy with `py-spy record --format raw`
+(py-spy from PyPI; it needs ptrace rights: root, or CAP_SYS_PTRACE). Prints the CPU per
+request from /proc, then the sampled time by function (self), by function including callees
+(inclusive) and by package, and writes the collapsed stacks (flame-graph input) and a
+speedscope-free summary to `load/results/profile*.txt`.
+
+    python -m load profile --rate 200 --seconds 20 [--proxy-arg=--no-stall-instrument]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import trio
+
+from load import processes
+from load.bench import common
+from load.bench.overhead import Pool, open_loop
+
+TOP = 25
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(found).exists():
+        raise SystemExit("profile: py-spy is not installed (pip install py-spy)")
+    return found
+
+
+def frame_label(frame: str) -> str:
+    """`handle (app/proxy/app.py:123)` -> `handle (app/proxy/app.py)`: lines merged."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    for marker in ("site-packages/", "/lib/python3"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    if "/app/" in path:
+        path = "app/" + path.split("/app/", 1)[1]
+    return f"{name} ({path})"
+
+
+def package(label: str) -> str:
+    path = label.rsplit("(", 1)[-1].rstrip(")")
+    if path.startswith("app/"):
+        return "/".join(path.split("/")[:2])
+    if path.startswith(".") or path.startswith("/"):
+        return path.split("/")[-1]
+    return path.split("/")[0].split(".")[0]
+
+
+def summarize(collapsed: str) -> dict[str, list[tuple[str, int]] | int]:
+    self_time: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    packages: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [frame_label(f) for f in stack.split(";") if "(" in f]
+        if not frames:
+            continue
+        total += count
+        self_time[frames[-1]] += count
+        packages[package(frames[-1])] += count
+        for label in set(frames):
+            inclusive[label] += count
+    return {
+        "samples": total,
+        "self": self_time.most_common(TOP),
+        "inclusive": inclusive.most_common(TOP),
+        "packages": packages.most_common(TOP),
+    }
+
+
+async def drive(args: argparse.Namespace) -> dict[str, float]:
+    async with common.Stack() as stack:
+        sim = await stack.sim("--model", "sim", instant=True)
+        url = await stack.proxy(sim, *args.proxy_arg)
+        pid = stack.pids[url]
+        await common.wait_healthy(url)
+        pool = Pool(url, {})
+        for _ in range(100):
+            await pool.send()
+        raw = Path(args.out_dir or common.RESULTS_DIR) / "profile-collapsed.txt"
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen(
+            [py_spy(), "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
+             "--rate", "250", "--format", "raw", "--output", str(raw), "--nonblocking"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        await trio.sleep(1.0)  # py-spy attaches
+        cpu0 = processes.cpu_seconds(pid)
+        latencies, errors = await open_loop(pool, args.rate, args.seconds - 2, 1)
+        cpu = processes.cpu_seconds(pid) - cpu0
+        await trio.to_thread.run_sync(spy.wait)
+        await pool.close()
+        if spy.returncode != 0:
+            assert spy.stderr is not None
+            raise SystemExit(f"profile: py-spy failed: {spy.stderr.read().decode()[-500:]}")
+    requests = len(latencies) + errors
+    return {
+        "requests": requests,
+        "errors": errors,
+        "cpu_ms_per_request": cpu / max(requests, 1) * 1e3,
+        "collapsed": str(raw),
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rate", type=float, default=200.0, help="requests per second")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of the profile")
+    parser.add_argument("--proxy-arg", action="append", default=[], help="flag for sluice serve")
+    parser.add_argument("--out-dir", type=Path, help="default: load/results/")
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.seconds < 5:
+        raise SystemExit("profile: --seconds must be at least 5")
+    run = trio.run(drive, args)
+    summary = summarize(Path(str(run["collapsed"])).read_text())
+    total = int(summary["samples"]) or 1  # type: ignore[call-overload]
+    lines = [
+        f"{run['requests']:.0f} requests at {args.rate:g}/s, {run['errors']:.0f} errors; proxy CPU "
+        f"{run['cpu_ms_per_request']:.2f} ms/request; {total} samples (py-spy, non-idle)"
+    ]
+    for title in ("packages", "self", "inclusive"):
+        lines.append(f"\nby {title} (% of samples)")
+        for label, count in summary[title]:  # type: ignore[union-attr]
+            lines.append(f"  {100 * count / total:5.1f}%  {label}")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(str(run["collapsed"])).with_name("profile.txt")
+    out.write_text(text + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"run": run, "summary": summary}, indent=1))
+    print(f"\nwrote {out}, {out.with_suffix('.json')} and {run['collapsed']}")
