@@ -6,7 +6,8 @@ character count. Each workload is what a class of real traffic looks like to a p
 tokenizer caches and a backend's prefix cache:
 
 - rag: a few long system prompts (2-4k tokens, retrieved documents) + a unique question;
-- hot: one system prompt dominating (90% of requests), a few rare ones;
+- hot: one system prompt dominating (90% of requests), a few rare ones, and 30% of the
+  questions from a short list of frequent ones (seed 000: user queries hit 10-30%);
 - chat: conversations growing turn by turn to 50 turns, then a new conversation;
 - unique: nothing repeats (a random nonce leads every prompt);
 - burst: now and then a run of 20 unique large prompts at once (seed 000's pathological
@@ -28,6 +29,7 @@ from typing import Any
 
 CHARS_PER_TOKEN = 4.0
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
+FREQUENT_QUESTIONS = 20
 WORKLOADS = ("rag", "hot", "chat", "unique", "burst", "long", "mixed")
 
 
@@ -132,9 +134,15 @@ class Workload:
 
     def _hot(self) -> list[Request]:
         system = self._systems[0] if self.rng.random() < 0.9 else self.rng.choice(self._systems)
+        if self.rng.random() < 0.3:
+            question = (
+                f"Frequent question {self.rng.randrange(FREQUENT_QUESTIONS)}: where do I start?"
+            )
+        else:
+            question = self._question()
         messages = [
             {"role": "system", "content": system},
-            {"role": "user", "content": self._question()},
+            {"role": "user", "content": question},
         ]
         return [chat(messages, self.max_tokens)]
 
