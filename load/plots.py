@@ -101,7 +101,7 @@ def plot_bars(
     if log:
         log_axis(ax, "y")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
