@@ -5,8 +5,9 @@ waits for its tokens (needed for correctness: billing, context limits) or bails 
 routed without them ("a request routed by hash instead of prefix is slightly less optimal
 but doesn't block the event loop"). Two proxies, each in front of its own two simulated
 backends (so each variant's prefix-cache hit rate is its own), with one tokenizer thread and
-a queue of 2 so the tokenizer saturates. Traffic, open loop: RAG requests (shared system
-prompts: prefix routing pays) plus unique ~6k-token prompts that miss every cache. Variants
+a queue of 2 so the tokenizer saturates. Traffic, open loop: RAG requests at 20/s (shared
+system prompts: prefix routing pays) and, every second, a burst of 12 unique ~4k-token
+prompts that miss every cache (more than thread + queue + fallback hold). Variants
 alternate in rounds. Reported: latency of all requests and of the RAG ones, the share
 routed without tokens (`x-sluice-prompt-tokens: estimated`), the backends' prefix-cache hit
 rate (from their `/sim/state`).
@@ -39,6 +40,7 @@ SIM_FLAGS = (
     "--inter-token-latency", "0.001",
     "--max-num-seqs", "256",
 )  # fmt: skip
+BURST, BURST_EVERY_S = 12, 1.0
 PROXY_FLAGS = ("--tokenize-threads", "1", "--tokenize-queue", "2")
 SEED_NOTE = (
     "seed 000: under a burst of misses the fallback semaphore lets the 2nd, 3rd, 4th miss\n"
@@ -86,14 +88,15 @@ async def one_round(
 
         async with trio.open_nursery() as nursery:
             t0 = trio.current_time()
-            for i, at in enumerate(times):
+            next_burst = 0.5
+            for at in times:
                 await trio.sleep_until(t0 + at)
-                if i % 2:
-                    request = rag.next()[0]
-                else:
-                    text = f"{nonce(rng)} {corpus.text(rng, 6000)}"
-                    request = completion(text, 4, "unique")
-                nursery.start_soon(fire, request)
+                if at >= next_burst:  # a burst of misses: more than threads + queue + fallback
+                    next_burst += BURST_EVERY_S
+                    for _ in range(BURST):
+                        text = f"{nonce(rng)} {corpus.text(rng, 4000)}"
+                        nursery.start_soon(fire, completion(text, 4, "unique"))
+                nursery.start_soon(fire, rag.next()[0])
         hits1, queries1 = await sim_prefix(client, sims)
     ok = [r for r in records if r.ok]
     e2e = [r.e2e for r in ok if r.e2e is not None]
@@ -118,7 +121,7 @@ async def one_round(
 async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     rounds = args.rounds or (2 if args.quick else 4)
     seconds = 5.0 if args.quick else 10.0
-    rate = 40.0
+    rate = 20.0
     policy = prefix_policy()
     results = []
     async with common.Stack() as stack:
@@ -181,7 +184,8 @@ def main(args: argparse.Namespace) -> None:
     common.report(
         "saturation",
         SEED_NOTE,
-        f"1 tokenizer thread, queue 2, {policy}; RAG + unique 6k-token prompts at 40/s, "
+        f"1 tokenizer thread, queue 2, {policy}; RAG at 20/s + every second {BURST} unique "
+        "~4k-token prompts at once, "
         f"medians of {len(results) // 2} rounds\n" + common.table(headers, rows),
         png,
     )
