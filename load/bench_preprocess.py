@@ -3,7 +3,7 @@
     .venv/bin/python -m load.bench_preprocess
 
 1. L0 hit cost on 64 KiB texts (target <= 20 us), for a fresh string (a request body parsed
-   anew: its hash is not cached yet) and through the whole `prepare_completion` path.
+   anew: its hash is not cached yet) and through the whole `Preprocessor.prepare` path.
 2. A grown ~16k-token conversation through L1 vs a full encode (target >= 5x faster).
 3. Chat template render cost vs message count for the shipped templates, with the calibrated
    cost model's on-loop verdict, and what a render cache would pay per request (a JSON key).
@@ -33,7 +33,7 @@ from app.preprocess.chat_template import (
 from app.preprocess.encoding import facts_for, gil_releasing_encoder
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.l1_cache import L1Cache
-from app.preprocess.pipeline import RENDER_ON_LOOP_BUDGET, Preprocessor
+from app.preprocess.pipeline import RENDER_ON_LOOP_BUDGET, Prepared, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
 from load.stats import percentile
 
@@ -62,6 +62,11 @@ def timed(fn: Callable[[], object], repeat: int) -> list[float]:
     return samples
 
 
+async def prepare_text(preprocessor: Preprocessor, text: str) -> Prepared:
+    """A completion request for `text` through the whole preprocessing path."""
+    return await preprocessor.prepare("completion", json.dumps({"prompt": text}).encode())
+
+
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:9.1f} us"
 
@@ -80,13 +85,14 @@ def bench_l0() -> None:
     body_texts = iter([text.encode().decode() for _ in range(300)])
 
     async def through_pipeline() -> list[float]:
-        await preprocessor.prepare_completion({"prompt": text})
-        seconds = []
-        for _ in range(300):
-            prepared = await preprocessor.prepare_completion({"prompt": next(body_texts)})
-            assert prepared.tokenize_path == "l0"
-            seconds.append(prepared.tokenize_seconds)
-        return seconds
+        async with preprocessor.running():
+            await prepare_text(preprocessor, text)
+            seconds = []
+            for _ in range(300):
+                prepared = await prepare_text(preprocessor, next(body_texts))
+                assert prepared.tokenize_path == "l0"
+                seconds.append(prepared.tokenize_seconds)
+            return seconds
 
     piped = trio.run(through_pipeline)
     tokens = len(encode(text))
@@ -94,7 +100,7 @@ def bench_l0() -> None:
     for name, samples in (
         ("cache.get, fresh str (hash computed)", cold),
         ("cache.get, same str (hash cached)", warm),
-        ("prepare_completion, fresh body", piped),
+        ("prepare, fresh body (tokenize part)", piped),
     ):
         print(f"   {name:38} {us(statistics.median(samples))} {us(percentile(samples, 99))}")
 
@@ -197,13 +203,13 @@ async def ticker_burst(
             gaps.append(now - last)
             last = now
 
-    async with trio.open_nursery() as nursery:
+    async with preprocessor.running(), trio.open_nursery() as nursery:
         nursery.start_soon(ticker)
         await trio.sleep(0.01)
         start = time.perf_counter()
         async with trio.open_nursery() as burst:
             for prompt in prompts:
-                burst.start_soon(preprocessor.prepare_completion, {"prompt": prompt})
+                burst.start_soon(prepare_text, preprocessor, prompt)
         elapsed = time.perf_counter() - start
         done.set()
     return max(gaps), percentile(gaps, 99), elapsed

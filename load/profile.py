@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -58,7 +59,8 @@ def package(label: str) -> str:
     return path.split("/")[0].split(".")[0]
 
 
-def summarize(collapsed: str) -> dict[str, list[tuple[str, int]] | int]:
+def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
+    """Samples in all, and the top frames by package, self time and inclusive time."""
     self_time: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     packages: Counter[str] = Counter()
@@ -76,15 +78,14 @@ def summarize(collapsed: str) -> dict[str, list[tuple[str, int]] | int]:
         packages[package(frames[-1])] += count
         for label in set(frames):
             inclusive[label] += count
-    return {
-        "samples": total,
+    return total, {
         "self": self_time.most_common(TOP),
         "inclusive": inclusive.most_common(TOP),
         "packages": packages.most_common(TOP),
     }
 
 
-async def drive(args: argparse.Namespace) -> dict[str, float]:
+async def drive(args: argparse.Namespace) -> dict[str, Any]:
     async with common.Stack() as stack:
         sim = await stack.sim("--model", "sim", instant=True)
         url = await stack.proxy(sim, *args.proxy_arg)
@@ -129,19 +130,20 @@ def main(args: argparse.Namespace) -> None:
     if args.seconds < 5:
         raise SystemExit("profile: --seconds must be at least 5")
     run = trio.run(drive, args)
-    summary = summarize(Path(str(run["collapsed"])).read_text())
-    total = int(summary["samples"]) or 1  # type: ignore[call-overload]
+    samples, summary = summarize(Path(run["collapsed"]).read_text())
+    total = samples or 1
     lines = [
         f"{run['requests']:.0f} requests at {args.rate:g}/s, {run['errors']:.0f} errors; proxy CPU "
         f"{run['cpu_ms_per_request']:.2f} ms/request; {total} samples (py-spy, non-idle)"
     ]
     for title in ("packages", "self", "inclusive"):
         lines.append(f"\nby {title} (% of samples)")
-        for label, count in summary[title]:  # type: ignore[union-attr]
+        for label, count in summary[title]:
             lines.append(f"  {100 * count / total:5.1f}%  {label}")
     text = "\n".join(lines)
     print(text)
-    out = Path(str(run["collapsed"])).with_name("profile.txt")
+    out = Path(run["collapsed"]).with_name("profile.txt")
     out.write_text(text + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"run": run, "summary": summary}, indent=1))
+    blob = {"run": run, "samples": samples, "summary": summary}
+    out.with_suffix(".json").write_text(json.dumps(blob, indent=1))
     print(f"\nwrote {out}, {out.with_suffix('.json')} and {run['collapsed']}")

@@ -23,6 +23,7 @@ import socket
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,26 @@ async def answers(url: str, headers: dict[str, str]) -> bool:
     return False
 
 
+@dataclass
+class Samples:
+    """One target's latencies, errors and CPU seconds over the rounds at one rate."""
+
+    lat: list[float] = field(default_factory=list)
+    errors: int = 0
+    cpu: float = 0.0
+
+    def report(self, direct: list[float], proxy: bool) -> dict[str, float]:
+        requests = max(len(self.lat) + self.errors, 1)
+        return {
+            "p50_ms": percentile(self.lat, 50) * 1e3,
+            "p99_ms": percentile(self.lat, 99) * 1e3,
+            "added_p50_ms": (percentile(self.lat, 50) - percentile(direct, 50)) * 1e3,
+            "added_p99_ms": (percentile(self.lat, 99) - percentile(direct, 99)) * 1e3,
+            "cpu_ms_per_request": self.cpu / requests * 1e3 if proxy else float("nan"),
+            "errors": self.errors,
+        }
+
+
 class Pool:
     """Idle keep-alive connections to one target, reused as a client library would."""
 
@@ -230,31 +251,18 @@ async def measure(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
             for _ in range(50):
                 await pool.send()
         for rate in rates:
-            samples = {n: {"lat": [], "errors": 0, "cpu": 0.0, "n": 0} for n in names}
+            samples = {n: Samples() for n in names}
             for number, name in common.alternate(rounds, names):
                 pid = targets[name][1]
                 cpu0 = tree_cpu(pid) if pid else 0.0
                 lat, errors = await open_loop(pools[name], rate, seconds, number)
                 s = samples[name]
-                s["lat"] += lat
-                s["errors"] += errors
-                s["n"] += len(lat) + errors
-                s["cpu"] += (tree_cpu(pid) - cpu0) if pid else 0.0
-            direct = samples["direct"]["lat"]
-            fixed[f"{rate:g}"] = {
-                n: {
-                    "p50_ms": percentile(s["lat"], 50) * 1e3,
-                    "p99_ms": percentile(s["lat"], 99) * 1e3,
-                    "added_p50_ms": (percentile(s["lat"], 50) - percentile(direct, 50)) * 1e3,
-                    "added_p99_ms": (percentile(s["lat"], 99) - percentile(direct, 99)) * 1e3,
-                    "cpu_ms_per_request": s["cpu"] / max(s["n"], 1) * 1e3
-                    if n != "direct"
-                    else float("nan"),
-                    "errors": s["errors"],
-                }
-                for n, s in samples.items()
-            }
-        closed = {n: [] for n in names}
+                s.lat += lat
+                s.errors += errors
+                s.cpu += (tree_cpu(pid) - cpu0) if pid else 0.0
+            direct = samples["direct"].lat
+            fixed[f"{rate:g}"] = {n: s.report(direct, n != "direct") for n, s in samples.items()}
+        closed: dict[str, list[float]] = {n: [] for n in names}
         for _, name in common.alternate(rounds, names):
             closed[name].append(await closed_loop(pools[name], 32, seconds / 2))
         for pool in pools.values():

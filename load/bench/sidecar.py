@@ -93,11 +93,11 @@ def main(args: argparse.Namespace) -> None:
         "req/s",
         png,
     )
-    rows = []
+    table_rows: list[list[Any]] = []
     for clients, by_variant in summary.items():
         base = by_variant["passthrough"]["req_per_s"]
         for variant, s in by_variant.items():
-            rows.append(
+            table_rows.append(
                 [
                     clients,
                     variant,
@@ -113,7 +113,8 @@ def main(args: argparse.Namespace) -> None:
         SEED_NOTE,
         f"backend charges {PER_TOKEN} s/token to text prompts, serialized; RAG ~2-4k tokens\n"
         + common.table(
-            ["clients", "--forward", "req/s", "p50 ms", "p99 ms", "x passthrough", "errors"], rows
+            ["clients", "--forward", "req/s", "p50 ms", "p99 ms", "x passthrough", "errors"],
+            table_rows,
         ),
         png,
     )

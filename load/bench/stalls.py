@@ -65,7 +65,7 @@ async def one_round(
 
         async with probe.running(url), trio.open_nursery() as nursery:
             t0 = trio.current_time()
-            burst_at = t0 + 0.5
+            burst_at: float | None = t0 + 0.5
             for i in range(int(CHEAP_RATE * 30)):
                 await trio.sleep_until(t0 + i / CHEAP_RATE)
                 if burst_at is not None and trio.current_time() >= burst_at:
