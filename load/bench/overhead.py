@@ -282,20 +282,33 @@ async def measure(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
     }
 
 
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Added p50 per rate (log: LiteLLM is three orders above), and CPU per request."""
+    names = [n for n in result["closed_loop_32_req_per_s"] if n != "direct"]
+    rates = list(result["fixed_rates"])
+    groups = [f"{r} req/s" for r in rates]
+    fixed = result["fixed_rates"]
+    added = {n: [max(fixed[r][n]["added_p50_ms"], 0.01) for r in rates] for n in names}
+    plot_bars("Added latency p50 over direct", groups, added, "ms (log)", png, log=True)
+    cpu = {n: [fixed[r][n]["cpu_ms_per_request"] for r in rates] for n in names}
+    plot_bars(
+        "Proxy CPU per request",
+        groups,
+        cpu,
+        "ms (log)",
+        png.with_name("overhead-cpu.png"),
+        log=True,
+    )
+
+
 def main(args: argparse.Namespace) -> None:
     installed = {"smg": SMG_BIN, "litellm": LITELLM_BIN}
     peers = [name for name, path in installed.items() if path.exists()]
     result = trio.run(measure, args, peers)
     png = common.write("overhead", result, args.out_dir)
+    plot(result, png)
     names = [n for n in result["closed_loop_32_req_per_s"] if n != "direct"]
     rates = list(result["fixed_rates"])
-    plot_bars(
-        "Added latency p50 over direct (ms)",
-        [f"{r} req/s" for r in rates],
-        {n: [result["fixed_rates"][r][n]["added_p50_ms"] for r in rates] for n in names},
-        "ms",
-        png,
-    )
     rows = []
     for rate in rates:
         for name in names:
