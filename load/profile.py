@@ -4,9 +4,11 @@ Starts one instant simulated backend and `sluice serve` in front of it (separate
 drives the overhead scenario's traffic (non-streaming one-token chats, open loop, through
 the lean raw client) and meanwhile samples the proxy with `py-spy record --format raw`
 (py-spy from PyPI; it needs ptrace rights: root, or CAP_SYS_PTRACE). Prints the CPU per
-request from /proc, then the sampled time by function (self), by function including callees
-(inclusive) and by package, and writes the collapsed stacks (flame-graph input) and a
-speedscope-free summary to `load/results/profile*.txt`.
+request from /proc, then the samples by package (of the innermost frame), by owner (the
+innermost frame outside Trio's and the standard library's plumbing: who caused a socket
+call or a task switch), by function (self) and including callees (inclusive: py-spy sees
+only the running part of a coroutine's stack, so this view undercounts). Writes the
+collapsed stacks (flame-graph input) and the summary to `load/results/profile*`.
 
     python -m load profile --rate 200 --seconds 20 [--proxy-arg=--no-stall-instrument]
 """
@@ -59,11 +61,35 @@ def package(label: str) -> str:
     return path.split("/")[0].split(".")[0]
 
 
+# Frames that do work on behalf of their callers: a sample in them is charged to the
+# innermost caller outside them (the "owner" view).
+RUNTIME = (
+    "trio",
+    "outcome",
+    "contextlib",
+    "<attrs",
+    "<frozen",
+    "collections",
+    "typing",
+    "functools",
+    "abc",
+)
+
+
+def owner(frames: list[str]) -> str:
+    """The innermost frame that is not runtime plumbing, e.g. the code that called `send_all`."""
+    for label in reversed(frames):
+        if not package(label).startswith(RUNTIME) and not label.startswith("<"):
+            return label
+    return "trio scheduler / epoll (no caller in the sample)"
+
+
 def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
     """Samples in all, and the top frames by package, self time and inclusive time."""
     self_time: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     packages: Counter[str] = Counter()
+    owners: Counter[str] = Counter()
     total = 0
     for line in collapsed.splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -76,12 +102,14 @@ def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
         total += count
         self_time[frames[-1]] += count
         packages[package(frames[-1])] += count
+        owners[owner(frames)] += count
         for label in set(frames):
             inclusive[label] += count
     return total, {
         "self": self_time.most_common(TOP),
         "inclusive": inclusive.most_common(TOP),
         "packages": packages.most_common(TOP),
+        "owner": owners.most_common(TOP),
     }
 
 
@@ -136,7 +164,7 @@ def main(args: argparse.Namespace) -> None:
         f"{run['requests']:.0f} requests at {args.rate:g}/s, {run['errors']:.0f} errors; proxy CPU "
         f"{run['cpu_ms_per_request']:.2f} ms/request; {total} samples (py-spy, non-idle)"
     ]
-    for title in ("packages", "self", "inclusive"):
+    for title in ("packages", "owner", "self", "inclusive"):
         lines.append(f"\nby {title} (% of samples)")
         for label, count in summary[title]:
             lines.append(f"  {100 * count / total:5.1f}%  {label}")
