@@ -79,9 +79,11 @@ RUNTIME = (
 def owner(frames: list[str]) -> str:
     """The innermost frame that is not runtime plumbing, e.g. the code that called `send_all`."""
     for label in reversed(frames):
+        if label.startswith("run (trio/"):
+            return "the Trio loop itself (epoll, scheduling)"
         if not package(label).startswith(RUNTIME) and not label.startswith("<"):
             return label
-    return "trio scheduler / epoll (no caller in the sample)"
+    return "a socket call whose caller py-spy did not see"
 
 
 def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
