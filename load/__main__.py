@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from load import bench_preprocess, burst, dashboard_cost, detector_cost, hardening, overhead
-from load import bench, profile, runner, soak
+from load import (
+    bench,
+    bench_preprocess,
+    burst,
+    dashboard_cost,
+    detector_cost,
+    hardening,
+    overhead,
+    profile,
+    runner,
+    soak,
+)
 
 
 def main() -> None:
