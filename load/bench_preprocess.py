@@ -64,7 +64,8 @@ def timed(fn: Callable[[], object], repeat: int) -> list[float]:
 
 async def prepare_text(preprocessor: Preprocessor, text: str) -> Prepared:
     """A completion request for `text` through the whole preprocessing path."""
-    return await preprocessor.prepare("completion", json.dumps({"prompt": text}).encode())
+    body = json.dumps({"model": "sim", "prompt": text}).encode()
+    return await preprocessor.prepare("completion", body)
 
 
 def us(seconds: float) -> str:
