@@ -56,9 +56,11 @@ async def start_proxy(
 
 
 async def start_process(
-    args: Sequence[str], marker: str, stack: list[subprocess.Popen[bytes]]
+    args: Sequence[str], marker: str | bytes, stack: list[subprocess.Popen[bytes]]
 ) -> str:
     """Run `python -m app ARGS`, wait for the line holding `marker`, return its URL."""
+    if isinstance(marker, bytes):  # the earlier benchmarks pass bytes
+        marker = marker.decode()
     LOG_DIR.mkdir(exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=LOG_DIR, suffix=".log", delete=False) as log:
         process = subprocess.Popen(

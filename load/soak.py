@@ -26,8 +26,6 @@ import random
 import signal
 import subprocess
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import httpx
 import trio
@@ -36,6 +34,7 @@ from load import processes
 from load.bench.common import label_values, metric, parse_metrics
 from load.client import Record, new_client, send
 from load.soak_inputs import BadInput, catalog
+from load.soak_report import Minute, print_minute, verdict
 from load.workloads import Request, Workload, completion, workload
 
 DOWN_GRACE_S = 10.0  # after a restart: health check interval (3 s) + breaker cooldown slack
@@ -51,21 +50,6 @@ REQUEST_TIMEOUT_S = 120.0
 STALLS = "sluice_event_loop_stalls_total"
 CACHES = "sluice_tokenizer_cache"
 EXPECTED_WHEN_DOWN = {"http_502", "http_503", "http_504", "stream_broken", "no_done"}
-
-
-@dataclass
-class Minute:
-    requests: int = 0
-    ok: int = 0
-    expected: Counter[str] = field(default_factory=Counter)
-    sluice: Counter[str] = field(default_factory=Counter)
-    health_worst_s: float = 0.0
-    health_worst_at: float = 0.0
-    health_failures: int = 0
-    stalls: dict[str, float] = field(default_factory=dict)
-    rss_bytes: int = 0
-    pid: int = 0  # the proxy process the RSS was read from (a crash starts a new one)
-    cache_bytes: float | None = None  # L0 + L1, from /metrics: what of the RSS is caches
 
 
 class Soak:
@@ -357,57 +341,6 @@ class Soak:
             processes.stop_all(self.stack)
 
 
-def kinds(counter: Counter[str]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"
-
-
-def print_minute(number: int, m: Minute) -> None:
-    stalls = ", ".join(f"{k} {v:g}" for k, v in sorted(m.stalls.items())) or "none"
-    caches = "" if m.cache_bytes is None else f" (caches {m.cache_bytes / 2**20:.1f} MiB)"
-    print(
-        f"min {number:2}: {m.requests} requests, {m.ok} ok | expected: {kinds(m.expected)} | "
-        f"SLUICE'S FAULT: {kinds(m.sluice)} | /health worst {m.health_worst_s * 1e3:.1f} ms "
-        f"at t={m.health_worst_at:.0f}s"
-        f"{f' ({m.health_failures} failed)' if m.health_failures else ''} | stalls: {stalls} | "
-        f"RSS {m.rss_bytes / 2**20:.1f} MiB{caches}",
-        flush=True,
-    )
-
-
-def verdict(soak: Soak) -> bool:
-    minutes = soak.done
-    lost = sum(sum(m.sluice.values()) for m in minutes)
-    requests = sum(m.requests for m in minutes)
-    # RSS growth of one process: up to the last minute before a crash replaced it.
-    same = [m for m in minutes if m.pid == minutes[0].pid] if minutes else []
-    first = same[0].rss_bytes if same else 0
-    last = same[-1].rss_bytes if same else 0
-    growth = (last / first - 1) * 100 if first else float("nan")
-    worst = max((m.health_worst_s for m in minutes), default=0.0)
-    passed = not soak.crashes and lost == 0 and growth <= 10.0
-    print(f"\nverdict after {len(minutes)} min, {requests} requests:")
-    print(f"  crashes: {len(soak.crashes)} (target 0) {soak.crashes or ''}")
-    print(f"  requests lost to Sluice itself: {lost} (target 0)")
-    for example in soak.lost_examples.values():
-        print(f"    first: {example}")
-    print(
-        f"  proxy RSS: {first / 2**20:.1f} MiB after minute 1 -> {last / 2**20:.1f} MiB after "
-        f"minute {len(same)} ({growth:+.1f}%, target <= +10%)"
-        + ("" if len(same) == len(minutes) else "; later minutes ran in a restarted proxy")
-    )
-    print(f"  worst /health: {worst * 1e3:.1f} ms (target of issue 7's benchmarks: <= 10 ms)")
-    if len(same) >= 2 and same[0].cache_bytes is not None and same[-1].cache_bytes is not None:
-        grown = (same[-1].cache_bytes - same[0].cache_bytes) / 2**20
-        rest = [m.rss_bytes - (m.cache_bytes or 0.0) for m in (same[0], same[-1])]
-        print(
-            f"  of which the tokenizer caches (bounded by --l0-max-entries and --l1-max-memory): "
-            f"{grown:+.1f} MiB; the RSS besides them: {rest[0] / 2**20:.1f} -> "
-            f"{rest[1] / 2**20:.1f} MiB ({(rest[1] / rest[0] - 1) * 100:+.1f}%)"
-        )
-    print(f"  {'PASS' if passed else 'FAIL'}")
-    return passed
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -421,4 +354,4 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("soak: --minutes must be at least 1")
     soak = Soak(args.minutes, args.seed, args.proxy_arg)
     trio.run(soak.run)
-    raise SystemExit(0 if verdict(soak) else 1)
+    raise SystemExit(0 if verdict(soak.done, soak.crashes, soak.lost_examples) else 1)
