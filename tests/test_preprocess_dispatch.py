@@ -234,7 +234,8 @@ async def test_context_window_is_enforced_unless_tokens_were_skipped() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))
         await tokenizer.arrived()
-        preprocessor._tokens.dispatcher._fallback.acquire_nowait()  # stand-in: an inline encode running
+        # A stand-in for an inline encode running:
+        preprocessor._tokens.dispatcher._fallback.acquire_nowait()
         # Not in L0 (unlike the prompt refused above), so it needs a tokenizer: bails out.
         bailed = await prepare(preprocessor, "completion", {"model": "m", "prompt": "term " * 40})
         assert bailed.tokenize_path == "bailed_out" and bailed.estimated
