@@ -1,0 +1,32 @@
+"""When is a backend too busy to keep its affinity? SMG's imbalance test, applied per backend. Pure.
+
+SMG's `cache_aware` calls the fleet imbalanced when `max - min > balance_abs_threshold` and
+`max > balance_rel_threshold * min`, and then drops cache affinity for every request. Sluice
+asks the same question of one backend at a time (its load against the least-loaded one's):
+only the backend that is too busy loses the request, and everyone else keeps affinity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.routing.backends import Backend
+from app.routing.rendezvous import score
+
+
+@dataclass(frozen=True)
+class Balance:
+    abs_threshold: float
+    rel_threshold: float
+
+    def overloaded(self, load: float, min_load: float) -> bool:
+        return load - min_load > self.abs_threshold and load > self.rel_threshold * min_load
+
+
+def least_loaded(candidates: Sequence[Backend], key_digest: bytes | None = None) -> Backend:
+    """The backend with the least load; ties go by rendezvous score for `key_digest` (so equal
+    backends share new work evenly and replicas agree), else by position."""
+    if key_digest is None:
+        return min(candidates, key=lambda b: b.load)
+    return min(candidates, key=lambda b: (b.load, -score(key_digest, b.id)))
