@@ -24,9 +24,14 @@ class Balance:
         return load - min_load > self.abs_threshold and load > self.rel_threshold * min_load
 
 
-def least_loaded(candidates: Sequence[Backend], key_digest: bytes | None = None) -> Backend:
-    """The backend with the least load; ties go by rendezvous score for `key_digest` (so equal
-    backends share new work evenly and replicas agree), else by position."""
-    if key_digest is None:
-        return min(candidates, key=lambda b: b.load)
-    return min(candidates, key=lambda b: (b.load, -score(key_digest, b.id)))
+def least_loaded(
+    candidates: Sequence[Backend], key_digest: bytes | None = None, turn: int = 0
+) -> Backend:
+    """The backend with the least load. Ties go by rendezvous score for `key_digest` (equal
+    backends share new prefixes evenly and replicas agree), else in turns (`turn` counts up
+    at the caller), so that idle backends share work that has no key."""
+    if key_digest is not None:
+        return min(candidates, key=lambda b: (b.load, -score(key_digest, b.id)))
+    lowest = min(b.load for b in candidates)
+    tied = [b for b in candidates if b.load == lowest]
+    return tied[turn % len(tied)]

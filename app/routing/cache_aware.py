@@ -57,6 +57,7 @@ class CacheAware:
         self.cache_threshold = cache_threshold
         self.balance = balance
         self.index = BlockIndex(max_index_blocks)
+        self._turn = 0  # shares keyless work among equally loaded backends
         self.outcomes: Counter[str] = Counter()
         self.predicted_tokens = 0
         self.reported_cached_tokens = 0
@@ -70,11 +71,12 @@ class CacheAware:
 
     def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         tokens = request.token_ids
+        self._turn += 1
         if tokens is None:
-            return route_without_tokens(candidates, request, self.balance)
+            return route_without_tokens(candidates, request, self.balance, self._turn)
         hashes = block_hashes(tokens)
         if not hashes:  # shorter than one block: nothing any backend could cache
-            return Decision(least_loaded(candidates), "least-load")
+            return Decision(least_loaded(candidates, turn=self._turn), "least-load")
         min_load = min(b.load for b in candidates)
         needed = self.cache_threshold * len(tokens)
         holders: list[tuple[int, Backend]] = []

@@ -42,12 +42,12 @@ def text_key(text: str) -> bytes:
 
 
 def route_without_tokens(
-    candidates: Sequence[Backend], request: RouteRequest, balance: Balance
+    candidates: Sequence[Backend], request: RouteRequest, balance: Balance, turn: int
 ) -> Decision:
     """By the prompt's start when there is one, else to the least-loaded backend."""
     if request.text:
         return hash_route(candidates, text_key(request.text), "hash", balance)
-    return Decision(least_loaded(candidates), "least-load")
+    return Decision(least_loaded(candidates, turn=turn), "least-load")
 
 
 class ConsistentHash:
@@ -55,9 +55,11 @@ class ConsistentHash:
 
     def __init__(self, balance: Balance) -> None:
         self.balance = balance
+        self._turn = 0
 
     def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         if request.session:
             key = hashlib.blake2b(request.session.encode(), digest_size=16).digest()
             return hash_route(candidates, key, "session", self.balance)
-        return route_without_tokens(candidates, request, self.balance)
+        self._turn += 1
+        return route_without_tokens(candidates, request, self.balance, self._turn)

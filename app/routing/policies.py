@@ -47,6 +47,7 @@ class Decision:
     backend: Backend
     reason: str
     prediction: Prediction | None = None
+    pending_tokens: int = 0  # prompt tokens left to prefill, reserved on the backend's load
 
 
 class Policy(Protocol):
