@@ -24,6 +24,7 @@ from hypercorn.trio import serve
 from app.asgi import server_config
 from app.config import Saturation, Settings
 from app.dashboard.app import create_dashboard
+from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.observe.backend_stats import backend_rows
 from app.observe.loop_monitor import LoopMonitor
@@ -148,6 +149,9 @@ class Sluice:
                 settings.admin_token,
                 bound_host=settings.dashboard_host,
                 request_burst=self.request_burst,
+            )
+            dashboard.config[CONTROL_KEY] = BackendControl(
+                self.router, checker.check, settings.health_check_timeout
             )
             async with trio.open_nursery() as servers:
                 proxy_urls = await servers.start(
