@@ -27,7 +27,7 @@ HELP: dict[str, str] = {
     "cache_threshold": "share of a prompt a backend must hold to count as a prefix hit "
     "(default: 0.3)",
     "balance_abs_threshold": "load a backend may carry above the least-loaded one before it "
-    "loses a request it has the prefix for (default: 4)",
+    "loses a request it has the prefix for (default: 16)",
     "balance_rel_threshold": "... and how many times the least-loaded one's load (default: 1.5)",
     "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries "
     "(default: 262144)",

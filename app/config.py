@@ -36,7 +36,7 @@ class Settings:
     # cache_threshold is a prefix hit; a backend keeps its affinity unless its load is both
     # balance_abs_threshold above and balance_rel_threshold times the least-loaded backend's.
     cache_threshold: float = 0.3
-    balance_abs_threshold: float = 4.0
+    balance_abs_threshold: float = 16.0
     balance_rel_threshold: float = 1.5
     max_index_blocks: int = 262144
     # Admission: requests per backend at once, then a bounded wait, then 429.

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from load import bench_preprocess, burst, dashboard_cost, detector_cost, hardening, overhead
+from load import (
+    bench_preprocess,
+    burst,
+    dashboard_cost,
+    detector_cost,
+    hardening,
+    overhead,
+    routing,
+)
 
 
 def main() -> None:
@@ -28,6 +36,9 @@ def main() -> None:
     hardening.add_arguments(
         sub.add_parser("hardening", help="long chats, a 12 MB prompt, 1,000 streams: the loop")
     )
+    routing.add_arguments(
+        sub.add_parser("routing", help="routing policies and SMG side by side on 4 simulated GPUs")
+    )
     args = parser.parse_args()
     if args.benchmark == "overhead":
         overhead.main(args)
@@ -41,6 +52,8 @@ def main() -> None:
         bench_preprocess.main()
     elif args.benchmark == "hardening":
         hardening.main(args)
+    elif args.benchmark == "routing":
+        routing.main(args)
 
 
 main()

@@ -100,7 +100,7 @@ class RoutingParams:
     """cache_aware's and consistent_hash's knobs (SMG's names; defaults in config.py)."""
 
     cache_threshold: float = 0.3
-    balance_abs_threshold: float = 4.0
+    balance_abs_threshold: float = 16.0
     balance_rel_threshold: float = 1.5
     max_index_blocks: int = 262_144
 
