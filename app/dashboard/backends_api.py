@@ -31,8 +31,10 @@ Answer = tuple[dict[str, Any], int]
 RefuseWrite = Callable[[], Answer | None]
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> Answer:
-    kind = "invalid_request_error" if status < 500 else "server_error"
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str = ""
+) -> Answer:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}, status
 
 
@@ -133,6 +135,7 @@ def bearer_guard(admin_token: str | None) -> RefuseWrite:
     def refuse_write() -> Answer | None:
         if admin_token is None or request.headers.get("authorization") == f"Bearer {admin_token}":
             return None
-        return _error(401, "this write needs 'Authorization: Bearer <admin token>'")
+        message = "this write needs 'Authorization: Bearer <admin token>'"
+        return _error(401, message, kind="authentication_error")
 
     return refuse_write
