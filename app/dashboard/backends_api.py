@@ -12,6 +12,7 @@ and the routing index forgets it. Errors are OpenAI-shaped JSON.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -130,10 +131,13 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
 
 
 def bearer_guard(admin_token: str | None) -> RefuseWrite:
-    """The dashboard's write check as `PUT /api/policy` does it today: the admin token."""
+    """The dashboard's write check as `PUT /api/policy` does it today: the admin token
+    (compared in constant time). The dashboard's own `refuse_write` replaces it once it has
+    one."""
 
     def refuse_write() -> Answer | None:
-        if admin_token is None or request.headers.get("authorization") == f"Bearer {admin_token}":
+        given = request.headers.get("authorization", "").encode()
+        if admin_token is None or hmac.compare_digest(given, f"Bearer {admin_token}".encode()):
             return None
         message = "this write needs 'Authorization: Bearer <admin token>'"
         return _error(401, message, kind="authentication_error")
