@@ -28,7 +28,8 @@ HELP: dict[str, str] = {
     "(default: 0.3)",
     "balance_abs_threshold": "load a backend may carry above the least-loaded one before it "
     "loses a request it has the prefix for (default: 16)",
-    "balance_rel_threshold": "... and how many times the least-loaded one's load (default: 1.5)",
+    "balance_rel_threshold": "how many times the least-loaded one's load it may carry too: "
+    "affinity goes only past both thresholds (default: 1.5)",
     "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries "
     "(default: 262144)",
     "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
