@@ -157,6 +157,8 @@ async def test_backends_join_and_leave_at_run_time(
     auth = {"authorization": "Bearer s3cret"}
 
     assert (await client.post(api, json={"url": second.url})).status_code == 401
+    cross_site = {**auth, "origin": "http://evil.example"}
+    assert (await client.post(api, json={"url": second.url}, headers=cross_site)).status_code == 403
     for bad in ({"url": "https://x:1"}, {"url": "http://x:1/?q=1"}, {"url": 5}, [1]):
         response = await client.post(api, json=bad, headers=auth)
         assert response.status_code == 400 and response.json()["error"]["message"]

@@ -12,7 +12,6 @@ and the routing index forgets it. Errors are OpenAI-shaped JSON.
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -129,17 +128,3 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
         router.remove_backend(backend)
         return {"removed": {"id": backend.id, "url": backend.url}}, 200
 
-
-def bearer_guard(admin_token: str | None) -> RefuseWrite:
-    """The dashboard's write check as `PUT /api/policy` does it today: the admin token
-    (compared in constant time). The dashboard's own `refuse_write` replaces it once it has
-    one."""
-
-    def refuse_write() -> Answer | None:
-        given = request.headers.get("authorization", "").encode()
-        if admin_token is None or hmac.compare_digest(given, f"Bearer {admin_token}".encode()):
-            return None
-        message = "this write needs 'Authorization: Bearer <admin token>'"
-        return _error(401, message, kind="authentication_error")
-
-    return refuse_write
