@@ -23,7 +23,22 @@ from app.sim.settings import SimSettings
 
 HELP: dict[str, str] = {
     "backend": "OpenAI-compatible backend URL (repeatable)",
-    "policy": "routing policy",
+    "policy": "routing policy (default: cache_aware)",
+    "cache_threshold": "share of a prompt a backend must hold to count as a prefix hit "
+    "(default: 0.3)",
+    "balance_abs_threshold": "load a backend may carry above the least-loaded one before it "
+    "loses a request it has the prefix for (default: 16)",
+    "balance_rel_threshold": "how many times the least-loaded one's load it may carry too: "
+    "affinity goes only past both thresholds (default: 1.5)",
+    "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries "
+    "(default: 262144)",
+    "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
+    "the admission queue (default: 128)",
+    "admission_queue": "requests that may wait for a backend slot before 429 (default: 256)",
+    "admission_timeout": "seconds a request may wait for a backend slot before 429 "
+    "(default: 30)",
+    "tokens_per_minute": "prompt + completion tokens per minute per API key, 429 beyond "
+    "(default: 0, no limit)",
     "tokenizer": "tokenizer.json path, model directory or hub id (default: bundled DeepSeek-V4)",
     "chat_template": "Jinja2 chat template file (default: discovered next to the tokenizer)",
     "tokenize_mode": "offload (threads, fallback, saturation policy) or inline (naive baseline)",

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-Policy = Literal["power_of_two", "round_robin", "random"]
+Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
@@ -26,12 +26,24 @@ class Settings:
 
     # Backends and routing.
     backends: tuple[str, ...] = ()
-    policy: Policy = "power_of_two"
+    policy: Policy = "cache_aware"
     health_check_path: str = "/health"
     health_check_interval: float = 3.0
     health_check_timeout: float = 2.0
     breaker_failures: int = 3
     breaker_cooldown: float = 10.0
+    # cache_aware / consistent_hash (SMG's names). A prompt share held by a backend above
+    # cache_threshold is a prefix hit; a backend keeps its affinity unless its load is both
+    # balance_abs_threshold above and balance_rel_threshold times the least-loaded backend's.
+    cache_threshold: float = 0.3
+    balance_abs_threshold: float = 16.0
+    balance_rel_threshold: float = 1.5
+    max_index_blocks: int = 262144
+    # Admission: requests per backend at once, then a bounded wait, then 429.
+    max_inflight_per_backend: int = 128
+    admission_queue: int = 256
+    admission_timeout: float = 30.0
+    tokens_per_minute: int = 0  # per API key; 0: no limit
 
     # Forwarding.
     connect_timeout: float = 3.0
@@ -95,6 +107,7 @@ class Settings:
             "first_byte_timeout",
             "idle_timeout",
             "stall_threshold_ms",
+            "admission_timeout",
         )
         for name in positive_seconds:
             if getattr(self, name) <= 0:
@@ -102,6 +115,16 @@ class Settings:
         for url in self.backends:
             if not url.startswith("http://"):
                 raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+        for name in ("max_index_blocks", "max_inflight_per_backend"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("admission_queue", "tokens_per_minute", "balance_abs_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("--cache-threshold must be between 0 and 1")
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-rel-threshold must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
         if self.admin_token is not None and not self.admin_token.strip():

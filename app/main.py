@@ -24,6 +24,7 @@ from hypercorn.trio import serve
 from app.asgi import server_config
 from app.config import Saturation, Settings
 from app.dashboard.app import create_dashboard
+from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.observe.backend_stats import backend_rows
 from app.observe.loop_monitor import LoopMonitor
@@ -35,7 +36,8 @@ from app.proxy.app import ProxyApp
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
 from app.routing.health import HealthChecker
-from app.routing.policies import make_policy
+from app.routing.load_scraper import LoadScraper
+from app.routing.router import Router
 from app.sim.server import serve_sim
 from app.sim.settings import SimSettings
 from app.sim.traffic import DemoTraffic
@@ -61,7 +63,9 @@ class Sluice:
             cooldown=settings.breaker_cooldown,
             probe_path=settings.health_check_path,
         )
-        self.policy = make_policy(settings.policy)
+        self.router = Router(settings, self.pool, self.metrics)
+        self.policy = self.router.policy
+        self.checker: HealthChecker | None = None  # set once running (backends added later)
         self.monitor = LoopMonitor(
             self.metrics, settings.stall_threshold_ms, settings.stall_instrument
         )
@@ -88,6 +92,7 @@ class Sluice:
             "wall_time": time.time(),
             "policy": self.policy.name,
             "backends": backends,
+            "routing": self.router.snapshot(),
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics),
@@ -120,13 +125,16 @@ class Sluice:
                 interval=settings.health_check_interval,
                 timeout=settings.health_check_timeout,
             )
+            self.checker = checker
             await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
+            scraper = LoadScraper(self.pool, client, settings.health_check_timeout)
+            nursery.start_soon(scraper.run)
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
             )
             proxy = ProxyApp(
-                settings, self.pool, self.policy, upstream, self.preprocessor, self.metrics
+                settings, self.pool, self.router, upstream, self.preprocessor, self.metrics
             )
             feed = self.dashboard_feed = DashboardFeed(
                 self.snapshot,
@@ -141,6 +149,9 @@ class Sluice:
                 settings.admin_token,
                 bound_host=settings.dashboard_host,
                 request_burst=self.request_burst,
+            )
+            dashboard.config[CONTROL_KEY] = BackendControl(
+                self.router, checker.check, settings.health_check_timeout
             )
             async with trio.open_nursery() as servers:
                 proxy_urls = await servers.start(

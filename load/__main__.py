@@ -13,6 +13,7 @@ from load import (
     hardening,
     overhead,
     profile,
+    routing,
     runner,
     soak,
 )
@@ -43,6 +44,9 @@ def main() -> None:
     bench.add_arguments(sub.add_parser("bench", help="a seed's experiment, variants side by side"))
     soak.add_arguments(sub.add_parser("soak", help="mixed soak with faults, verdict at the end"))
     profile.add_arguments(sub.add_parser("profile", help="py-spy profile of the proxy under load"))
+    routing.add_arguments(
+        sub.add_parser("routing", help="routing policies and SMG side by side on 4 simulated GPUs")
+    )
     args = parser.parse_args()
     if args.benchmark == "overhead":
         overhead.main(args)
@@ -64,6 +68,8 @@ def main() -> None:
         soak.main(args)
     elif args.benchmark == "profile":
         profile.main(args)
+    elif args.benchmark == "routing":
+        routing.main(args)
 
 
 main()

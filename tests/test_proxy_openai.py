@@ -131,4 +131,4 @@ async def test_health_models_and_metrics_endpoints(
     metrics = (await client.get(running.proxy_url + "/metrics")).text
     assert f'sluice_backend_healthy{{backend="{sim.url}"}} 1.0' in metrics
     assert "sluice_proxy_overhead_seconds_count 1.0" in metrics
-    assert 'sluice_route_decisions_total{policy="power_of_two",reason="only_candidate"}' in metrics
+    assert 'sluice_route_decisions_total{policy="cache_aware",reason="least-load"}' in metrics

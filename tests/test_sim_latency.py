@@ -1,18 +1,22 @@
-"""The simulated GPU without HTTP: latency arithmetic, batch admission, the prefix KV cache
-(chained block hashes, hits on shared prefixes, LRU eviction, usage) and the trio engine
-that plays them out in time, timed exactly under trio's MockClock (`autojump_clock`).
+"""The simulated GPU without HTTP: step latency arithmetic (llm-d's formulas, decode slowing
+with the batch), the step scheduler (vLLM's token budget, chunked prefill, FCFS admission), the
+prefix KV cache (chained block hashes, hits on shared prefixes, LRU eviction, usage) and the
+trio engine that plays them out in time, timed exactly under trio's MockClock
+(`autojump_clock`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import trio
 
 from app.sim.engine import SimEngine
 from app.sim.kv_cache import PrefixKVCache, chained_block_hashes
-from app.sim.latency import BatchAdmission, LatencyModel
+from app.sim.latency import LatencyModel, Step
+from app.sim.scheduler import Progress, SeqState, StepScheduler
 from app.sim.settings import SimSettings
 from app.sim.tokens import WordTokenizer, generated_pieces, render_chat
 
@@ -34,49 +38,112 @@ def tokens(start: int, count: int) -> list[int]:
 # --- latency arithmetic -------------------------------------------------------------------
 
 
-def test_prefill_costs_overhead_plus_uncached_tokens() -> None:
+def test_alone_a_sequence_sees_llm_d_formula() -> None:
     assert MODEL.prefill_seconds(0) == pytest.approx(0.010)
     assert MODEL.prefill_seconds(100) == pytest.approx(0.010 + 100 * 0.001)
-
-
-def test_decode_costs_one_inter_token_latency_per_token_after_the_first() -> None:
-    assert MODEL.decode_seconds(0) == 0.0
     assert MODEL.decode_seconds(1) == 0.0
     assert MODEL.decode_seconds(5) == pytest.approx(4 * 0.005)
-    gaps = [MODEL.token_gap_seconds(index) for index in range(5)]
-    assert gaps[0] == 0.0
-    assert sum(gaps) == pytest.approx(MODEL.decode_seconds(5))
+    assert MODEL.step_seconds(Step(((0, 100),), (), 1)) == pytest.approx(MODEL.prefill_seconds(100))
+    assert MODEL.step_seconds(Step((), (0,), 0)) == pytest.approx(0.005)
 
 
-# --- batch admission ------------------------------------------------------------------------
+def test_decode_steps_slow_down_linearly_up_to_the_load_factor_at_a_full_batch() -> None:
+    model = LatencyModel(0.0, 0.0, 0.010, time_factor_under_load=3.0, max_num_seqs=5)
+    assert [model.load_factor(n) for n in range(0, 7)] == pytest.approx(
+        [1.0, 1.0, 1.5, 2.0, 2.5, 3.0, 3.0]
+    )
+    assert model.decode_step_seconds(0) == 0.0
+    assert model.decode_step_seconds(5) == pytest.approx(0.030)
+    # One sequence alone never feels load, whatever the factor.
+    assert LatencyModel(0, 0, 0.01, 3.0, 1).load_factor(4) == 1.0
 
 
-def test_admission_runs_up_to_the_limit_then_queues_in_arrival_order() -> None:
-    batch = BatchAdmission(max_running=2)
-    assert [batch.arrive(seq) for seq in range(5)] == [True, True, False, False, False]
-    assert (batch.running, batch.waiting) == (2, 3)
-    assert batch.leave(1) == [2]
-    assert batch.leave(0) == [3]
-    assert (batch.running, batch.waiting) == (2, 1)
+def test_a_mixed_step_pays_for_its_prefill_chunks_and_its_decodes() -> None:
+    step = Step(((1, 30), (2, 10)), (3, 4), started=1)
+    assert (step.prefill_tokens, step.batched_tokens) == (40, 42)
+    decode = 0.005 * MODEL.load_factor(2)
+    assert MODEL.step_seconds(step) == pytest.approx(0.010 + 40 * 0.001 + decode)
 
 
-def test_a_waiter_that_gives_up_leaves_the_queue_without_admitting_anyone() -> None:
-    batch = BatchAdmission(max_running=1)
-    for seq in range(3):
-        batch.arrive(seq)
-    assert batch.leave(1) == []
-    assert batch.leave(0) == [2]
-    assert (batch.running, batch.waiting) == (1, 0)
+# --- the step scheduler ---------------------------------------------------------------------
 
 
-def test_newcomers_cannot_overtake_the_queue() -> None:
-    batch = BatchAdmission(max_running=1)
-    batch.arrive(0)
-    batch.arrive(1)
+def scheduler(
+    max_num_seqs: int = 2, budget: int = 100, uncached: dict[int, int] | None = None
+) -> tuple[StepScheduler, list[int]]:
+    admitted: list[int] = []
+
+    def admit(seq_id: int) -> int:
+        admitted.append(seq_id)
+        return (uncached or {}).get(seq_id, 10)
+
+    return StepScheduler(max_num_seqs, budget, admit), admitted
+
+
+def test_admission_is_first_come_first_served_up_to_max_num_seqs() -> None:
+    sched, admitted = scheduler(max_num_seqs=2)
+    for seq in range(4):
+        sched.arrive(seq, output_tokens=2)
+    step = sched.plan()
+    assert admitted == [0, 1]
+    assert step == Step(((0, 10), (1, 10)), (), 2)
+    assert (sched.running, sched.waiting) == (2, 2)
+    assert sched.state(2) is SeqState.WAITING
     with pytest.raises(ValueError):
-        batch.arrive(1)
-    assert batch.leave(0) == [1]
-    assert batch.arrive(2) is False
+        sched.arrive(3, output_tokens=1)
+
+
+def test_the_step_that_ends_a_prefill_emits_the_first_token_then_one_per_step() -> None:
+    sched, _ = scheduler(max_num_seqs=1)
+    sched.arrive(0, output_tokens=3)
+    assert sched.complete(sched.plan()) == [Progress(0, 1, False)]
+    assert sched.state(0) is SeqState.DECODING
+    assert sched.plan() == Step((), (0,), 0)
+    assert sched.complete(sched.plan()) == [Progress(0, 2, False)]
+    assert sched.complete(sched.plan()) == [Progress(0, 3, True)]
+    assert not sched.has_work
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_that_share_the_budget_with_decodes() -> None:
+    sched, _ = scheduler(max_num_seqs=4, budget=100, uncached={0: 5, 1: 250})
+    sched.arrive(0, output_tokens=10)
+    sched.complete(sched.plan())  # 0 prefilled and decoding
+    sched.arrive(1, output_tokens=1)
+    chunks = []
+    while sched.state(1) is not None:
+        step = sched.plan()
+        assert step.batched_tokens <= 100
+        chunks.append(dict(step.prefill).get(1))
+        sched.complete(step)
+    # One token of every step goes to sequence 0's decode.
+    assert chunks == [99, 99, 52]
+
+
+def test_budget_left_after_running_sequences_admits_waiting_ones_in_the_same_step() -> None:
+    sched, admitted = scheduler(max_num_seqs=3, budget=25, uncached={0: 20, 1: 20, 2: 20})
+    for seq in range(3):
+        sched.arrive(seq, output_tokens=1)
+    assert sched.plan() == Step(((0, 20), (1, 5)), (), 2)
+    assert admitted == [0, 1]  # no budget left for 2 this step
+
+
+def test_aborting_frees_the_slot_and_an_aborted_sequence_is_skipped_on_completion() -> None:
+    sched, _ = scheduler(max_num_seqs=1)
+    sched.arrive(0, output_tokens=5)
+    sched.arrive(1, output_tokens=5)
+    step = sched.plan()
+    sched.abort(0)
+    assert sched.complete(step) == []
+    assert sched.plan().prefill == ((1, 10),)
+    sched.abort(7)  # unknown or finished: nothing happens
+    with pytest.raises(ValueError):
+        sched.arrive(9, output_tokens=0)
+
+
+def test_a_fully_cached_prompt_still_computes_one_token() -> None:
+    sched, _ = scheduler(uncached={0: 0})
+    sched.arrive(0, output_tokens=1)
+    assert sched.plan().prefill == ((0, 1),)
 
 
 # --- chained block hashes -------------------------------------------------------------------
@@ -194,8 +261,29 @@ def test_generated_text_is_reproducible_per_prompt_and_seed() -> None:
 # --- the engine in (mock) time ----------------------------------------------------------------
 
 
-async def test_one_request_takes_prefill_plus_decode(autojump_clock: trio.abc.Clock) -> None:
-    engine = SimEngine(SETTINGS)
+@pytest.fixture
+async def engine_for(nursery: trio.Nursery) -> Any:
+    async def start(settings: SimSettings = SETTINGS) -> SimEngine:
+        engine = SimEngine(settings)
+        await nursery.start(engine.run)
+        return engine
+
+    return start
+
+
+async def ignore(_index: int) -> None:
+    pass
+
+
+async def test_generate_needs_the_gpu_task() -> None:
+    with pytest.raises(RuntimeError):
+        await SimEngine(SETTINGS).generate(tokens(0, 4), 1, ignore)
+
+
+async def test_one_request_takes_prefill_plus_decode(
+    autojump_clock: trio.abc.Clock, engine_for: Any
+) -> None:
+    engine = await engine_for()
     emitted_at: list[float] = []
 
     async def emit(_index: int) -> None:
@@ -211,12 +299,10 @@ async def test_one_request_takes_prefill_plus_decode(autojump_clock: trio.abc.Cl
     assert (engine.prompt_tokens_total, engine.generation_tokens_total) == (20, 5)
 
 
-async def test_a_cached_prefix_shortens_prefill(autojump_clock: trio.abc.Clock) -> None:
-    engine = SimEngine(SETTINGS)
-
-    async def ignore(_index: int) -> None:
-        pass
-
+async def test_a_cached_prefix_shortens_prefill(
+    autojump_clock: trio.abc.Clock, engine_for: Any
+) -> None:
+    engine = await engine_for()
     await engine.generate(tokens(0, 21), 1, ignore)
     start = trio.current_time()
     cached = await engine.generate(tokens(0, 21), 1, ignore)
@@ -224,14 +310,13 @@ async def test_a_cached_prefix_shortens_prefill(autojump_clock: trio.abc.Clock) 
     assert trio.current_time() - start == pytest.approx(MODEL.prefill_seconds(1))
 
 
-async def test_requests_beyond_max_num_seqs_wait_their_turn(autojump_clock: trio.abc.Clock) -> None:
-    engine = SimEngine(dataclasses.replace(SETTINGS, max_num_seqs=1))
+async def test_requests_beyond_max_num_seqs_wait_their_turn(
+    autojump_clock: trio.abc.Clock, engine_for: Any
+) -> None:
+    engine = await engine_for(dataclasses.replace(SETTINGS, max_num_seqs=1))
     finished: dict[int, float] = {}
 
     async def request(number: int) -> None:
-        async def ignore(_index: int) -> None:
-            pass
-
         await engine.generate(tokens(number * 1000, 10), 3, ignore)
         finished[number] = trio.current_time()
 
@@ -248,13 +333,35 @@ async def test_requests_beyond_max_num_seqs_wait_their_turn(autojump_clock: trio
     assert (engine.running, engine.waiting) == (0, 0)
 
 
-async def test_cancelling_a_running_request_frees_its_slot_and_blocks(
-    autojump_clock: trio.abc.Clock,
+async def test_a_crowded_gpu_is_slower_for_everyone_on_it(
+    autojump_clock: trio.abc.Clock, engine_for: Any
 ) -> None:
-    engine = SimEngine(dataclasses.replace(SETTINGS, max_num_seqs=1))
+    """The same request takes longer beside seven others than alone: decode steps slow down
+    with the batch and prefill chunks share the token budget."""
+    settings = dataclasses.replace(SETTINGS, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = await engine_for(settings)
 
-    async def ignore(_index: int) -> None:
-        pass
+    async def timed(start_token: int) -> float:
+        start = trio.current_time()
+        await engine.generate(tokens(start_token, 60), 20, ignore)
+        return trio.current_time() - start
+
+    alone = await timed(0)
+    durations: list[float] = []
+
+    async def one(number: int) -> None:
+        durations.append(await timed(10_000 * (number + 1)))
+
+    async with trio.open_nursery() as nursery:
+        for number in range(8):
+            nursery.start_soon(one, number)
+    assert min(durations) > 1.5 * alone
+
+
+async def test_cancelling_a_running_request_frees_its_slot_and_blocks(
+    autojump_clock: trio.abc.Clock, engine_for: Any
+) -> None:
+    engine = await engine_for(dataclasses.replace(SETTINGS, max_num_seqs=1))
 
     async with trio.open_nursery() as nursery:
         doomed = trio.CancelScope()
@@ -273,3 +380,13 @@ async def test_cancelling_a_running_request_frees_its_slot_and_blocks(
         await engine.wait_until(lambda: engine.waiting == 0)
         assert engine.running == 1
     assert (engine.running, engine.waiting, engine.kv_cache.used_blocks) == (0, 0, 0)
+
+
+def test_evict_all_forgets_free_cached_blocks_but_not_held_ones() -> None:
+    cache = PrefixKVCache(num_blocks=16, block_size=4)
+    cache.release(cache.allocate(tokens(0, 9), output_tokens=0))
+    held = cache.allocate(tokens(100, 9), output_tokens=0)
+    assert cache.evict_all() == 2
+    assert cache.allocate(tokens(0, 9), output_tokens=0).cached_tokens == 0
+    assert cache.allocate(tokens(100, 9), output_tokens=0).cached_tokens == 8
+    cache.release(held)

@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
+from app.dashboard.backends_api import register_backends_api
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
 
@@ -167,4 +168,5 @@ def create_dashboard(
             return refused
         return {"queued": request_burst()}, 202
 
+    register_backends_api(app, refuse_write)
     return app

@@ -6,6 +6,8 @@ in one process (tests) never share counters.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -143,6 +145,65 @@ class Metrics:
         # Not exported: the dashboard's request log and per-backend first-token times,
         # which the proxy feeds through `traffic.trace(...)` (observe/request_trace.py).
         self.traffic = TrafficRecorder()
+
+        # Routing checked against the backends' reported prefix-cache hits, and admission.
+        self.route_predictions = Counter(
+            "sluice_route_predictions",
+            "cache_aware predictions by outcome against the backend's reported cached tokens "
+            "(hit, miss, false-hit, surprise-hit, unreported)",
+            ["outcome"],
+            registry=r,
+        )
+        self.route_predicted_tokens = Counter(
+            "sluice_route_predicted_cached_tokens",
+            "Prompt tokens cache_aware predicted the backend had in its prefix cache",
+            ["backend"],
+            registry=r,
+        )
+        self.route_reported_cached_tokens = Counter(
+            "sluice_route_reported_cached_tokens",
+            "Prompt tokens the backend reported served from its prefix cache",
+            ["backend"],
+            registry=r,
+        )
+        self.route_reported_prompt_tokens = Counter(
+            "sluice_route_reported_prompt_tokens",
+            "Prompt tokens the backend reported, for answers that reported cached tokens",
+            ["backend"],
+            registry=r,
+        )
+        self.route_index_corrections = Counter(
+            "sluice_route_index_corrections",
+            "Times a backend's reported hit showed an eviction and the index was corrected",
+            registry=r,
+        )
+        self.route_index_blocks = Gauge(
+            "sluice_route_index_blocks", "(backend, block) entries in the prefix index", registry=r
+        )
+        self.admission_rejected = Counter(
+            "sluice_admission_rejected",
+            "Requests refused with 429, by reason "
+            "(tokens_per_minute, request_too_large, queue_full, queue_timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "sluice_admission_waiting",
+            "Requests waiting for a backend under --max-inflight-per-backend",
+            registry=r,
+        )
+
+    def forget_backend(self, url: str) -> None:
+        """A backend left the pool: drop its per-backend series (requests_total stays)."""
+        for metric in (
+            self.backend_inflight,
+            self.backend_healthy,
+            self.route_predicted_tokens,
+            self.route_reported_cached_tokens,
+            self.route_reported_prompt_tokens,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(url)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

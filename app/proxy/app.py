@@ -8,6 +8,7 @@ verified take traffic (routing/tokenizer_check.py), and chat answers are reshape
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -42,6 +43,7 @@ from app.proxy.errors import (
     send_no_backend,
     send_not_found,
     send_overloaded,
+    send_rate_limited,
     send_upstream_failure,
 )
 from app.proxy.forward import (
@@ -55,9 +57,12 @@ from app.proxy.forward import (
 )
 from app.proxy.token_forwarding import plan_forward
 from app.proxy.upstream import UpstreamPool
+from app.routing.admission import Overloaded
 from app.routing.backends import Backend, BackendPool
-from app.routing.policies import Decision, Policy, RouteRequest
+from app.routing.policies import Decision, RouteRequest
+from app.routing.router import Router, estimated_tokens
 from app.routing.tokenizer_check import build_probe, check_tokenizers_at_startup
+from app.routing.usage import AnswerTail
 
 log = logging.getLogger("sluice.proxy")
 
@@ -96,6 +101,7 @@ class Outgoing:
     timing: Timing
     extra_headers: Headers
     answer_as_chat: bool  # the backend answers a completion to what was a chat request
+    api_key: str  # the key's label: token admission and accounting
 
 
 class ProxyApp:
@@ -103,7 +109,7 @@ class ProxyApp:
         self,
         settings: Settings,
         pool: BackendPool,
-        policy: Policy,
+        router: Router,
         upstream: UpstreamPool,
         preprocessor: Preprocessor,
         metrics: Metrics,
@@ -112,7 +118,8 @@ class ProxyApp:
         self.preprocessor = preprocessor
         self.key_labels = KeyLabels()
         self.pool = pool
-        self.policy = policy
+        self.router = router
+        self.policy = router.policy
         self.upstream = upstream
         self.metrics = metrics
         self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
@@ -234,14 +241,20 @@ class ProxyApp:
         trace.prepared(prepared)
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
+        key = self.key_labels.label(header(scope, b"authorization"))
         if prepared.token_ids is not None:
-            key = self.key_labels.label(header(scope, b"authorization"))
             self.metrics.prompt_tokens.labels(api_key=key).inc(len(prepared.token_ids))
 
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
         headers = upstream_headers(scope["headers"], request_id)
         route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
-        route_request = RouteRequest(token_ids=prepared.token_ids, text=route_key)
+        session = header(scope, b"x-session-id") or prepared.fields.get("user")
+        route_request = RouteRequest(prepared.token_ids, route_key, _session_key(session))
+        try:
+            self.router.admit(key, estimated_tokens(route_request))
+        except Overloaded as exc:
+            await send_rate_limited(send, exc)
+            return
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
         as_chat = False
         if self.forward_tokens:
@@ -252,7 +265,7 @@ class ProxyApp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             outgoing = Outgoing(
-                path, body, headers, request_id, route_request, timing, extra_headers, as_chat
+                path, body, headers, request_id, route_request, timing, extra_headers, as_chat, key
             )
             await self.forward(send, outgoing)
             nursery.cancel_scope.cancel()
@@ -263,12 +276,14 @@ class ProxyApp:
         failure: UpstreamFailure | None = None
         while len(tried) < 2:
             route_started = time.perf_counter()
-            candidates = self.pool.available(trio.current_time(), exclude=tuple(tried))
-            if not candidates:
+            try:
+                chosen = await self.router.choose(outgoing.route_request, tuple(tried))
+            except Overloaded as exc:
+                await send_rate_limited(send, exc)
+                return
+            if chosen is None:
                 break
-            decision = self.policy.choose(candidates, outgoing.route_request)
-            if tried:
-                decision = Decision(decision.backend, "retry")
+            decision = dataclasses.replace(chosen, reason="retry") if tried else chosen
             outgoing.timing.route += time.perf_counter() - route_started
             backend = decision.backend
             self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
@@ -287,12 +302,12 @@ class ProxyApp:
     async def _exchange(
         self, send: Send, backend: Backend, decision: Decision, outgoing: Outgoing
     ) -> None:
-        """One try on one backend. Raises `UpstreamFailure` while a retry is still possible."""
-        inflight = self.metrics.backend_inflight.labels(backend=backend.url)
-        backend.inflight += 1
-        inflight.inc()
+        """One try on one backend. Raises `UpstreamFailure` while a retry is still possible.
+
+        `decision` was reserved by the router, which `release` gives back."""
         code = "error"
         broken: str | None = None
+        answer = AnswerTail(send)
         try:
             timing = outgoing.timing
             self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
@@ -320,7 +335,9 @@ class ProxyApp:
             ]
             relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
-                stream_error = await relay_answer(response, send, extra, self.timeouts.idle)
+                stream_error = await relay_answer(
+                    response, answer.send, extra, self.timeouts.idle
+                )
                 if stream_error is not None:
                     broken = stream_error
             except (StreamBroken, UpstreamFailure) as exc:
@@ -329,8 +346,7 @@ class ProxyApp:
             finally:
                 await response.aclose()
         finally:
-            backend.inflight -= 1
-            inflight.dec()
+            self.router.release(decision, answer.usage(), outgoing.api_key)
             self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
             if broken is None:
                 self.pool.request_succeeded(backend)
@@ -347,6 +363,13 @@ class ProxyApp:
         ]
         limit = min(limits) if limits else None
         return await self.preprocessor.prepare(kind, body, backend_max_model_len=limit)
+
+
+def _session_key(session: object) -> str | None:
+    """`x-session-id` (bytes) or the body's `user` (any JSON): a string, or None."""
+    if isinstance(session, bytes):
+        return session.decode("latin-1")
+    return session if isinstance(session, str) and session else None
 
 
 def _prompt_tokens_header(prepared: Prepared) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from app.asgi import Send, send_error
 from app.proxy.forward import UpstreamFailure
 from app.proxy.token_forwarding import no_verified_backend_message
+from app.routing.admission import Overloaded
 
 RETRY_AFTER_SECONDS = b"2"
 
@@ -74,3 +75,16 @@ async def send_upstream_failure(send: Send, failure: UpstreamFailure) -> None:
     else:
         message = f"Could not reach a backend ({failure.detail})."
         await send_error(send, 502, message, "upstream_error", None, "backend_unreachable")
+
+
+async def send_rate_limited(send: Send, overloaded: Overloaded) -> None:
+    """429: the key's tokens per minute, or every backend at its in-flight limit."""
+    await send_error(
+        send,
+        429,
+        overloaded.message,
+        "rate_limit_error",
+        None,
+        overloaded.reason,
+        headers=[(b"retry-after", overloaded.retry_after_header)],
+    )

@@ -5,6 +5,12 @@ open. The breaker opens after `failures_to_open` consecutive failed requests and
 for `cooldown` seconds; then it is half-open: traffic flows again, and the next failure
 opens it at once while the next success closes it.
 
+Load, for the policies, is `load`: requests in flight plus the prompt tokens they still have
+to prefill (counted locally, in units of `TOKENS_PER_LOAD`), plus the queue the backend
+itself last reported (`vllm:num_requests_waiting`, scraped off the request path by
+`load_scraper.py`: it also sees other proxies' traffic). Backends join and leave at run time
+(`add`, `remove`); a removed backend's requests in flight finish where they are.
+
 With `--forward tokens` the pool also requires a tokenizer match: token ids mean something
 only to a model with Sluice's vocabulary, so a backend takes traffic only once its /tokenize
 answered the probe with Sluice's ids, and is checked again each time it becomes healthy
@@ -13,6 +19,7 @@ again (it may have been replaced by another model while it was down).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,13 +30,25 @@ if TYPE_CHECKING:
 # a check that could not finish (timeout, 5xx) goes back to "unchecked" and is retried.
 TokenizerState = Literal["not required", "unchecked", "checking", "verified", "refused"]
 TRAFFIC_TOKENIZER_STATES = frozenset({"not required", "verified"})
+# Uncached prompt tokens that weigh as much as one request in flight: about one step of
+# vLLM's default token budget (2048), i.e. a prefill that delays everyone on that GPU by a
+# step or two.
+TOKENS_PER_LOAD = 1024
 
 
-@dataclass
+def backend_id(url: str) -> str:
+    """A short stable name for a backend URL (the same in every replica and every run)."""
+    return "b-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
+
+
+@dataclass(eq=False)
 class Backend:
     url: str
     healthy: bool = False
     inflight: int = 0
+    pending_tokens: int = 0  # uncached prompt tokens of the requests in flight
+    reported_waiting: int = 0  # vllm:num_requests_waiting at the last scrape
+    reported_kv_usage: float | None = None  # vllm:kv_cache_usage_perc at the last scrape
     consecutive_failures: int = 0
     open_until: float = 0.0
     half_open: bool = False
@@ -38,6 +57,14 @@ class Backend:
     last_error: str | None = None
     tokenizer_state: TokenizerState = "not required"
     tokenizer_detail: str | None = None  # what the last tokenizer check found
+    id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = backend_id(self.url)
+
+    @property
+    def load(self) -> float:
+        return self.inflight + self.reported_waiting + self.pending_tokens / TOKENS_PER_LOAD
 
     @property
     def max_model_len(self) -> int | None:
@@ -61,10 +88,36 @@ class BackendPool:
     ) -> None:
         if not urls:
             raise ValueError("at least one backend URL is needed")
-        self.backends = [Backend(url.rstrip("/"), probe_path=probe_path) for url in urls]
+        self.backends: list[Backend] = []
         self.failures_to_open = failures_to_open
         self.cooldown = cooldown
+        self.probe_path = probe_path
         self.tokenizer_probe: TokenizerProbe | None = None
+        for url in urls:
+            self.add(url)
+
+    def add(self, url: str) -> Backend:
+        """A new backend, unhealthy until its first health check passes."""
+        url = url.rstrip("/")
+        if self.find(url) is not None:
+            raise ValueError(f"backend {url} is already in the pool")
+        backend = Backend(url, probe_path=self.probe_path)
+        if self.tokenizer_probe is not None:
+            backend.tokenizer_state = "unchecked"
+            backend.tokenizer_detail = "not checked yet"
+        self.backends.append(backend)
+        return backend
+
+    def remove(self, backend: Backend) -> None:
+        """Out of the pool at once; its requests in flight finish where they are."""
+        self.backends.remove(backend)
+
+    def find(self, id_or_url: str) -> Backend | None:
+        wanted = id_or_url.rstrip("/")
+        for backend in self.backends:
+            if wanted in (backend.id, backend.url):
+                return backend
+        return None
 
     def available(self, now: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
         return [b for b in self.backends if b.takes_traffic(now) and b not in exclude]
@@ -124,6 +177,7 @@ class BackendPool:
     def snapshot(self, now: float) -> list[dict[str, Any]]:
         return [
             {
+                "id": b.id,
                 "url": b.url,
                 "healthy": b.healthy,
                 "takes_traffic": b.takes_traffic(now),
@@ -133,6 +187,10 @@ class BackendPool:
                 if b.half_open
                 else "closed",
                 "inflight": b.inflight,
+                "pending_tokens": b.pending_tokens,
+                "load": round(b.load, 3),
+                "reported_waiting": b.reported_waiting,
+                "reported_kv_usage": b.reported_kv_usage,
                 "consecutive_failures": b.consecutive_failures,
                 "probe_path": b.probe_path,
                 "models": [m.get("id") for m in b.models],

@@ -58,6 +58,8 @@ class HealthChecker:
         ok, error = await self._probe(backend)
         if ok and backend.probe_path != MODELS_PATH:
             await self._refresh_models(backend)
+        if backend not in self.pool.backends:
+            return  # removed while it was being probed
         self.pool.health_checked(backend, ok, error)
         self.metrics.backend_healthy.labels(backend=backend.url).set(1 if ok else 0)
         if ok != was_healthy:

@@ -1,71 +1,117 @@
-"""The simulated GPU at work: the pure models of `latency` and `kv_cache`, played out in time.
+"""The simulated GPU at work: the pure `scheduler`, `latency` and `kv_cache`, played out in time.
 
-GPU time is `trio.sleep`, so a busy simulated GPU costs its host loop nothing. A sequence
-that is cancelled anywhere (waiting, prefilling or decoding) gives back its batch slot and KV
-blocks at once, which is how a client disconnect frees capacity.
+One task (`run`) is the GPU: it plans a step, sleeps for what the step costs and hands the
+tokens it produced to the requests, which wait in `generate`. GPU time is `trio.sleep`, so a
+busy simulated GPU costs its host loop little. A sequence cancelled anywhere (waiting,
+prefilling or decoding) leaves the batch and gives back its KV blocks at once, which is how a
+client disconnect frees capacity.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import trio
 
-from app.sim.kv_cache import PrefixKVCache
-from app.sim.latency import BatchAdmission, LatencyModel
+from app.sim.kv_cache import KVAllocation, PrefixKVCache
+from app.sim.latency import LatencyModel
+from app.sim.scheduler import StepScheduler
 from app.sim.settings import SimSettings
 
 EmitToken = Callable[[int], Awaitable[None]]
+
+
+@dataclass
+class _Request:
+    prompt: Sequence[int]
+    output_tokens: int
+    allocation: KVAllocation | None = None
+    produced: int = 0
+    changed: trio.Event = field(default_factory=trio.Event)
 
 
 class SimEngine:
     def __init__(self, settings: SimSettings) -> None:
         self.latency = LatencyModel.from_settings(settings)
         self.kv_cache = PrefixKVCache(settings.kv_cache_blocks, settings.block_size)
-        self.batch = BatchAdmission(settings.max_num_seqs)
+        self.scheduler = StepScheduler(
+            settings.max_num_seqs, settings.max_num_batched_tokens, self._admit
+        )
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.steps = 0
         self._seq_ids = itertools.count()
-        self._admitted: dict[int, trio.Event] = {}
+        self._requests: dict[int, _Request] = {}
+        self._work = trio.Event()
         self._changed = trio.Event()
+        self._started = False
 
     @property
     def running(self) -> int:
-        return self.batch.running
+        return self.scheduler.running
 
     @property
     def waiting(self) -> int:
-        return self.batch.waiting
+        return self.scheduler.waiting
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The GPU: one step after another while there is work, idle otherwise."""
+        self._started = True
+        task_status.started()
+        while True:
+            if not self.scheduler.has_work:
+                self._work = trio.Event()
+                await self._work.wait()
+                continue
+            step = self.scheduler.plan()
+            self._notify()  # admissions change running/waiting
+            await trio.sleep(self.latency.step_seconds(step))
+            self.steps += 1
+            for progress in self.scheduler.complete(step):
+                request = self._requests[progress.seq_id]
+                self.generation_tokens_total += progress.produced - request.produced
+                request.produced = progress.produced
+                request.changed.set()
+            self._notify()
 
     async def generate(self, prompt: Sequence[int], output_tokens: int, emit: EmitToken) -> int:
         """Queue, prefill, then call `emit(i)` as output token i is produced.
 
         Returns how many prompt tokens the prefix cache served.
         """
+        if not self._started:
+            raise RuntimeError("SimEngine.run must be running before generate is called")
         seq_id = next(self._seq_ids)
+        request = self._requests[seq_id] = _Request(prompt, output_tokens)
         try:
-            if not self.batch.arrive(seq_id):
-                admitted = self._admitted[seq_id] = trio.Event()
-                self._notify()
-                await admitted.wait()
+            self.scheduler.arrive(seq_id, output_tokens)
+            self._work.set()
             self._notify()
-            allocation = self.kv_cache.allocate(prompt, output_tokens)
-            try:
-                self.prompt_tokens_total += len(prompt)
-                await trio.sleep(self.latency.prefill_seconds(allocation.uncached_tokens))
-                for index in range(output_tokens):
-                    await trio.sleep(self.latency.token_gap_seconds(index))
-                    self.generation_tokens_total += 1
-                    await emit(index)
-                return allocation.cached_tokens
-            finally:
-                self.kv_cache.release(allocation)
+            emitted = 0
+            while emitted < output_tokens:
+                while request.produced == emitted:
+                    request.changed = trio.Event()
+                    await request.changed.wait()
+                while emitted < request.produced:
+                    await emit(emitted)
+                    emitted += 1
+            assert request.allocation is not None
+            return request.allocation.cached_tokens
         finally:
-            self._admitted.pop(seq_id, None)
-            for next_id in self.batch.leave(seq_id):
-                self._admitted.pop(next_id).set()
+            self.scheduler.abort(seq_id)
+            del self._requests[seq_id]
+            if request.allocation is not None:
+                self.kv_cache.release(request.allocation)
             self._notify()
+
+    def _admit(self, seq_id: int) -> int:
+        """The scheduler admits a sequence: hold its KV blocks; how much is left to compute."""
+        request = self._requests[seq_id]
+        request.allocation = self.kv_cache.allocate(request.prompt, request.output_tokens)
+        self.prompt_tokens_total += len(request.prompt)
+        return request.allocation.uncached_tokens
 
     async def wait_until(self, condition: Callable[[], bool]) -> None:
         """Block until `condition()` holds; it is re-checked whenever a sequence moves."""

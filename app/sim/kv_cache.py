@@ -109,6 +109,17 @@ class PrefixKVCache:
             if self._block_hash[block] is None:
                 self._free.move_to_end(block, last=False)
 
+    def evict_all(self) -> int:
+        """Forget every cached block nobody holds; returns how many were dropped."""
+        evicted = 0
+        for block in self._free:
+            block_hash = self._block_hash[block]
+            if block_hash is not None:
+                del self._block_by_hash[block_hash]
+                self._block_hash[block] = None
+                evicted += 1
+        return evicted
+
     def _cached_prefix_blocks(self, hashes: list[int]) -> list[int]:
         blocks: list[int] = []
         for block_hash in hashes:

@@ -2,8 +2,9 @@
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /health`, `GET /metrics`, `POST /tokenize`, `GET /version` (as vLLM answers them), and
-two of its own: `POST /sim/faults` to change the faults at run time, `GET /sim/state` for
-the engine's numbers as JSON, plus what tests of a proxy need to see: how many /tokenize
+three of its own: `POST /sim/faults` to change the faults at run time, `POST /sim/evict` to
+empty the prefix cache (as memory pressure would), `GET /sim/state` for the engine's numbers
+as JSON, plus what tests of a proxy need to see: how many /tokenize
 calls came and in which form the prompts arrived (messages, text or token ids).
 """
 
@@ -78,6 +79,7 @@ class SimServer:
             "/version": {"GET": self._version},
             "/sim/faults": {"POST": self._set_faults},
             "/sim/state": {"GET": self._state},
+            "/sim/evict": {"POST": self._evict},
         }
 
     @property
@@ -194,6 +196,11 @@ class SimServer:
             raise request_error(str(exc)) from None
         await send_json(send, 200, self.faults.as_dict())
 
+    async def _evict(self, receive: Receive, send: Send) -> None:
+        """Drop every cached prefix no running sequence holds, as memory pressure would."""
+        evicted = self.engine.kv_cache.evict_all()
+        await send_json(send, 200, {"evicted_blocks": evicted})
+
     async def _state(self, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.state())
 
@@ -203,6 +210,7 @@ class SimServer:
             "model": self.model,
             "running": self.engine.running,
             "waiting": self.engine.waiting,
+            "steps": self.engine.steps,
             "kv_cache_usage_perc": kv_cache.usage,
             "prefix_cache_queries": kv_cache.query_tokens,
             "prefix_cache_hits": kv_cache.hit_tokens,
@@ -233,5 +241,6 @@ async def serve_sim(
     asgi_app: Any = app or create_sim_app(settings)
     config = server_config(settings.host, settings.port, backlog=settings.backlog)
     async with trio.open_nursery() as nursery:
+        await nursery.start(asgi_app.engine.run)
         urls: list[str] = await nursery.start(partial(serve, asgi_app, config, mode="asgi"))
         task_status.started(urls[0])

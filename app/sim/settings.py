@@ -18,11 +18,20 @@ class SimSettings:
     tokenize_with: str = "words"
     # Continuous batching: at most this many sequences run; the rest wait.
     max_num_seqs: int = 32
-    # prefill = prefill_overhead + uncached_prompt_tokens * prefill_per_token
+    # Tokens one step may compute, decodes and prompt chunks together (chunked prefill):
+    # vLLM's `max_num_batched_tokens`, whose default is 2048
+    # (`SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS`).
+    max_num_batched_tokens: int = 2048
+    # Alone, prefill = prefill_overhead + uncached_prompt_tokens * prefill_per_token
+    # (llm-d-inference-sim's per-token calculator), paid chunk by chunk.
     prefill_overhead: float = 0.005
     prefill_per_token: float = 0.00002
-    # decode = (output_tokens - 1) * inter_token_latency
+    # Alone, decode = (output_tokens - 1) * inter_token_latency; a step with n sequences
+    # decoding costs inter_token_latency * (1 + (time_factor_under_load - 1) * (n - 1) /
+    # (max_num_seqs - 1)): llm-d-inference-sim's `time-factor-under-load`, which its docs put
+    # at 1.5-2.0 for latency-optimized deployments and 2.5-3.5 near max-num-seqs.
     inter_token_latency: float = 0.005
+    time_factor_under_load: float = 2.0
     # A monolithic server's own templating + tokenizing, seconds per prompt token, for
     # prompts sent as text or messages (not token ids), one request at a time as GIL-bound
     # preprocessing runs (seed 002, experiment 7). 0: off.
@@ -37,3 +46,13 @@ class SimSettings:
     close_mid_stream: bool = False
     start_unhealthy: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.time_factor_under_load < 1.0:
+            raise ValueError("--time-factor-under-load must be at least 1")
+        for name in ("prefill_overhead", "prefill_per_token", "inter_token_latency"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must not be negative")

@@ -1,0 +1,130 @@
+"""Backends at run time, on the dashboard port (the operator's side, never the proxy's):
+
+    GET    /api/backends        the pool, as in the snapshot's "backends"
+    POST   /api/backends        {"url": "http://host:port"}: probed at once, 201 with its state
+    DELETE /api/backends/{id}   by the id the listing shows (or the URL, percent-encoded)
+
+Writes go through the dashboard's own `refuse_write` (admin token, same origin), like every
+write there. A new backend takes traffic once its health check passes (the answer says
+whether it did); a removed one gets no new request at once, its requests in flight finish,
+and the routing index forgets it. Errors are OpenAI-shaped JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import trio
+from quart import current_app, request
+from quart_trio import QuartTrio
+
+from app.routing.backends import Backend
+from app.routing.router import Router
+
+CONTROL_KEY = "SLUICE_BACKEND_CONTROL"
+MAX_BACKENDS = 64
+MAX_URL_CHARS = 2048
+
+Answer = tuple[dict[str, Any], int]
+RefuseWrite = Callable[[], Answer | None]
+
+
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str = ""
+) -> Answer:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}, status
+
+
+def check_backend_url(url: Any) -> str:
+    """A normalised `http://host[:port][/prefix]`, or ValueError saying what is wrong."""
+    if not isinstance(url, str) or not url or len(url) > MAX_URL_CHARS:
+        raise ValueError("'url' must be a non-empty string like 'http://gpu-1:8000'")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{url!r} is not a valid URL") from None
+    if parts.scheme != "http":
+        raise ValueError(f"{url!r}: only http:// backend URLs are supported")
+    if not parts.hostname or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"{url!r}: give scheme, host, port and at most a path prefix")
+    if port == 0:
+        raise ValueError(f"{url!r}: port 0 cannot be reached")
+    return url.rstrip("/")
+
+
+class BackendControl:
+    """What the endpoints change: the router's pool, and a health check on demand."""
+
+    def __init__(
+        self, router: Router, check: Callable[[Backend], Awaitable[None]], timeout: float
+    ) -> None:
+        self.router = router
+        self.check = check
+        self.timeout = timeout
+
+    def listing(self) -> list[dict[str, Any]]:
+        return self.router.pool.snapshot(trio.current_time())
+
+    def describe(self, backend: Backend) -> dict[str, Any]:
+        for entry in self.listing():
+            if entry["id"] == backend.id:
+                return entry
+        return {"id": backend.id, "url": backend.url, "removed": True}
+
+    async def add(self, url: str) -> Backend:
+        backend = self.router.add_backend(url)  # ValueError if it is already there
+        with trio.move_on_after(self.timeout * 2):  # the probe has its own timeouts too
+            await self.check(backend)
+        return backend
+
+
+def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
+    """Add the endpoints; `app.config[CONTROL_KEY]` holds the `BackendControl` to use."""
+
+    def control() -> BackendControl:
+        found: BackendControl = current_app.config[CONTROL_KEY]
+        return found
+
+    @app.get("/api/backends")
+    async def list_backends() -> Answer:
+        return {"backends": control().listing()}, 200
+
+    @app.post("/api/backends")
+    async def add_backend() -> Answer:
+        refused = refuse_write()
+        if refused is not None:
+            return refused
+        payload = await request.get_json(force=True, silent=True)
+        if not isinstance(payload, dict):
+            return _error(400, 'expected a JSON object like {"url": "http://gpu-1:8000"}')
+        try:
+            url = check_backend_url(payload.get("url"))
+        except ValueError as exc:
+            return _error(400, str(exc), "url")
+        pool = control().router.pool
+        if len(pool.backends) >= MAX_BACKENDS:
+            return _error(409, f"the pool already has {MAX_BACKENDS} backends", "url", "too_many")
+        try:
+            backend = await control().add(url)
+        except ValueError as exc:
+            return _error(409, str(exc), "url", "backend_exists")
+        return {"backend": control().describe(backend)}, 201
+
+    @app.delete("/api/backends/<path:backend_id>")
+    async def remove_backend(backend_id: str) -> Answer:
+        refused = refuse_write()
+        if refused is not None:
+            return refused
+        router = control().router
+        backend = router.pool.find(unquote(backend_id))
+        if backend is None:
+            return _error(404, f"no backend {backend_id!r}; GET /api/backends lists them")
+        if len(router.pool.backends) == 1:
+            return _error(409, "the last backend cannot be removed; add another first")
+        router.remove_backend(backend)
+        return {"removed": {"id": backend.id, "url": backend.url}}, 200
+

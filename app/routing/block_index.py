@@ -1,0 +1,158 @@
+"""Which backend holds which prompt prefix, by blocks of token ids with chained hashes. Pure.
+
+A prompt's token ids are cut in blocks of 16 (vLLM's default KV block size); block i's hash
+covers block i-1's hash and its own ids, so one hash names a whole prefix, the way vLLM keys
+its prefix cache. For each backend the index keeps the block hashes Sluice sent it, with a
+last-use stamp, in least-recently-used order; `max_blocks` bounds the (backend, block) entries
+of all backends together, and the entry used least recently anywhere is evicted first.
+
+Design rules:
+1. A backend's blocks are always prefix-closed: if it holds block i of a chain it holds
+   blocks 0..i-1. `record` stamps a chain tail first, head last, so within a chain an earlier
+   block is always more recent than a later one; eviction (oldest first) and `forget_before`
+   (everything at or before a stamp) then only ever cut chains from the tail. That is what
+   lets `match` binary-search instead of walking, and it keeps evicting what a GPU's LRU
+   evicts first: the tail (vLLM frees a sequence's blocks in reverse for the same reason).
+2. Every mutation keeps `len(self) <= max_blocks`; nothing else grows.
+3. Hashes are Python's (salted per process): they never leave the process. Anything replicas
+   must agree on hashes with hashlib instead (`rendezvous.py`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+BLOCK_SIZE = 16
+_ID_BYTES = 4  # array('I') items: the id space of every tokenizer Sluice loads
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[int]:
+    """One chained hash per full block; a partial last block is never cached by a backend."""
+    data = _as_bytes(token_ids)
+    if data is None:  # ids beyond 32 bits: the slow, general way
+        hashes: list[int] = []
+        previous = 0
+        for start in range(0, len(token_ids) - block_size + 1, block_size):
+            previous = hash((previous, *token_ids[start : start + block_size]))
+            hashes.append(previous)
+        return hashes
+    step = block_size * _ID_BYTES
+    hashes = []
+    previous = 0
+    # Bytes slices hash in C: ~4x cheaper than a tuple of 16 ints (26 us per 2k tokens).
+    for start in range(0, len(data) - step + 1, step):
+        previous = hash((previous, data[start : start + step]))
+        hashes.append(previous)
+    return hashes
+
+
+def _as_bytes(token_ids: Sequence[int]) -> bytes | None:
+    if isinstance(token_ids, array) and token_ids.itemsize == _ID_BYTES:
+        return token_ids.tobytes()
+    try:
+        return array("I", token_ids).tobytes()
+    except (OverflowError, TypeError):
+        return None
+
+
+class BlockIndex:
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be at least 1")
+        self.max_blocks = max_blocks
+        self._held: dict[Hashable, OrderedDict[int, int]] = {}
+        self._size = 0
+        self._clock = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def blocks(self, backend: Hashable) -> int:
+        return len(self._held.get(backend, ()))
+
+    def backends(self) -> list[Hashable]:
+        return list(self._held)
+
+    def match(self, backend: Hashable, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` the backend holds (rule 1: binary search)."""
+        held = self._held.get(backend)
+        if not held or not hashes or hashes[0] not in held:
+            return 0
+        low, high = 1, len(hashes)  # held[:low] is known; is held[:high]?
+        while low < high:
+            middle = (low + high + 1) // 2
+            if hashes[middle - 1] in held:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def stamps(self, backend: Hashable, hashes: Sequence[int]) -> list[int]:
+        """The last-use stamps of blocks the backend holds, in `hashes` order."""
+        held = self._held.get(backend)
+        if held is None:
+            return []
+        return [held[h] for h in hashes if h in held]
+
+    def record(self, backend: Hashable, hashes: Sequence[int]) -> None:
+        """The backend was sent this chain: it holds every block of it, used just now."""
+        if not hashes:
+            return
+        held = self._held.setdefault(backend, OrderedDict())
+        for block_hash in reversed(hashes):  # tail first (rule 1)
+            self._clock += 1
+            if block_hash in held:
+                held.move_to_end(block_hash)
+            else:
+                self._size += 1
+            held[block_hash] = self._clock
+        while self._size > self.max_blocks:
+            self._evict_oldest()
+
+    def forget_before(self, backend: Hashable, stamp: int) -> int:
+        """Drop the backend's blocks last used at or before `stamp`; returns how many.
+
+        What a backend evicted tells what else it evicted: under LRU, everything it used
+        before the evicted block.
+        """
+        held = self._held.get(backend)
+        removed = 0
+        while held:
+            block_hash, last_use = next(iter(held.items()))
+            if last_use > stamp:
+                break
+            del held[block_hash]
+            removed += 1
+        self._size -= removed
+        return removed
+
+    def remove_backend(self, backend: Hashable) -> None:
+        held = self._held.pop(backend, None)
+        if held is not None:
+            self._size -= len(held)
+
+    def retain(self, backends: Iterable[Hashable]) -> None:
+        """Purge every backend not in `backends` (they left the pool)."""
+        keep = set(backends)
+        for backend in [b for b in self._held if b not in keep]:
+            self.remove_backend(backend)
+
+    def _evict_oldest(self) -> None:
+        oldest: Hashable | None = None
+        oldest_stamp = self._clock + 1
+        for backend, held in self._held.items():
+            if held:
+                stamp = next(iter(held.values()))
+                if stamp < oldest_stamp:
+                    oldest, oldest_stamp = backend, stamp
+        if oldest is None:
+            return
+        held = self._held[oldest]
+        held.popitem(last=False)
+        self._size -= 1
+        self.evictions += 1
+        if not held:
+            del self._held[oldest]

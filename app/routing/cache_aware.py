@@ -1,0 +1,172 @@
+"""`cache_aware`: send a prompt where its prefix is already in KV cache, while load allows. Pure.
+
+For a request with token ids (SMG's parameter names, Sluice's own defaults):
+1. Holders: the backends whose held prefix (`BlockIndex`) covers more than
+   `cache_threshold` of the prompt.
+2. Prefix hit: among holders not too busy (`Balance`: at most `balance_abs_threshold` load
+   above the least-loaded backend, or at most `balance_rel_threshold` times it), the longest
+   prefix wins; holders within a tenth of it count as equal and the least loaded of those
+   takes it, which is how a hot prefix's holders share its traffic.
+3. Spread: when every holder is too busy, the prefix gets one more holder, chosen by
+   rendezvous hashing with bounded load on the held prefix's tokens, so replicas pick the
+   same one and a hot prefix grows over two, three... backends instead of pinning one or
+   losing affinity altogether.
+4. Least load: no holder (a new prefix, or too short a match): the least-loaded backend, ties
+   by rendezvous on the prompt so new prefixes spread evenly.
+Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`).
+
+Checked against reality (`feedback`): backends report how many prompt tokens their cache
+served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
+it held, and under LRU it also evicted everything it used before them: those entries go.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from app.routing.backends import Backend
+from app.routing.balance import Balance, least_loaded
+from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
+from app.routing.hashing import route_without_tokens
+from app.routing.policies import Decision, Prediction, RouteRequest
+from app.routing.rendezvous import first_fit
+
+# A reported hit this much (as a share of the prompt) below the prediction means an eviction.
+CORRECTION_MARGIN = 0.1
+OUTCOMES = ("hit", "miss", "false-hit", "surprise-hit", "unreported")
+
+
+def _backend_id(backend: Backend) -> str:
+    return backend.id
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    if isinstance(token_ids, array):
+        return token_ids.tobytes()
+    return b",".join(str(token).encode() for token in token_ids)
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, cache_threshold: float, balance: Balance, max_index_blocks: int) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance = balance
+        self.index = BlockIndex(max_index_blocks)
+        self._turn = 0  # shares keyless work among equally loaded backends
+        self.outcomes: Counter[str] = Counter()
+        self.predicted_tokens = 0
+        self.reported_cached_tokens = 0
+        self.corrections = 0
+        self.corrected_blocks = 0
+        # Shares of the prompt, summed over reported answers: unit-free, so comparable even
+        # when the backend counts tokens with another tokenizer.
+        self.predicted_share_total = 0.0
+        self.reported_share_total = 0.0
+        self.reported = 0
+
+    def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
+        tokens = request.token_ids
+        self._turn += 1
+        if tokens is None:
+            return route_without_tokens(candidates, request, self.balance, self._turn)
+        hashes = block_hashes(tokens)
+        if not hashes:  # shorter than one block: nothing any backend could cache
+            return Decision(least_loaded(candidates, turn=self._turn), "least-load")
+        min_load = min(b.load for b in candidates)
+        needed = self.cache_threshold * len(tokens)
+        holders: list[tuple[int, Backend]] = []
+        for backend in candidates:
+            blocks = self.index.match(backend.id, hashes)
+            if blocks and blocks * BLOCK_SIZE > needed:
+                holders.append((blocks, backend))
+
+        allowed = [h for h in holders if not self.balance.overloaded(h[1].load, min_load)]
+        if allowed:
+            best = max(blocks for blocks, _ in allowed)
+            near = [h for h in allowed if h[0] >= best - max(1, best // 10)]
+            blocks, backend = min(near, key=lambda h: (h[1].load, -h[0]))
+            reason = "prefix-hit"
+        elif holders:
+            best = max(blocks for blocks, _ in holders)
+            holding = {id(b) for _, b in holders}
+            others = [b for b in candidates if id(b) not in holding]
+            key = _token_bytes(tokens[: best * BLOCK_SIZE])
+            backend, _ = first_fit(
+                key, others, _backend_id, lambda b: not self.balance.overloaded(b.load, min_load)
+            )
+            blocks = self.index.match(backend.id, hashes)
+            reason = "spread"
+        else:
+            key_digest = hashlib.blake2b(_token_bytes(tokens), digest_size=16).digest()
+            backend = least_loaded(candidates, key_digest)
+            blocks = self.index.match(backend.id, hashes)
+            reason = "least-load"
+        stamps = tuple(self.index.stamps(backend.id, hashes[:blocks]))
+        self.index.record(backend.id, hashes)
+        return Decision(backend, reason, Prediction(len(tokens), blocks, stamps))
+
+    def feedback(
+        self, decision: Decision, cached_tokens: int | None, reported_prompt_tokens: int | None
+    ) -> str:
+        """Compare a backend's reported prefix hit with the prediction; correct the index.
+
+        Token counts are compared as shares of the prompt: the backend may count tokens with
+        another tokenizer than Sluice's. Returns the outcome (one of `OUTCOMES`).
+        """
+        prediction = decision.prediction
+        if prediction is None or cached_tokens is None or not reported_prompt_tokens:
+            self.outcomes["unreported"] += 1
+            return "unreported"
+        predicted = prediction.cached_tokens
+        self.predicted_tokens += predicted
+        self.reported_cached_tokens += cached_tokens
+        if predicted and cached_tokens:
+            outcome = "hit"
+        elif predicted:
+            outcome = "false-hit"
+        else:
+            outcome = "surprise-hit" if cached_tokens else "miss"
+        self.outcomes[outcome] += 1
+
+        actual_share = min(cached_tokens / reported_prompt_tokens, 1.0)
+        predicted_share = predicted / prediction.prompt_tokens
+        self.predicted_share_total += predicted_share
+        self.reported_share_total += actual_share
+        self.reported += 1
+        kept = int(actual_share * prediction.prompt_tokens) // BLOCK_SIZE
+        if actual_share < predicted_share - CORRECTION_MARGIN and kept < len(prediction.stamps):
+            removed = self.index.forget_before(decision.backend.id, prediction.stamps[kept])
+            self.corrections += 1
+            self.corrected_blocks += removed
+        return outcome
+
+    def forget(self, backend: Backend) -> None:
+        self.index.remove_backend(backend.id)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "cache_threshold": self.cache_threshold,
+            "balance_abs_threshold": self.balance.abs_threshold,
+            "balance_rel_threshold": self.balance.rel_threshold,
+            "index": {
+                "blocks": len(self.index),
+                "max_blocks": self.index.max_blocks,
+                "block_size": BLOCK_SIZE,
+                "evictions": self.index.evictions,
+                "by_backend": {b: self.index.blocks(b) for b in self.index.backends()},
+            },
+            "prediction": {
+                "outcomes": {outcome: self.outcomes[outcome] for outcome in OUTCOMES},
+                "predicted_cached_tokens": self.predicted_tokens,
+                "reported_cached_tokens": self.reported_cached_tokens,
+                "mean_predicted_hit": self.predicted_share_total / max(self.reported, 1),
+                "mean_reported_hit": self.reported_share_total / max(self.reported, 1),
+                "corrections": self.corrections,
+                "corrected_blocks": self.corrected_blocks,
+            },
+        }

@@ -1,0 +1,198 @@
+"""The proxy's one door into routing: admit, choose (waiting for a free slot), release.
+
+`admit` applies the per-key tokens-per-minute limit before anything is forwarded. `choose`
+asks the policy among the backends that take traffic and are under
+`--max-inflight-per-backend`; when every one is at that limit, the request waits in the
+bounded `SlotQueue` (or is refused with `Overloaded`, a 429). The chosen backend's in-flight
+count and pending prompt tokens are reserved at once (no await in between, so two requests
+never both see the last free slot), and `release` gives them back, wakes one waiter and
+feeds the backend's reported usage to the policy (cache_aware checks its prediction) and to
+the token limiter (completion tokens). Backends added or removed at run time go through here
+too, so the index forgets a removed backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any
+
+import trio
+
+from app.config import Settings
+from app.observe.metrics import Metrics
+from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
+from app.routing.backends import Backend, BackendPool
+from app.routing.cache_aware import CacheAware
+from app.routing.policies import Decision, Policy, RouteRequest, RoutingParams, make_policy
+from app.routing.usage import Usage
+
+log = logging.getLogger("sluice.router")
+
+# A waiter re-checks this often even unwoken: backends also free up by becoming healthy.
+QUEUE_POLL = 0.5
+# Without token ids, prompt tokens are estimated at four characters a token.
+CHARS_PER_TOKEN = 4
+
+
+def routing_params(settings: Settings) -> RoutingParams:
+    return RoutingParams(
+        cache_threshold=settings.cache_threshold,
+        balance_abs_threshold=settings.balance_abs_threshold,
+        balance_rel_threshold=settings.balance_rel_threshold,
+        max_index_blocks=settings.max_index_blocks,
+    )
+
+
+def estimated_tokens(request: RouteRequest) -> int:
+    if request.token_ids is not None:
+        return len(request.token_ids)
+    return len(request.text or "") // CHARS_PER_TOKEN
+
+
+class Router:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        metrics: Metrics,
+        policy: Policy | None = None,
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
+        self.max_inflight = settings.max_inflight_per_backend
+        self.queue = SlotQueue(settings.admission_queue, settings.admission_timeout)
+        self.tokens_per_minute = settings.tokens_per_minute
+        self.buckets = (
+            TokenBuckets(settings.tokens_per_minute) if settings.tokens_per_minute else None
+        )
+        self.rejected: dict[str, int] = {}
+        metrics.admission_waiting.set_function(lambda: self.queue.waiting)
+        if isinstance(self.policy, CacheAware):
+            index = self.policy.index
+            metrics.route_index_blocks.set_function(lambda: len(index))
+
+    def admit(self, api_key: str, prompt_tokens: int) -> None:
+        """Take the prompt's tokens from the key's budget, or raise `Overloaded`."""
+        if self.buckets is None:
+            return
+        wait = self.buckets.take(api_key, prompt_tokens, trio.current_time())
+        if wait == 0.0:
+            return
+        if math.isinf(wait):
+            self._refuse(
+                Overloaded(
+                    "request_too_large",
+                    f"This request's {prompt_tokens} prompt tokens exceed the limit of "
+                    f"{self.tokens_per_minute} tokens per minute for its API key.",
+                    60.0,
+                )
+            )
+        self._refuse(
+            Overloaded(
+                "tokens_per_minute",
+                f"Rate limit reached: {self.tokens_per_minute} tokens per minute for this API "
+                f"key; retry in {wait:.1f}s.",
+                wait,
+            )
+        )
+
+    async def choose(
+        self, request: RouteRequest, exclude: tuple[Backend, ...] = ()
+    ) -> Decision | None:
+        """A reserved decision; None when no backend takes traffic at all."""
+        deadline: float | None = None
+        while True:
+            candidates = self.pool.available(trio.current_time(), exclude)
+            if not candidates:
+                return None
+            open_ = [b for b in candidates if b.inflight < self.max_inflight]
+            # Newcomers queue behind waiters; a waiter that was woken may take the slot.
+            if open_ and (deadline is not None or not self.queue.waiting):
+                return self._reserve(self.policy.choose(open_, request), request)
+            if deadline is None:
+                deadline = trio.current_time() + self.queue.timeout
+            try:
+                await self.queue.wait(deadline, QUEUE_POLL)
+            except Overloaded as exc:
+                self._refuse(exc)
+
+    def _reserve(self, decision: Decision, request: RouteRequest) -> Decision:
+        prediction = decision.prediction
+        cached = prediction.cached_tokens if prediction is not None else 0
+        pending = max(estimated_tokens(request) - cached, 0)
+        backend = decision.backend
+        backend.inflight += 1
+        backend.pending_tokens += pending
+        self.metrics.backend_inflight.labels(backend=backend.url).inc()
+        return dataclasses.replace(decision, pending_tokens=pending)
+
+    def release(self, decision: Decision, usage: Usage | None, api_key: str | None = None) -> None:
+        """The exchange with `decision.backend` is over; `usage` is what its answer reported."""
+        backend = decision.backend
+        backend.inflight -= 1
+        backend.pending_tokens -= decision.pending_tokens
+        self.metrics.backend_inflight.labels(backend=backend.url).dec()
+        self.queue.wake_one()
+        if usage is not None and usage.completion_tokens and self.buckets and api_key:
+            self.buckets.charge(api_key, usage.completion_tokens, trio.current_time())
+        if isinstance(self.policy, CacheAware) and decision.prediction is not None:
+            self._check_prediction(self.policy, decision, usage)
+
+    def _check_prediction(
+        self, policy: CacheAware, decision: Decision, usage: Usage | None
+    ) -> None:
+        cached = usage.cached_tokens if usage is not None else None
+        prompt = usage.prompt_tokens if usage is not None else None
+        corrections = policy.corrections
+        outcome = policy.feedback(decision, cached, prompt)
+        metrics, url = self.metrics, decision.backend.url
+        metrics.route_predictions.labels(outcome=outcome).inc()
+        if outcome == "unreported":
+            return
+        assert decision.prediction is not None and cached is not None and prompt is not None
+        metrics.route_predicted_tokens.labels(backend=url).inc(decision.prediction.cached_tokens)
+        metrics.route_reported_cached_tokens.labels(backend=url).inc(cached)
+        metrics.route_reported_prompt_tokens.labels(backend=url).inc(prompt)
+        if policy.corrections != corrections:
+            metrics.route_index_corrections.inc()
+            log.info(
+                "backend %s served %d of %d prompt tokens from cache where %d were predicted: "
+                "index corrected",
+                url,
+                cached,
+                prompt,
+                decision.prediction.cached_tokens,
+            )
+
+    def add_backend(self, url: str) -> Backend:
+        return self.pool.add(url)
+
+    def remove_backend(self, backend: Backend) -> None:
+        self.pool.remove(backend)
+        if isinstance(self.policy, CacheAware):
+            self.policy.forget(backend)
+        self.metrics.forget_backend(backend.url)
+
+    def _refuse(self, exc: Overloaded) -> None:
+        self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+        self.metrics.admission_rejected.labels(reason=exc.reason).inc()
+        raise exc
+
+    def snapshot(self) -> dict[str, Any]:
+        snapshot: dict[str, Any] = {
+            "policy": self.policy.name,
+            "admission": {
+                "max_inflight_per_backend": self.max_inflight,
+                "waiting": self.queue.waiting,
+                "max_waiting": self.queue.max_waiting,
+                "tokens_per_minute": self.tokens_per_minute or None,
+                "api_keys": len(self.buckets) if self.buckets else 0,
+                "rejected": dict(self.rejected),
+            },
+        }
+        if isinstance(self.policy, CacheAware):
+            snapshot["cache_aware"] = self.policy.snapshot()
+        return snapshot

@@ -1,0 +1,148 @@
+"""Continuous batching with chunked prefill, the way vLLM V1 schedules a step. Pure.
+
+Design rules:
+1. One step spends at most `max_num_batched_tokens` tokens (vLLM's token budget, default
+   2048 in `SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS`): first one token for each
+   decoding sequence, then prompt chunks for the sequences already prefilling, in admission
+   order, then the waiting sequences it admits, in arrival order.
+2. At most `max_num_seqs` sequences are admitted (prefilling or decoding) at once.
+3. Admission is first come, first served: a waiting sequence never overtakes another.
+4. The prefix cache is consulted when a sequence is admitted, not when it arrives (the
+   `admit` callback answers how many prompt tokens are left to compute), as vLLM does.
+5. The step that computes a prompt's last chunk also samples its first output token.
+
+States of one sequence, and what moves it (anything else is a bug and raises):
+
+    state       event                                   next state
+    ---------   -------------------------------------   ----------
+    (none)      arrive                                  WAITING
+    WAITING     admitted by `plan` (rules 2, 3)         PREFILLING
+    PREFILLING  `complete`: last chunk computed         DECODING (token 0 out)
+    DECODING    `complete`: last output token out       (removed: finished)
+    any         abort (the client went away)            (removed)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.sim.latency import Step
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+
+
+@dataclass
+class _Seq:
+    output_tokens: int
+    state: SeqState = SeqState.WAITING
+    to_prefill: int = 0
+    produced: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A sequence that produced a token in the step just completed."""
+
+    seq_id: int
+    produced: int  # output tokens produced so far
+    finished: bool
+
+
+class StepScheduler:
+    def __init__(
+        self, max_num_seqs: int, max_num_batched_tokens: int, admit: Callable[[int], int]
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._admit = admit
+        # Dicts keep insertion order: arrival order for waiting, admission order for running.
+        self._waiting: dict[int, _Seq] = {}
+        self._running: dict[int, _Seq] = {}
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def state(self, seq_id: int) -> SeqState | None:
+        seq = self._running.get(seq_id) or self._waiting.get(seq_id)
+        return None if seq is None else seq.state
+
+    def arrive(self, seq_id: int, output_tokens: int) -> None:
+        if seq_id in self._waiting or seq_id in self._running:
+            raise ValueError(f"sequence {seq_id} has already arrived")
+        if output_tokens < 1:
+            raise ValueError("a sequence produces at least one token")
+        self._waiting[seq_id] = _Seq(output_tokens)
+
+    def abort(self, seq_id: int) -> None:
+        """Forget a sequence in any state; a no-op for one already finished."""
+        self._waiting.pop(seq_id, None)
+        self._running.pop(seq_id, None)
+
+    def plan(self) -> Step:
+        """The next step's work; admits waiting sequences that fit (rules 1-4)."""
+        budget = self.max_num_batched_tokens
+        decode: list[int] = []
+        prefill: list[tuple[int, int]] = []
+        for seq_id, seq in self._running.items():
+            if budget == 0:
+                break
+            if seq.state is SeqState.DECODING:
+                decode.append(seq_id)
+                budget -= 1
+            else:
+                chunk = min(seq.to_prefill, budget)
+                prefill.append((seq_id, chunk))
+                budget -= chunk
+        started = 0
+        while budget > 0 and self._waiting and len(self._running) < self.max_num_seqs:
+            seq_id = next(iter(self._waiting))
+            seq = self._waiting.pop(seq_id)
+            seq.state = SeqState.PREFILLING
+            seq.to_prefill = max(self._admit(seq_id), 1)  # vLLM recomputes the last token
+            self._running[seq_id] = seq
+            chunk = min(seq.to_prefill, budget)
+            prefill.append((seq_id, chunk))
+            budget -= chunk
+            started += 1
+        return Step(tuple(prefill), tuple(decode), started)
+
+    def complete(self, step: Step) -> list[Progress]:
+        """Apply a finished step; sequences aborted meanwhile are skipped (rule 5)."""
+        progress: list[Progress] = []
+        for seq_id, tokens in step.prefill:
+            seq = self._running.get(seq_id)
+            if seq is None:
+                continue
+            seq.to_prefill -= tokens
+            if seq.to_prefill == 0:
+                seq.state = SeqState.DECODING
+                progress.append(self._produce(seq_id, seq))
+        for seq_id in step.decode:
+            seq = self._running.get(seq_id)
+            if seq is not None:
+                progress.append(self._produce(seq_id, seq))
+        return progress
+
+    def _produce(self, seq_id: int, seq: _Seq) -> Progress:
+        seq.produced += 1
+        finished = seq.produced == seq.output_tokens
+        if finished:
+            del self._running[seq_id]
+        return Progress(seq_id, seq.produced, finished)

@@ -1,0 +1,138 @@
+"""Admission and feedback plumbing alone: token buckets per API key (refill, charge after the
+fact, too-large requests, bounded keys), the slot queue's bounds under trio's MockClock, usage
+read off an answer's tail, and the load figures scraped from a Prometheus exposition."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+import trio.testing
+
+from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
+from app.routing.load_scraper import KV_USAGE, WAITING, metric_sum
+from app.routing.usage import TAIL_BYTES, AnswerTail, Usage, usage_from_tail
+
+# --- tokens per minute --------------------------------------------------------------------------
+
+
+def test_a_key_spends_its_minute_then_waits_for_the_refill() -> None:
+    buckets = TokenBuckets(tokens_per_minute=600)  # 10 tokens a second
+    assert buckets.take("k", 500, now=0.0) == 0.0
+    assert buckets.take("k", 200, now=0.0) == pytest.approx(10.0)  # 100 short, 10 s away
+    assert buckets.take("other", 600, now=0.0) == 0.0  # keys do not share
+    assert buckets.take("k", 200, now=10.0) == 0.0
+    assert buckets.level("k", 10.0) == pytest.approx(0.0)
+
+
+def test_completion_tokens_are_charged_afterwards_even_below_zero() -> None:
+    buckets = TokenBuckets(tokens_per_minute=60)
+    assert buckets.take("k", 50, now=0.0) == 0.0
+    buckets.charge("k", 40, now=0.0)
+    assert buckets.level("k", 0.0) == pytest.approx(-30.0)
+    assert buckets.take("k", 1, now=0.0) == pytest.approx(31.0)
+
+
+def test_a_request_larger_than_a_minute_never_fits_and_keys_are_bounded() -> None:
+    buckets = TokenBuckets(tokens_per_minute=100, max_keys=3)
+    assert math.isinf(buckets.take("k", 101, now=0.0))
+    for key in range(10):
+        buckets.take(f"key-{key}", 1, now=0.0)
+    assert len(buckets) == 3
+    with pytest.raises(ValueError):
+        TokenBuckets(0)
+
+
+def test_overloaded_says_when_to_retry_in_whole_seconds() -> None:
+    assert Overloaded("queue_full", "busy", 0.2).retry_after_header == b"1"
+    assert Overloaded("tokens_per_minute", "slow down", 7.01).retry_after_header == b"8"
+
+
+# --- the slot queue -----------------------------------------------------------------------------
+
+
+async def test_the_queue_is_bounded_and_times_out(autojump_clock: trio.abc.Clock) -> None:
+    queue = SlotQueue(max_waiting=2, timeout=5.0)
+    outcomes: list[str] = []
+
+    async def waiter() -> None:
+        """As the router does: wait, re-check (here: nothing to take), wait again."""
+        deadline = trio.current_time() + 5.0
+        try:
+            await queue.wait(deadline, poll=100.0)
+            outcomes.append(f"back at {trio.current_time():g}")
+            await queue.wait(deadline, poll=100.0)
+        except Overloaded as exc:
+            outcomes.append(exc.reason)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.waiting == 2 and outcomes == ["queue_full"]
+        queue.wake_one()
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcomes == ["queue_full", "back at 0"]
+    # The unwoken one was back at the deadline, and refused on its next wait.
+    assert outcomes == ["queue_full", "back at 0", "back at 5", "queue_timeout"]
+    assert queue.waiting == 0
+    assert (queue.rejected_full, queue.rejected_timeout) == (1, 1)
+
+
+# --- usage off the tail ---------------------------------------------------------------------------
+
+WHOLE = (
+    b'{"id":"x","choices":[{"index":0,"message":{"content":"hi, \\"usage\\""}}],'
+    b'"usage":{"prompt_tokens":2080,"completion_tokens":16,"total_tokens":2096,'
+    b'"prompt_tokens_details":{"cached_tokens":2048}}}'
+)
+STREAM_END = (
+    b'data: {"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4,'
+    b'"prompt_tokens_details":{"cached_tokens":16}}}\n\ndata: [DONE]\n\n'
+)
+
+
+def test_usage_is_read_from_whole_answers_and_stream_ends() -> None:
+    assert usage_from_tail(WHOLE) == Usage(2080, 16, 2048)
+    assert usage_from_tail(STREAM_END) == Usage(30, 4, 16)
+    assert usage_from_tail(b'{"usage":{"prompt_tokens":5}}') == Usage(5, None, None)
+    assert usage_from_tail(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') is None
+    assert usage_from_tail(b'{"usage": null}') is None
+
+
+async def test_the_tail_keeps_only_the_end_of_what_was_sent() -> None:
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, object]) -> None:
+        body = message.get("body", b"")
+        assert isinstance(body, bytes)
+        sent.append(body)
+
+    tail = AnswerTail(send)
+    await tail.send({"type": "http.response.start", "status": 200})
+    await tail.send({"type": "http.response.body", "body": b"x" * 10_000, "more_body": True})
+    for piece in (STREAM_END[:40], STREAM_END[40:], b""):
+        await tail.send({"type": "http.response.body", "body": piece, "more_body": True})
+    assert len(tail.tail) == TAIL_BYTES
+    assert tail.usage() == Usage(30, 4, 16)
+    assert b"".join(sent).endswith(STREAM_END)
+
+
+# --- scraped load ---------------------------------------------------------------------------------
+
+EXPOSITION = f"""# HELP {WAITING} Number of requests waiting to be processed.
+# TYPE {WAITING} gauge
+{WAITING}{{model_name="a"}} 3.0
+{WAITING}{{model_name="b"}} 2.0
+{WAITING}_extra 99
+{KV_USAGE}{{model_name="a"}} 0.25
+"""
+
+
+def test_load_figures_are_summed_over_models_and_comments_ignored() -> None:
+    assert metric_sum(EXPOSITION, WAITING) == 5.0
+    assert metric_sum(EXPOSITION, KV_USAGE) == 0.25
+    assert metric_sum(EXPOSITION, "vllm:num_requests_running") is None
+    assert metric_sum(f"{WAITING} not-a-number\n", WAITING) is None
+    assert metric_sum(f"{WAITING} 4", WAITING) == 4.0
