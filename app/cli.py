@@ -35,8 +35,7 @@ HELP: dict[str, str] = {
     "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
     "the admission queue (default: 128)",
     "admission_queue": "requests that may wait for a backend slot before 429 (default: 256)",
-    "admission_timeout": "seconds a request may wait for a backend slot before 429 "
-    "(default: 30)",
+    "admission_timeout": "seconds a request may wait for a backend slot before 429 (default: 30)",
     "tokens_per_minute": "prompt + completion tokens per minute per API key, 429 beyond "
     "(default: 0, no limit)",
     "tokenizer": "tokenizer.json path, model directory or hub id (default: bundled DeepSeek-V4)",
@@ -232,6 +231,15 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSetting
 
 def main(argv: Sequence[str] | None = None) -> int:
     command, settings = parse(argv)
+    try:
+        return _run(command, settings)
+    except* KeyboardInterrupt:
+        # Ctrl-C before the servers took over SIGINT (while loading): stop without a traceback.
+        print("sluice: interrupted while starting", file=sys.stderr)
+    return 130
+
+
+def _run(command: str, settings: Settings | SimSettings) -> int:
     # Imported here so that `--help` and argument errors answer without loading the stack.
     from app.main import run_demo, run_serve, run_sim_backend
 

@@ -8,6 +8,7 @@ then cancel everything and exit 0. A second signal cancels at once.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import gc
 import logging
 import signal
@@ -30,8 +31,9 @@ from app.observe.backend_stats import backend_rows
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
-from app.preprocess import Preprocessor, TemplateLoadError, TokenizerLoadError
-from app.preprocess.tokenizer_loading import TokenizerLike
+from app.preprocess.chat_template import TemplateLoadError
+from app.preprocess.pipeline import Preprocessor
+from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
@@ -272,6 +274,8 @@ def _configure_logging(level: str) -> None:
 def _run(main: Callable[[Settings], Awaitable[None]], settings: Settings) -> int:
     """Run until stopped; a tokenizer or template that cannot load is a clear exit 2."""
     _configure_logging(settings.log_level)
+    # Should the process ever die of a fatal signal (a C extension's bug), its log says where.
+    faulthandler.enable()
     failed = False
     try:
         trio.run(main, settings)

@@ -127,4 +127,3 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
             return _error(409, "the last backend cannot be removed; add another first")
         router.remove_backend(backend)
         return {"removed": {"id": backend.id, "url": backend.url}}, 200
-

@@ -1,17 +1,8 @@
-"""Chat templates, tokenizer loading, L0/L1 caches and the offload dispatcher.
+"""Chat templates, tokenizer loading, L0/L1 caches and the offload dispatchers.
 
-The proxy needs only what is exported here: `Preprocessor` (build one at startup; it raises
-`TokenizerLoadError` or `TemplateLoadError` for a bad `--tokenizer`/`--chat-template`),
-`Prepared` (its result); a bad request raises `app.errors.ClientError`.
+The proxy needs `pipeline.Preprocessor` (build one at startup; it raises
+`tokenizer_loading.TokenizerLoadError` or `chat_template.TemplateLoadError` for a bad
+`--tokenizer`/`--chat-template`) and its result, `pipeline.Prepared`; a bad request raises
+`app.errors.ClientError`. Nothing is imported here: a render worker process imports only
+rendering.py and what it needs, not the tokenizer nor Trio.
 """
-
-from app.preprocess.chat_template import TemplateLoadError
-from app.preprocess.pipeline import Prepared, Preprocessor
-from app.preprocess.tokenizer_loading import TokenizerLoadError
-
-__all__ = [
-    "Prepared",
-    "Preprocessor",
-    "TemplateLoadError",
-    "TokenizerLoadError",
-]

@@ -34,14 +34,16 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from jinja2 import Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from app.errors import ClientError
-from app.preprocess.tokenizer_loading import LoadedTokenizer
+
+if TYPE_CHECKING:  # render worker processes import this module without the tokenizer
+    from app.preprocess.tokenizer_loading import LoadedTokenizer
 
 SHIPPED_DIR = Path(__file__).parent / "chat_templates"
 

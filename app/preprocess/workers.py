@@ -24,6 +24,8 @@ more than the workers' throughput, so the kernel is told.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 import threading
@@ -35,6 +37,7 @@ import trio
 import trio_parallel
 
 T = TypeVar("T")
+log = logging.getLogger("sluice.preprocess")
 
 # How long the proxy's shutdown waits for a busy worker before killing it.
 WORKER_GRACE_SECONDS = 5.0
@@ -69,30 +72,51 @@ def lower_priority() -> bool:
 class ProcessPool:
     """Worker processes for renders, open while `running()` is; `await pool(job)` runs one.
 
-    Outside `running()` (a Preprocessor used on its own, as in tests) jobs go to
+    The workers boot in the background (~0.15 s of imports each) while the proxy starts
+    listening; a job that arrives before they are up waits for them rather than spawning
+    more. Outside `running()` (a Preprocessor used on its own, as in tests) jobs go to
     trio-parallel's default pool, whose workers start on first use.
     """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._context: trio_parallel.WorkerContext | None = None
+        self._booted = trio.Event()
 
     @asynccontextmanager
     async def running(self, warm_up: Callable[[], object]) -> AsyncIterator[None]:
-        async with trio_parallel.open_worker_context(
-            idle_timeout=math.inf, grace_period=WORKER_GRACE_SECONDS, init=lower_priority
-        ) as context:
-            # Concurrent jobs on an empty cache spawn one worker each.
-            async with trio.open_nursery() as nursery:
-                for _ in range(self.workers):
-                    nursery.start_soon(context.run_sync, warm_up)
-            self._context = context
-            try:
-                yield
-            finally:
-                self._context = None
+        try:
+            async with trio_parallel.open_worker_context(
+                idle_timeout=math.inf, grace_period=WORKER_GRACE_SECONDS, init=lower_priority
+            ) as context:
+                self._context, self._booted = context, trio.Event()
+                try:
+                    async with trio.open_nursery() as booting:
+                        booting.start_soon(self._boot, context, warm_up)
+                        yield
+                        booting.cancel_scope.cancel()  # still booting at shutdown: kill them
+                finally:
+                    self._context = None
+        except trio_parallel.BrokenWorkerError as exc:
+            # Shutting down: a worker that did not stop in time was killed. Not worth failing
+            # the proxy's exit for.
+            log.warning("a render worker process had to be killed at shutdown: %s", exc)
+
+    async def _boot(
+        self, context: trio_parallel.WorkerContext, warm_up: Callable[[], object]
+    ) -> None:
+        # Concurrent jobs on an empty cache spawn one worker each.
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.workers):
+                nursery.start_soon(
+                    functools.partial(context.run_sync, warm_up, kill_on_cancel=True)
+                )
+        self._booted.set()
 
     async def __call__(self, job: Callable[[], T]) -> T:
-        run = trio_parallel.run_sync if self._context is None else self._context.run_sync
-        result: T = await run(job)
+        if self._context is None:
+            result: T = await trio_parallel.run_sync(job)
+            return result
+        await self._booted.wait()
+        result = await self._context.run_sync(job)
         return result

@@ -34,7 +34,7 @@ from app.asgi import (
 from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess import Prepared, Preprocessor
+from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
 from app.proxy.accounting import KeyLabels
 from app.proxy.errors import (
@@ -335,9 +335,7 @@ class ProxyApp:
             ]
             relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
-                stream_error = await relay_answer(
-                    response, answer.send, extra, self.timeouts.idle
-                )
+                stream_error = await relay_answer(response, answer.send, extra, self.timeouts.idle)
                 if stream_error is not None:
                     broken = stream_error
             except (StreamBroken, UpstreamFailure) as exc:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.preprocess import Prepared
+from app.preprocess.pipeline import Prepared
 
 COMPLETIONS_PATH = "/v1/completions"
 
