@@ -119,7 +119,12 @@ async def test_snapshot_schema(
         assert record["status"] == 200 and not record["client_gone"]
         assert record["backend"] == sim.url and record["route"].startswith("cache_aware:")
         assert record["model"] == "m" and record["kind"] == "chat"
-        assert record["prompt_tokens"] > 0 and record["tokenize_path"] in ("thread", "l0", "l1")
+        assert record["prompt_tokens"] > 0 and record["tokenize_path"] in (
+            "inline",
+            "thread",
+            "l0",
+            "l1",
+        )
         assert 0 < record["ttft_ms"] <= record["duration_ms"]
     assert [r["seq"] for r in recent] == [2, 1]
     requests = data["requests"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from app.preprocess import Prepared
+from app.preprocess.pipeline import Prepared
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
 from app.proxy.token_forwarding import plan_forward
 from app.routing.tokenizer_check import TokenizerProbe, build_probe, compare_tokens, judge_answer

@@ -15,9 +15,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -182,9 +183,15 @@ async def test_large_bodies_render_in_a_worker_process_as_they_would_on_the_loop
 
 
 async def test_saturated_render_workers_fall_back_then_follow_the_policy() -> None:
-    preprocessor = Preprocessor(
-        Settings(render_workers=1, tokenize_queue=0, saturation="bail-out"), Metrics()
-    )
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def phase(name: str) -> Iterator[None]:
+        phases.append(name)
+        yield
+
+    settings = Settings(render_workers=1, tokenize_queue=0, saturation="bail-out")
+    preprocessor = Preprocessor(settings, Metrics(), phase=phase)
     release = trio.Event()
     started = trio.Event()
 
@@ -195,15 +202,19 @@ async def test_saturated_render_workers_fall_back_then_follow_the_policy() -> No
 
     preprocessor._renders._offload = gated_offload
     big = {"model": "m", "prompt": "word " * (PARSE_ON_LOOP_BYTES // 4)}
+    # Under 64 KiB but estimated over the loop's budget: rendered off the loop when it can be.
+    many = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 1000}
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", big)  # holds the one worker
         await started.wait()
         preprocessor._renders._fallback.acquire_nowait()  # stand-in: an inline render running
-        bailed = await prepare(preprocessor, "completion", big)
+        bailed = await prepare(preprocessor, "chat", many)
         assert (bailed.tokenize_path, bailed.estimated, bailed.fields) == ("bailed_out", True, {})
         preprocessor._renders._fallback.release()
-        fallback = await prepare(preprocessor, "completion", big)  # the permit is free again
-        assert fallback.token_ids is not None
+        too_big = await prepare(preprocessor, "completion", big)  # never on the loop
+        assert too_big.tokenize_path == "bailed_out"
+        fallback = await prepare(preprocessor, "chat", many)  # the permit is free again
+        assert fallback.token_ids is not None and phases == ["template-fallback"]
         release.set()
 
 

@@ -8,6 +8,8 @@ and events order the rest — no sleeps as synchronisation. Covers:
   `wait` <-> `bail-out` at runtime changing what the next saturated request does;
 - a saturated waiter taking a thread when one frees first;
 - inline mode, the phase hook, long conversations rendered off the loop;
+- texts of a few dozen tokens encoded on the loop at once, even with every thread busy;
+  texts too big for the fallback never take it (bail-out at once, or wait for a thread);
 - the context-window check and the bail-out result (`estimated=True`, no tokens).
 """
 
@@ -25,6 +27,7 @@ from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess.pipeline import Prepared, Preprocessor
+from app.preprocess.tokenization import FALLBACK_MAX_CHARS
 from app.preprocess.tokenizer_loading import load_tokenizer
 from tests.fakes import GateTokenizer, prepare
 
@@ -35,8 +38,12 @@ def gated(**settings: Any) -> tuple[Preprocessor, GateTokenizer, Metrics]:
     return Preprocessor(Settings(**settings), metrics, tokenizer=tokenizer), tokenizer, metrics
 
 
+# Longer than ON_LOOP_MAX_CHARS, so that every prompt of these tests goes to the dispatcher.
+PADDING = " and then" * 40
+
+
 def completion(text: str) -> dict[str, Any]:
-    return {"model": "m", "prompt": text}
+    return {"model": "m", "prompt": text + PADDING}
 
 
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
@@ -231,14 +238,52 @@ async def test_context_window_is_enforced_unless_tokens_were_skipped() -> None:
         )
     assert info.value.param == "prompt" and "17" in info.value.message
 
+    async def pin_the_thread() -> None:
+        with pytest.raises(ClientError):  # too long for 16 tokens, once the gate opens
+            await prepare(preprocessor, "completion", completion("GATE"))
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))
+        nursery.start_soon(pin_the_thread)
         await tokenizer.arrived()
         # A stand-in for an inline encode running:
         preprocessor._tokens.dispatcher._fallback.acquire_nowait()
         # Not in L0 (unlike the prompt refused above), so it needs a tokenizer: bails out.
-        bailed = await prepare(preprocessor, "completion", {"model": "m", "prompt": "term " * 40})
+        bailed = await prepare(preprocessor, "completion", {"model": "m", "prompt": "term " * 60})
         assert bailed.tokenize_path == "bailed_out" and bailed.estimated
         assert bailed.token_ids is None
         preprocessor._tokens.dispatcher._fallback.release()
         tokenizer.gate.set()
+
+
+async def test_a_short_text_is_encoded_on_the_loop_even_with_every_thread_busy() -> None:
+    preprocessor, tokenizer, _ = gated(tokenize_threads=1, tokenize_queue=0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE pins the thread"))
+        await tokenizer.arrived()
+        short = await prepare(preprocessor, "completion", {"model": "m", "prompt": "Hi there"})
+        assert short.tokenize_path == "inline" and short.token_ids
+        tokenizer.gate.set()
+
+
+async def test_a_text_too_big_for_the_fallback_never_takes_it() -> None:
+    preprocessor, tokenizer, metrics = gated(
+        tokenize_threads=1, tokenize_queue=0, saturation="bail-out"
+    )
+    big = {"model": "m", "prompt": "word " * (FALLBACK_MAX_CHARS // 5 + 1)}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE pins the thread"))
+        await tokenizer.arrived()
+        bailed = await prepare(preprocessor, "completion", big)  # the permit is free: not for it
+        assert bailed.tokenize_path == "bailed_out"
+        preprocessor.saturation = "wait"
+        waited: list[Prepared] = []
+
+        async def wait_for_the_thread() -> None:
+            waited.append(await prepare(preprocessor, "completion", big))
+
+        nursery.start_soon(wait_for_the_thread)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not waited and preprocessor.snapshot()["fallback_busy"] is False
+        tokenizer.gate.set()
+    assert waited[0].tokenize_path == "thread"
+    assert saturated(metrics, "waited") == 1 and saturated(metrics, "bailed_out") == 1

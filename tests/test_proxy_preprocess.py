@@ -18,7 +18,8 @@ from tests.fakes import GateTokenizer
 
 
 def completion(text: str) -> dict[str, Any]:
-    return {"model": "m", "prompt": text, "max_tokens": 2}
+    # Padded past what is encoded on the loop at once, so that it meets the dispatcher.
+    return {"model": "m", "prompt": text + " and then" * 40, "max_tokens": 2}
 
 
 async def test_loop_answers_while_a_tokenizer_thread_is_blocked(

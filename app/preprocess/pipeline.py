@@ -204,7 +204,9 @@ class Preprocessor:
     async def _render_off_loop(self, kind: Kind, body: bytes, head: int | None) -> Rendered | None:
         job = functools.partial(render_body, kind, body, self._spec, head)
         try:
-            dispatched = await self._renders.run(job)
+            # Bodies parsed on the loop already, whose render was estimated over the loop's
+            # budget, may fall back to the loop; larger ones never.
+            dispatched = await self._renders.run(job, inline_ok=len(body) <= PARSE_ON_LOOP_BYTES)
         except RecursionError:
             # JSON within the parser's depth can still be too deep to pickle back.
             raise request_bodies.nested_too_deeply() from None

@@ -5,6 +5,8 @@
   which releases the GIL, then the capacity-one fallback on the loop, then the saturation
   policy (None: bail out, the request goes on without tokens). The job consults L1 (token ids
   of prefixes that end at added-token cuts, l1_cache.py) before encoding.
+- Texts of a few dozen tokens are encoded on the loop at once (path `inline`): the trip to a
+  thread costs more.
 - `inline` mode, the naive baseline kept for comparisons: `Tokenizer.encode` on the loop, no
   caches.
 
@@ -30,7 +32,12 @@ from app.preprocess.tokenizer_loading import TokenizerLike
 # Settings bound L0 by entries and text size; this bounds its total memory (10,000 entries
 # of 64 KiB texts would otherwise reach ~1 GiB).
 L0_MAX_MEMORY_BYTES = 256 * 1024 * 1024
-PATHS = {"offloaded": "thread", "fallback": "fallback"}
+# Texts this short are encoded on the loop at once (~64 tokens, tens of µs): cheaper than the
+# trip to a thread, and a short chat never queues behind long prompts for one.
+ON_LOOP_MAX_CHARS = 256
+# The largest text the capacity-one fallback encodes on the loop: ~2k tokens, ~2 ms.
+FALLBACK_MAX_CHARS = 8192
+PATHS = {"offloaded": "thread", "fallback": "fallback", "inline": "inline"}
 
 
 class Tokenization:
@@ -79,10 +86,15 @@ class Tokenization:
                 path = "l0"
             else:
                 self._metrics.l0_misses.inc()
-                dispatched = await self.dispatcher.run(functools.partial(self._job, text))
-                if dispatched is None:
-                    return None, "bailed_out", time.perf_counter() - start
-                outcome, where = dispatched
+                if len(text) <= ON_LOOP_MAX_CHARS:
+                    outcome, where = self._job(text), "inline"
+                else:
+                    job = functools.partial(self._job, text)
+                    inline_ok = len(text) <= FALLBACK_MAX_CHARS
+                    dispatched = await self.dispatcher.run(job, inline_ok=inline_ok)
+                    if dispatched is None:
+                        return None, "bailed_out", time.perf_counter() - start
+                    outcome, where = dispatched
                 self._count_l1(outcome)
                 ids = outcome.ids
                 path = "l1" if outcome.result == "hit" else PATHS[where]
@@ -96,7 +108,8 @@ class Tokenization:
     async def count(self, text: str) -> int | None:
         """How many tokens `text` holds (no caches: a chunk of a prompt being proven too
         long), or None on bail-out."""
-        dispatched = await self.dispatcher.run(functools.partial(self._count, text))
+        job = functools.partial(self._count, text)
+        dispatched = await self.dispatcher.run(job, inline_ok=len(text) <= FALLBACK_MAX_CHARS)
         return None if dispatched is None else dispatched[0]
 
     def counted(self, prompt_tokens: int) -> None:
