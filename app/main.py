@@ -102,14 +102,14 @@ class Sluice:
         }
 
     def occupancy(self) -> dict[str, float]:
-        """The gauges the dashboard samples between ticks to catch short bursts."""
-        preprocess = self.preprocessor.snapshot()
-        threads = preprocess["threads"]
+        """The tokenizer's busiest moments since the last call, which the dashboard reads once
+        a tick: short bursts between two ticks still show."""
+        peaks = self.preprocessor.tokenizer_peaks()
         return {
-            "threads_busy": threads["busy"],
-            "queued": threads["queued"],
-            "saturated_waiting": threads["saturated_waiting"],
-            "fallback_busy": float(preprocess["fallback_busy"]),
+            "threads_busy": peaks["busy"],
+            "queued": peaks["queued"],
+            "saturated_waiting": peaks["saturated_waiting"],
+            "fallback_busy": peaks["fallback_busy"],
         }
 
     async def run(
@@ -130,7 +130,12 @@ class Sluice:
             self.checker = checker
             await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
-            scraper = LoadScraper(self.pool, client, settings.health_check_timeout)
+            scraper = LoadScraper(
+                self.pool,
+                client,
+                settings.health_check_timeout,
+                traffic=lambda: self.router.reservations,
+            )
             nursery.start_soon(scraper.run)
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections

@@ -26,6 +26,7 @@ class Source:
         self.calls = 0
         self.fail_on: set[int] = set()
         self.busy = 0.0
+        self.peak = 0.0
 
     def build(self) -> dict[str, Any]:
         self.calls += 1
@@ -33,8 +34,14 @@ class Source:
             raise RuntimeError("a bug in a snapshot")
         return {"requests": {"total": 2 * self.calls, "by_class": {}}, "backends": []}
 
+    def set_busy(self, busy: float) -> None:
+        self.busy = busy
+        self.peak = max(self.peak, busy)
+
     def occupancy(self) -> dict[str, float]:
-        return {"threads_busy": self.busy}
+        """The peak since the last call, as the runtime's dispatcher keeps it."""
+        peak, self.peak = self.peak, self.busy
+        return {"threads_busy": peak}
 
 
 def make_feed(source: Source) -> DashboardFeed:
@@ -135,9 +142,9 @@ async def test_occupancy_peaks_between_ticks_are_kept(
     feed = make_feed(source)
     await nursery.start(feed.run)
     await trio.sleep(1.25)
-    source.busy = 1.0
-    await trio.sleep(0.15)  # one 100 ms sample sees it
-    source.busy = 0.0
+    source.set_busy(1.0)
+    await trio.sleep(0.15)  # a burst between two ticks
+    source.set_busy(0.0)
     await trio.sleep(1.7)
     busy = feed.snapshot()["series"]["threads_busy"]
     assert busy == [0.0, 0.0, 1.0, 0.0]  # ticks at 0, 1, 2 (the peak at 1.3), 3

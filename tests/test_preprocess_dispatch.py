@@ -287,3 +287,28 @@ async def test_a_text_too_big_for_the_fallback_never_takes_it() -> None:
         tokenizer.gate.set()
     assert waited[0].tokenize_path == "thread"
     assert saturated(metrics, "waited") == 1 and saturated(metrics, "bailed_out") == 1
+
+
+async def test_peaks_between_two_reads_are_kept() -> None:
+    preprocessor, tokenizer, _ = gated(tokenize_threads=1, tokenize_queue=1)
+    dispatcher = preprocessor._tokens.dispatcher
+    assert dispatcher.take_peaks() == {
+        "busy": 0,
+        "queued": 0,
+        "saturated_waiting": 0,
+        "fallback_busy": 0,
+    }
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE burst"))
+        await tokenizer.arrived()
+        nursery.start_soon(prepare, preprocessor, "completion", completion("GATE queued"))
+        await trio.testing.wait_all_tasks_blocked()
+        tokenizer.gate.set()
+    # All done before this read: the burst still shows, once.
+    assert dispatcher.take_peaks() == {
+        "busy": 1,
+        "queued": 1,
+        "saturated_waiting": 0,
+        "fallback_busy": 0,
+    }
+    assert dispatcher.take_peaks()["busy"] == 0

@@ -29,6 +29,7 @@ from app.observe.timeseries import Columns, CounterWindow
 log = logging.getLogger("sluice.dashboard")
 
 BuildSnapshot = Callable[[], dict[str, Any]]
+# Gauges' maxima since the last call (read once a tick), so that short bursts still show.
 ReadOccupancy = Callable[[], Mapping[str, float]]
 
 
@@ -129,7 +130,6 @@ class DashboardFeed:
         self._wall_clock = wall_clock
         self._window = CounterWindow(HISTOGRAM_TICKS)
         self._columns = Columns(history_points)
-        self._peaks: dict[str, float] = {}
         self._broadcast = Broadcast()
         self._records = RecordCache()
         self._poked = trio.Event()
@@ -157,21 +157,19 @@ class DashboardFeed:
         self._poked.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_occupancy)
-            task_status.started()
-            next_tick = trio.current_time()
-            while True:
-                now = trio.current_time()
-                if now >= next_tick:
-                    self._guarded(self._tick)
-                    next_tick = max(next_tick + self.tick_s, now)
-                with trio.move_on_at(next_tick):
-                    await self._poked.wait()
-                if self._poked.is_set():
-                    self._poked = trio.Event()
-                    if self.pages:
-                        self._guarded(self._publish)
+        task_status.started()
+        next_tick = trio.current_time()
+        while True:
+            now = trio.current_time()
+            if now >= next_tick:
+                self._guarded(self._tick)
+                next_tick = max(next_tick + self.tick_s, now)
+            with trio.move_on_at(next_tick):
+                await self._poked.wait()
+            if self._poked.is_set():
+                self._poked = trio.Event()
+                if self.pages:
+                    self._guarded(self._publish)
 
     async def pages_events(self) -> AsyncGenerator[bytes, None]:
         """What one page receives: the current snapshot at once, then one a tick.
@@ -193,9 +191,7 @@ class DashboardFeed:
 
     def _tick(self) -> None:
         snapshot = self._build()
-        peaks, self._peaks = self._peaks, {}
-        self._note_occupancy(peaks)
-        self._window.push(trio.current_time(), raw_sample(snapshot, peaks))
+        self._window.push(trio.current_time(), raw_sample(snapshot, self._occupancy()))
         point = {k: _rounded(v) for k, v in derive_point(self._window, snapshot).items()}
         self._columns.append(round(self._wall_clock(), 3), point)
         if self.pages:
@@ -204,15 +200,6 @@ class DashboardFeed:
     def _publish(self, snapshot: dict[str, Any] | None = None) -> None:
         payload = self._records.serialise(snapshot or self.snapshot())
         self._broadcast.publish(payload, trio.current_time())
-
-    async def _watch_occupancy(self) -> None:
-        while True:
-            await trio.sleep(self.tick_s / 10)
-            self._guarded(self._note_occupancy, self._peaks)
-
-    def _note_occupancy(self, peaks: dict[str, float]) -> None:
-        for name, value in self._occupancy().items():
-            peaks[name] = max(peaks.get(name, value), value)
 
     def _guarded(self, step: Callable[..., None], *args: Any) -> None:
         """A bug in a snapshot must cost the page a tick, never the proxy its nursery."""

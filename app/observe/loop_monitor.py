@@ -62,6 +62,13 @@ from app.observe.thread_clocks import ThreadClocks
 log = logging.getLogger("sluice.stalls")
 
 PROBE_INTERVAL_S = 0.005
+# While the loop is idle (at most IDLE_STEPS task steps between two ticks: the probe's own
+# and a stray timer's), the probe ticks at this pace instead.
+IDLE_PROBE_INTERVAL_S = 0.25
+IDLE_STEPS = 4
+# Other threads' CPU between two ticks below which the process counts as idle (a worker
+# thread holding the GIL would stall the loop without any task step of its own).
+OTHERS_IDLE_CPU_NS = 1_000_000
 RECENT_LAG_WINDOW_S = 10.0
 # After an I/O wait the clocks are sampled only if the last sample is older than this: the
 # cost stays under ~4 µs a millisecond however often the loop waits, and a stall's window
@@ -93,6 +100,7 @@ class _StepTimer(trio.abc.Instrument):
         self.clocks: ThreadClocks | None = None
         self.mark: ThreadSample | None = None
         self.mark_at = 0.0
+        self.steps = 0  # task steps run so far: the probe reads whether the loop is idle
 
     def after_io_wait(self, timeout: float) -> None:
         now = self.window_started = perf_counter()
@@ -102,12 +110,37 @@ class _StepTimer(trio.abc.Instrument):
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         ended = perf_counter()
+        self.steps += 1
         elapsed = ended - self.window_started
         if elapsed > self._threshold_s:
             self._monitor._on_step_stall(task, elapsed)
             # Harvesting the stack takes time too; it is not the next step's.
             ended = perf_counter()
         self.window_started = ended
+
+
+def _others_cpu_ns(sample: ThreadSample) -> int:
+    return sample.process_cpu_ns - sample.thread_cpu_ns
+
+
+class _WakeOnWork(trio.abc.Instrument):
+    """Installed while the probe idles: before the first step of any other task, re-arm the
+    stack alarm (that step may stall) and wake the probe, then remove itself."""
+
+    def __init__(self, capture: LoopStackCapture | None, probe: trio.lowlevel.Task) -> None:
+        self._capture = capture
+        self._probe = probe
+        self.work = trio.Event()
+        self.woke_at = 0.0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self._probe:
+            return
+        if self._capture is not None:
+            self._capture.rearm()
+        self.woke_at = perf_counter()
+        self.work.set()
+        trio.lowlevel.remove_instrument(self)
 
 
 class _Phase:
@@ -152,6 +185,7 @@ class LoopMonitor:
         self._report_limiter = RateLimiter(reports_per_minute, 60.0)
         self._recent_lag = RecentMax(RECENT_LAG_WINDOW_S)
         self._capture: LoopStackCapture | None = None
+        self._waker: _WakeOnWork | None = None  # installed while the probe idles
         self._stacks_off_reason: str | None = None
         self._clocks: ThreadClocks | None = None
         self._causes_off_reason: str | None = None
@@ -187,9 +221,13 @@ class LoopMonitor:
             await self._probe()
         finally:
             if self._instrument_enabled:
-                # Trio has already dropped the instrument if one of its hooks raised.
-                with contextlib.suppress(KeyError):
-                    trio.lowlevel.remove_instrument(self._step_timer)
+                # Trio has already dropped an instrument whose hook raised (or that removed
+                # itself, as the waker does).
+                for instrument in (self._step_timer, self._waker):
+                    if instrument is not None:
+                        with contextlib.suppress(KeyError):
+                            trio.lowlevel.remove_instrument(instrument)
+                self._waker = None
             if self._capture is not None:
                 self._capture.close()
                 self._capture = None
@@ -229,15 +267,31 @@ class LoopMonitor:
         }
 
     async def _probe(self) -> None:
-        interval = self._probe_interval_s
         timer = self._step_timer
         clocks = self._clocks
         previous = timer.mark
         explained = self._step_stalls
         full_at = perf_counter()
+        steps_seen = timer.steps
+        others_busy = True
         while True:
+            # Idle (nothing ran between two ticks but the probe and a stray timer, and no
+            # other thread of ours was on a CPU), the probe sleeps longer with its alarm
+            # paused, and the first step of other work re-arms the alarm and wakes it: an idle
+            # proxy then costs ~6 ms of CPU a second, not ~20 (each wake-up costs ~0.4 ms
+            # here), and a stall that starts from idle still gets its stack.
+            idle = (
+                self._instrument_enabled
+                and timer.steps - steps_seen <= IDLE_STEPS
+                and not others_busy
+            )
+            steps_seen = timer.steps
+            interval = IDLE_PROBE_INTERVAL_S if idle else self._probe_interval_s
             due = perf_counter() + interval
-            await trio.sleep(interval)
+            if idle:
+                due = await self._idle_wait(due)
+            else:
+                await trio.sleep(interval)
             woke = perf_counter()
             lag = max(0.0, woke - due)
             sample = None
@@ -245,6 +299,11 @@ class LoopMonitor:
                 full = lag > self._threshold_s or woke - full_at >= FULL_SAMPLE_EVERY_S
                 sample = clocks.sample(full=full)
                 full_at = woke if full else full_at
+                others_busy = previous is None or (
+                    _others_cpu_ns(sample) - _others_cpu_ns(previous) > OTHERS_IDLE_CPU_NS
+                )
+            else:
+                others_busy = False  # no clocks: task steps alone tell idleness
             self._metrics.loop_lag_seconds.observe(lag)
             self._recent_lag.add(woke, lag)
             recorded = False
@@ -258,8 +317,8 @@ class LoopMonitor:
                     self._count_stall(UNKNOWN_TASK, cause, lag)
                     self._record_stall(None, lag, self._harvest_stack(), cause, split)
                     recorded = True
-            if not recorded and self._capture is not None:
-                self._capture.rearm()
+            if not recorded and self._capture is not None and self._waker is None:
+                self._capture.rearm()  # (an idle probe's alarm stays paused)
             if sample is not None:
                 previous = timer.mark = sample
                 timer.mark_at = woke
@@ -269,6 +328,26 @@ class LoopMonitor:
                 # waiting for the GIL after its I/O wait): the instrument must not time it
                 # again as the probe's own stall.
                 timer.window_started = perf_counter()
+
+    async def _idle_wait(self, due: float) -> float:
+        """Sleep until `due` (perf_counter) unless other work starts first; return when the
+        probe was due to run again, from which its lag counts.
+
+        The waker is installed once per idle period (installing an instrument costs ~40 µs)
+        and removes itself at the first step of other work.
+        """
+        waker = self._waker
+        if waker is None:
+            waker = self._waker = _WakeOnWork(self._capture, trio.lowlevel.current_task())
+            if self._capture is not None:
+                self._capture.pause()
+            trio.lowlevel.add_instrument(waker)
+        with trio.move_on_after(due - perf_counter()):
+            await waker.work.wait()
+        if not waker.work.is_set():
+            return due
+        self._waker = None
+        return waker.woke_at
 
     def _on_step_stall(self, task: trio.lowlevel.Task, duration_s: float) -> None:
         self._step_stalls += 1

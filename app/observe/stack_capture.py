@@ -100,6 +100,10 @@ class LoopStackCapture:
         self._timer.arm()
         self._armed_at = now
 
+    def pause(self) -> None:
+        """Stop the countdown until the next `rearm` (the loop is idle)."""
+        self._timer.disarm()
+
     def harvest(self) -> list[Frame] | None:
         """The loop thread's stack from a dump taken since the last re-arm, then re-arm.
 

@@ -70,6 +70,7 @@ class Dispatcher:
         self._saturated = saturated
         self.queued = 0  # waiting for a worker in the queue
         self.saturated_waiting = 0  # saturated, racing for a worker or the permit
+        self._peaks = self._occupancy()
 
     @property
     def saturation(self) -> Saturation:
@@ -92,6 +93,25 @@ class Dispatcher:
     @property
     def fallback_busy(self) -> bool:
         return self._fallback.value == 0
+
+    def take_peaks(self) -> dict[str, int]:
+        """The most workers busy, requests queued and saturated, and whether the fallback
+        ran, since the last call: what a once-a-second sample would miss of a short burst."""
+        peaks, self._peaks = self._peaks, self._occupancy()
+        return peaks
+
+    def _occupancy(self) -> dict[str, int]:
+        return {
+            "busy": self.workers_busy,
+            "queued": self.queued,
+            "saturated_waiting": self.saturated_waiting,
+            "fallback_busy": int(self.fallback_busy),
+        }
+
+    def _note_peaks(self) -> None:
+        for name, value in self._occupancy().items():
+            if value > self._peaks[name]:
+                self._peaks[name] = value
 
     async def run(self, job: Callable[[], T], *, inline_ok: bool = True) -> tuple[T, Where] | None:
         """The job's result and where it ran, or None when bailing out. `inline_ok`: the job
@@ -120,6 +140,7 @@ class Dispatcher:
             await self._workers.acquire_on_behalf_of(borrower)
         finally:
             self._waiting(saturated=-1)
+        self._note_peaks()
         return await self._offloaded(job, borrower)
 
     async def _queue_for_worker(self, job: Callable[[], T]) -> tuple[T, Where]:
@@ -130,6 +151,7 @@ class Dispatcher:
             await self._workers.acquire_on_behalf_of(borrower)
         finally:
             self._waiting(queued=-1 if waits else 0)
+        self._note_peaks()
         return await self._offloaded(job, borrower)
 
     async def _offloaded(self, job: Callable[[], T], borrower: object) -> tuple[T, Where]:
@@ -141,6 +163,7 @@ class Dispatcher:
 
     async def _inline(self, job: Callable[[], T]) -> tuple[T, Where]:
         """Run the job on the loop; the caller holds the fallback permit."""
+        self._note_peaks()
         try:
             with self._phase(self._fallback_phase):
                 result = job()
@@ -184,6 +207,7 @@ class Dispatcher:
         finally:
             self._waiting(saturated=-1)
         if won == ["offloaded"]:
+            self._note_peaks()
             return await self._offloaded(job, borrower)
         return await self._inline(job)
 
@@ -191,3 +215,4 @@ class Dispatcher:
         self.queued += queued
         self.saturated_waiting += saturated
         self._queue_depth.set(self.queued + self.saturated_waiting)
+        self._note_peaks()

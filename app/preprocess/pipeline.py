@@ -264,6 +264,10 @@ class Preprocessor:
             )
         return prepared
 
+    def tokenizer_peaks(self) -> dict[str, int]:
+        """The tokenizer dispatcher's busiest moments since the last call (Dispatcher)."""
+        return self._tokens.dispatcher.take_peaks()
+
     def snapshot(self) -> dict[str, Any]:
         """Caches, queues and policy, for the dashboard."""
         renders, cost = self._renders, self._render_cost

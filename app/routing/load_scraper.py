@@ -1,6 +1,7 @@
 """Backends' own load figures, scraped off the request path from their Prometheus `/metrics`.
 
-Every `SCRAPE_INTERVAL` seconds each healthy backend's `vllm:num_requests_waiting` and
+Every `SCRAPE_INTERVAL` seconds while traffic flows (every `IDLE_SCRAPE_INTERVAL` when none
+does) each healthy backend's `vllm:num_requests_waiting` and
 `vllm:kv_cache_usage_perc` are read into `Backend.reported_waiting` and
 `Backend.reported_kv_usage`; the policies see them through `Backend.load`. They also count
 what other proxy replicas send, which local in-flight counts cannot. A backend that has no
@@ -12,6 +13,7 @@ seconds. The parse looks for two names in the text instead of parsing the whole 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import httpx
 import trio
@@ -21,6 +23,9 @@ from app.routing.backends import Backend, BackendPool
 log = logging.getLogger("sluice.load_scraper")
 
 SCRAPE_INTERVAL = 1.0
+# With no request sent since the last scrape, load figures serve no decision: scrape rarely
+# (a scrape of vLLM's ~100 KB exposition costs a few ms of the loop's CPU, per backend).
+IDLE_SCRAPE_INTERVAL = 10.0
 RETRY_UNSUPPORTED = 60.0
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -48,16 +53,27 @@ def metric_sum(text: str, name: str) -> float | None:
 
 
 class LoadScraper:
-    def __init__(self, pool: BackendPool, client: httpx.AsyncClient, timeout: float) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        client: httpx.AsyncClient,
+        timeout: float,
+        traffic: Callable[[], int],
+    ) -> None:
+        """`traffic` counts the requests sent to backends so far (it only ever grows)."""
         self.pool = pool
         self.client = client
         self.timeout = timeout
+        self._traffic = traffic
         self._unsupported_until: dict[str, float] = {}
 
     async def run(self) -> None:
+        seen = -1
         while True:
             await self.scrape_all()
-            await trio.sleep(SCRAPE_INTERVAL)
+            busy = self._traffic() != seen or any(b.inflight for b in self.pool.backends)
+            seen = self._traffic()
+            await trio.sleep(SCRAPE_INTERVAL if busy else IDLE_SCRAPE_INTERVAL)
 
     async def scrape_all(self) -> None:
         now = trio.current_time()

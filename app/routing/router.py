@@ -63,6 +63,7 @@ class Router:
         self.metrics = metrics
         self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
         self.max_inflight = settings.max_inflight_per_backend
+        self.reservations = 0  # requests sent to a backend so far: whether traffic flows
         self.queue = SlotQueue(settings.admission_queue, settings.admission_timeout)
         self.tokens_per_minute = settings.tokens_per_minute
         self.buckets = (
@@ -126,6 +127,7 @@ class Router:
         backend = decision.backend
         backend.inflight += 1
         backend.pending_tokens += pending
+        self.reservations += 1
         self.metrics.backend_inflight.labels(backend=backend.url).inc()
         return dataclasses.replace(decision, pending_tokens=pending)
 
