@@ -34,7 +34,7 @@ HELP: dict[str, str] = {
     "(default: 262144)",
     "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
     "the admission queue (default: 128)",
-    "admission_queue": "requests that may wait for a backend slot before 429 (default: 256)",
+    "admission_queue": "requests that may wait for a backend slot before 429 (default: 1024)",
     "admission_timeout": "seconds a request may wait for a backend slot before 429 (default: 30)",
     "tokens_per_minute": "prompt + completion tokens per minute per API key, 429 beyond "
     "(default: 0, no limit)",

@@ -41,7 +41,9 @@ class Settings:
     max_index_blocks: int = 262144
     # Admission: requests per backend at once, then a bounded wait, then 429.
     max_inflight_per_backend: int = 128
-    admission_queue: int = 256
+    # As many as --max-connections lets in: a burst of 1,000 streams waits for slots (as vLLM
+    # queues beyond its batch) instead of being refused; memory stays bounded by that flag.
+    admission_queue: int = 1024
     admission_timeout: float = 30.0
     tokens_per_minute: int = 0  # per API key; 0: no limit
 
