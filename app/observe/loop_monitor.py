@@ -64,7 +64,7 @@ log = logging.getLogger("sluice.stalls")
 PROBE_INTERVAL_S = 0.005
 # While the loop is idle (at most IDLE_STEPS task steps between two ticks: the probe's own
 # and a stray timer's), the probe ticks at this pace instead.
-IDLE_PROBE_INTERVAL_S = 0.25
+IDLE_PROBE_INTERVAL_S = 1.0
 IDLE_STEPS = 4
 # Other threads' CPU between two ticks below which the process counts as idle (a worker
 # thread holding the GIL would stall the loop without any task step of its own).
@@ -278,7 +278,7 @@ class LoopMonitor:
             # Idle (nothing ran between two ticks but the probe and a stray timer, and no
             # other thread of ours was on a CPU), the probe sleeps longer with its alarm
             # paused, and the first step of other work re-arms the alarm and wakes it: an idle
-            # proxy then costs ~6 ms of CPU a second, not ~20 (each wake-up costs ~0.4 ms
+            # proxy then costs ~4 ms of CPU a second, not ~20 (each wake-up costs ~0.4 ms
             # here), and a stall that starts from idle still gets its stack.
             idle = (
                 self._instrument_enabled

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -42,24 +40,14 @@ SIM_FLAGS = (
 )  # fmt: skip
 BURST, BURST_EVERY_S = 12, 1.0
 PROXY_FLAGS = ("--tokenize-threads", "1", "--tokenize-queue", "2")
+POLICY = ("--policy", "cache_aware")
 SEED_NOTE = (
     "seed 000: under a burst of misses the fallback semaphore lets the 2nd, 3rd, 4th miss\n"
     "either wait (latency for those requests) or bail out (routed by hash, prefix locality\n"
     "lost). Read: bail-out should cut the unique prompts' and RAG p99, at the price of a\n"
-    "share routed without tokens and a lower backend prefix hit rate (where the policy routes\n"
-    "by prefix: `cache_aware`, once the routing issue lands)."
+    "share routed without tokens and a lower backend prefix hit rate (`cache_aware` routes\n"
+    "by prefix: a request without tokens is routed by hash)."
 )
-
-
-def prefix_policy() -> tuple[str, ...]:
-    """`--policy cache_aware` where this Sluice has it (the routing issue adds it)."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "app", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
-    return ("--policy", "cache_aware") if "cache_aware" in help_text else ()
 
 
 async def sim_prefix(client: httpx.AsyncClient, sims: list[str]) -> tuple[float, float]:
@@ -122,7 +110,6 @@ async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     rounds = args.rounds or (2 if args.quick else 4)
     seconds = 5.0 if args.quick else 10.0
     rate = 20.0
-    policy = prefix_policy()
     results = []
     async with common.Stack() as stack:
         sims: dict[str, list[str]] = {}
@@ -130,13 +117,13 @@ async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         for variant in VARIANTS:
             sims[variant] = [await stack.sim(*SIM_FLAGS) for _ in range(2)]
             urls[variant] = await stack.proxy(
-                sims[variant], *PROXY_FLAGS, *policy, "--saturation", variant
+                sims[variant], *PROXY_FLAGS, *POLICY, "--saturation", variant
             )
             await common.wait_healthy(urls[variant])
         for number, variant in common.alternate(rounds, VARIANTS):
             row = await one_round(urls[variant], sims[variant], rate, seconds, number, variant)
             results.append({"round": number, **row})
-    return results, " ".join(policy) or "--policy power_of_two (default; no cache_aware yet)"
+    return results, " ".join(POLICY)
 
 
 COLUMNS = (
