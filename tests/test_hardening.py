@@ -10,7 +10,8 @@
 - large bodies are parsed and rendered in a worker process, with the same result as on the
   loop; when the render workers are saturated the saturation policy applies;
 - any body at all (hypothesis: arbitrary bytes, arbitrary JSON) is answered or refused with
-  a ClientError, never another exception.
+  a ClientError, never another exception;
+- the serving process asks a thread holding the GIL to yield it after 1 ms, not Python's 5.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +33,7 @@ from hypothesis import strategies as st
 
 from app.config import Settings
 from app.errors import ClientError
+from app.main import GIL_SWITCH_INTERVAL_S, run_until_stopped
 from app.observe.metrics import Metrics
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
@@ -264,3 +267,18 @@ def test_any_body_is_served_or_refused_with_a_client_error(
             assert 400 <= exc.status < 500 and exc.message
 
     trio.run(attempt)
+
+
+def test_the_serving_process_asks_gil_holders_to_yield_every_millisecond() -> None:
+    seen: list[float] = []
+
+    async def serve(settings: Settings) -> None:
+        seen.append(sys.getswitchinterval())
+
+    default = sys.getswitchinterval()
+    try:
+        assert run_until_stopped(serve, Settings()) == 0
+    finally:
+        sys.setswitchinterval(default)
+    assert default == pytest.approx(0.005)
+    assert seen == [pytest.approx(GIL_SWITCH_INTERVAL_S)]
