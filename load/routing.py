@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 import trio
 
-from load.processes import URL_PATTERN, start_process, stop_all
+from load.processes import start_process, stop_all
 from load.routing_workloads import WORKLOADS, Arrival, Conversations, body, static_plan
 from load.stats import percentile
 
@@ -175,17 +175,13 @@ def free_port() -> int:
 async def start_sluice(
     procs: list[subprocess.Popen[bytes]], sims: list[str], policy: str, extra: list[str]
 ) -> tuple[str, str]:
-    args = ["serve", "--port", "0", "--dashboard-port", "0", "--log-level", "warning", *extra]
+    dashboard_port = free_port()
+    args = ["serve", "--port", "0", "--dashboard-port", str(dashboard_port)]
+    args += ["--log-level", "warning", *extra]
     for sim in sims:
         args += ["--backend", sim]
-    proxy = await start_process([*args, "--policy", policy], b"Sluice proxy", procs)
-    stdout = procs[-1].stdout
-    assert stdout is not None
-    line = await trio.to_thread.run_sync(stdout.readline)
-    match = URL_PATTERN.search(line)
-    if match is None:
-        raise RuntimeError("sluice serve did not print its dashboard URL")
-    return proxy, match.group(1).decode()
+    proxy = await start_process([*args, "--policy", policy], "Sluice proxy", procs)
+    return proxy, f"http://127.0.0.1:{dashboard_port}"
 
 
 async def start_smg(procs: list[subprocess.Popen[bytes]], sims: list[str], smg: str) -> str:

@@ -1,6 +1,8 @@
 """The load tools end to end, as a user runs them: `python -m load bench submit --quick` starts
-its own proxies and simulated backend as processes and writes its table, JSON and PNG; and
-`python -m load run` drives a proxy it did not start, writing its JSON and PNG."""
+its own proxies and simulated backend as processes and writes its table, JSON and PNG;
+`python -m load run` drives a proxy it did not start, writing its JSON and PNG; and
+`python -m load routing` starts simulated GPUs and a Sluice in front of them and reports the
+backends' own prefix-cache hits beside Sluice's predictions."""
 
 from __future__ import annotations
 
@@ -87,3 +89,25 @@ async def test_run_drives_a_running_proxy_and_writes_its_report(tmp_path: Path) 
     assert set(result["backends"]) == {sim}
     assert "tokenize" in result["server_timing_ms"]
     assert out.with_suffix(".png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_routing_comparison_runs_a_variant_and_reports_real_cache_hits(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "routing.json"
+    command = [sys.executable, "-m", "load", "routing", "--workloads", "rag"]
+    command += ["--variants", "cache_aware", "--duration", "2", "--json", str(out)]
+    completed = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    [result] = json.loads(out.read_text())
+    assert (result["workload"], result["variant"]) == ("rag", "cache_aware")
+    assert result["answered"] > 0
+    assert result["errors"] == 0
+    assert result["hit_rate"] > 0
+    assert result["predicted_hit"] is not None
