@@ -26,8 +26,13 @@ The premise is checked three ways; L1 returns its own ids only when the per-hit 
 
 Storage is per segment, not per prefix: the key is a 128-bit BLAKE2b digest of the prompt
 text up to a cut, the value the ids of the segment since the previous cut (and where that cut
-was). A conversation costs O(its tokens), not O(tokens x turns). LRU, bounded by bytes; a hit
-refreshes its chain root-last so the shared roots (system prompts) are evicted last.
+was), as a plain tuple of an int and bytes. The garbage collector stops tracking such a
+tuple; an `array` is tracked, and so is any NamedTuple, so storing those (a segment per
+message) made each full collection walk every segment: 16-70 ms with the GIL held at a few
+hundred thousand segments, measured as `gil-wait` stalls of the loop in `python -m load
+hardening long-chats`. A conversation costs O(its tokens), not O(tokens x turns). LRU,
+bounded by bytes; a hit refreshes its chain root-last so the shared roots (system prompts)
+are evicted last.
 
 Called from worker threads and the event loop at once: the entries sit behind a
 `threading.Lock`, held only for dictionary work, never while encoding. Pure: no Trio.
@@ -42,7 +47,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from app.preprocess.boundaries import Boundary, BoundaryFinder
 
@@ -54,9 +59,8 @@ ENTRY_OVERHEAD_BYTES = 120
 VERIFY_EVERY = 32
 
 
-class _Segment(NamedTuple):
-    start: int  # character offset of the previous cut (0 for the first segment)
-    ids: array[int]
+# (character offset of the previous cut, 0 for the first segment; the segment's ids as bytes)
+Segment = tuple[int, bytes]
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class L1Cache:
         self.max_bytes = max_bytes
         self._verify_every = verify_every
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Segment] = OrderedDict()
+        self._entries: OrderedDict[bytes, Segment] = OrderedDict()
         self.memory_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -111,7 +115,7 @@ class L1Cache:
         return L1Outcome(ids, "miss")
 
     def _hit(
-        self, text: str, cuts: list[Boundary], digests: list[bytes], prefix: list[array[int]]
+        self, text: str, cuts: list[Boundary], digests: list[bytes], prefix: list[bytes]
     ) -> L1Outcome:
         reused = len(prefix)
         cut = cuts[reused - 1]
@@ -126,7 +130,7 @@ class L1Cache:
 
         ids = array("I")
         for part in prefix:
-            ids.extend(part)
+            ids.frombytes(part)
         ids.extend(tail[1:])
 
         with self._lock:
@@ -149,17 +153,15 @@ class L1Cache:
             self._store(cuts, digests, reused, segments)
         return L1Outcome(ids, "hit", len(ids) - len(tail) + 1)
 
-    def _longest_cached_prefix(
-        self, cuts: list[Boundary], digests: list[bytes]
-    ) -> list[array[int]]:
-        parts: list[array[int]] = []
+    def _longest_cached_prefix(self, cuts: list[Boundary], digests: list[bytes]) -> list[bytes]:
+        parts: list[bytes] = []
         previous_cut = 0
         for cut, digest in zip(cuts, digests, strict=True):
             segment = self._entries.get(digest)
             # Same text up to here, and the segment started at our previous cut: same text.
-            if segment is None or segment.start != previous_cut:
+            if segment is None or segment[0] != previous_cut:
                 break
-            parts.append(segment.ids)
+            parts.append(segment[1])
             previous_cut = cut.end
         for digest in reversed(digests[: len(parts)]):
             self._entries.move_to_end(digest)
@@ -170,14 +172,16 @@ class L1Cache:
     ) -> None:
         previous_cut = cuts[first - 1].end if first else 0
         for cut, digest, ids in zip(cuts[first:], digests[first:], segments, strict=True):
-            size = segment_bytes(digest, ids)
-            if digest not in self._entries and size <= self.max_bytes:
-                self._entries[digest] = _Segment(previous_cut, ids)
-                self.memory_bytes += size
+            if digest not in self._entries:
+                packed = ids.tobytes()
+                size = segment_bytes(digest, packed)
+                if size <= self.max_bytes:
+                    self._entries[digest] = (previous_cut, packed)
+                    self.memory_bytes += size
             previous_cut = cut.end
         while self.memory_bytes > self.max_bytes:
-            digest, segment = self._entries.popitem(last=False)
-            self.memory_bytes -= segment_bytes(digest, segment.ids)
+            digest, (_, packed) = self._entries.popitem(last=False)
+            self.memory_bytes -= segment_bytes(digest, packed)
 
 
 def prefix_digests(text: str, cuts: Sequence[Boundary]) -> list[bytes]:
@@ -211,8 +215,8 @@ def split_at_cuts(ids: array[int], cuts: Sequence[Boundary]) -> list[array[int]]
     return segments
 
 
-def segment_bytes(digest: bytes, ids: array[int]) -> int:
-    return sys.getsizeof(digest) + sys.getsizeof(ids) + ENTRY_OVERHEAD_BYTES
+def segment_bytes(digest: bytes, packed_ids: bytes) -> int:
+    return sys.getsizeof(digest) + sys.getsizeof(packed_ids) + ENTRY_OVERHEAD_BYTES
 
 
 def check_cut_independence(finder: BoundaryFinder, encode: Encode) -> str | None:
