@@ -39,10 +39,13 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
+            # The rest of the body stays unread, so the server must close the connection;
+            # saying so keeps a keep-alive client from sending its next request into it.
             raise ClientError(
                 f"The request body is larger than {limit} bytes.",
                 code="request_too_large",
                 status=413,
+                headers=[(b"connection", b"close")],
             )
         chunks.append(chunk)
         if not message.get("more_body", False):

@@ -11,7 +11,9 @@
   loop; when the render workers are saturated the saturation policy applies;
 - any body at all (hypothesis: arbitrary bytes, arbitrary JSON) is answered or refused with
   a ClientError, never another exception;
-- the serving process asks a thread holding the GIL to yield it after 1 ms, not Python's 5.
+- the serving process asks a thread holding the GIL to yield it after 1 ms, not Python's 5;
+- a body over --max-body-bytes gets a 413 that closes the connection (its unread rest makes
+  it unusable), so a keep-alive client does not send its next request into a closed socket.
 """
 
 from __future__ import annotations
@@ -282,3 +284,18 @@ def test_the_serving_process_asks_gil_holders_to_yield_every_millisecond() -> No
         sys.setswitchinterval(default)
     assert default == pytest.approx(0.005)
     assert seen == [pytest.approx(GIL_SWITCH_INTERVAL_S)]
+
+
+async def test_a_body_over_the_limit_is_a_413_that_closes_the_connection(
+    start_sim: StartSim, start_sluice: StartSluice
+) -> None:
+    sim = await start_sim()
+    running = await start_sluice([sim.url], max_body_bytes=64 * 1024)
+    url = running.proxy_url + "/v1/chat/completions"
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as keep_alive:
+        for _ in range(3):
+            too_large = await keep_alive.post(url, json=chat("x" * 4 * 1024 * 1024))
+            assert_error(too_large, 413, "request_too_large")
+            assert too_large.headers["connection"] == "close"
+            answered = await keep_alive.post(url, json=chat("hello", max_tokens=1))
+            assert answered.status_code == 200, answered.text
