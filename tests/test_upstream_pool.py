@@ -10,12 +10,16 @@ timeout exact. Covers:
   connect timeout, and a freed connection is reused;
 - the idle timeout between chunks ends an event stream with an error event and [DONE];
 - a slow client: relaying waits for the client as long as it takes (back-pressure), and
-  only silence from the backend counts against the idle timeout.
+  only silence from the backend counts against the idle timeout;
+- the check for a keep-alive socket closed while idle works on a real socket whose file
+  descriptor is above 1023 (`select` refuses those; a proxy with 1,000 clients has them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,7 +30,7 @@ import trio.testing
 
 from app.asgi import Message
 from app.proxy.forward import relay
-from app.proxy.upstream import UpstreamError, UpstreamPool
+from app.proxy.upstream import UpstreamError, UpstreamPool, _Connection
 
 BASE = "http://backend:8000"
 Handler = Callable[[trio.abc.Stream, h11.Connection], Awaitable[None]]
@@ -211,3 +215,17 @@ async def test_a_slow_client_is_waited_for_and_the_stream_ends_cleanly(
         assert body == b"".join(chunks)
         assert sent[-1]["more_body"] is False
         nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_socket_above_descriptor_1023_is_checked() -> None:
+    ours, theirs = socket.socketpair()
+    high = os.dup2(ours.fileno(), 1500)
+    ours.close()
+    stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=high)))
+    connection = _Connection(stream)
+    try:
+        assert not connection.closed_while_idle()
+        theirs.close()
+        assert connection.closed_while_idle()
+    finally:
+        await connection.close()

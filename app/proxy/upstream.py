@@ -51,8 +51,11 @@ class _Connection:
         """
         if not isinstance(self.stream, trio.SocketStream):
             return False
-        readable, _, _ = select.select([self.stream.socket.fileno()], [], [], 0)
-        return bool(readable)
+        # poll, not select: select refuses descriptors from 1024 on, which a proxy holding
+        # 1,000 client connections reaches.
+        poller = select.poll()
+        poller.register(self.stream.socket.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     async def close(self) -> None:
         with trio.CancelScope(shield=True):
