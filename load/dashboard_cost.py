@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import httpx
 import trio
 
 from load.detector_cost import Round, one_round
-from load.processes import start_instant_sim, start_process, stop_all
+from load.processes import free_port, start_instant_sim, start_process, stop_all
 
 
 @dataclass
@@ -48,13 +47,6 @@ class Pages:
                 if first and received:
                     self.listening += 1
                     first = False
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 async def start_proxy_with_dashboard(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,13 @@ INSTANT_SIM = (
     "--inter-token-latency", "0",
     "--max-num-seqs", "1024",
 )  # fmt: skip
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a process that must be told its port up front."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def log_path(process: subprocess.Popen[bytes]) -> Path:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from typing import Any
 import httpx
 import trio
 
-from load.processes import start_process, stop_all
+from load.processes import free_port, start_process, stop_all
 from load.routing_workloads import WORKLOADS, Arrival, Conversations, body, static_plan
 from load.stats import percentile
 
@@ -163,13 +162,6 @@ async def backend_figures(client: httpx.AsyncClient, sims: list[str]) -> dict[st
         "busiest_share": busiest,
         "busiest_vs_mean": busiest * len(sims),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 async def start_sluice(

@@ -289,15 +289,7 @@ class Soak:
             return {}, None
         caches = [metric(samples, f"{CACHES}_{level}_memory_bytes") for level in ("l0", "l1")]
         known = [c for c in caches if c is not None]
-        return self.stalls_by_cause(samples), sum(known) if known else None
-
-    @staticmethod
-    def stalls_by_cause(samples: dict[str, float]) -> dict[str, float]:
-        by_cause = label_values(samples, STALLS, "cause")
-        if not by_cause:
-            total = metric(samples, STALLS)
-            by_cause = {} if total is None else {"all (no cause label)": total}
-        return by_cause
+        return label_values(samples, STALLS, "cause"), sum(known) if known else None
 
     async def every_minute(self, client: httpx.AsyncClient) -> None:
         self.stalls_before, _ = await self.scrape(client)

@@ -30,16 +30,9 @@ _ID_BYTES = 4  # array('I') items: the id space of every tokenizer Sluice loads
 
 def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[int]:
     """One chained hash per full block; a partial last block is never cached by a backend."""
-    data = _as_bytes(token_ids)
-    if data is None:  # ids beyond 32 bits: the slow, general way
-        hashes: list[int] = []
-        previous = 0
-        for start in range(0, len(token_ids) - block_size + 1, block_size):
-            previous = hash((previous, *token_ids[start : start + block_size]))
-            hashes.append(previous)
-        return hashes
-    step = block_size * _ID_BYTES
-    hashes = []
+    data, item_bytes = _packed(token_ids)
+    step = block_size * item_bytes
+    hashes: list[int] = []
     previous = 0
     # Bytes slices hash in C: ~4x cheaper than a tuple of 16 ints (26 us per 2k tokens).
     for start in range(0, len(data) - step + 1, step):
@@ -48,13 +41,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list
     return hashes
 
 
-def _as_bytes(token_ids: Sequence[int]) -> bytes | None:
+def _packed(token_ids: Sequence[int]) -> tuple[bytes, int]:
+    """The ids as bytes, 4 each (`array('I')`, every tokenizer Sluice loads), or 8 each for
+    ids beyond 32 bits."""
     if isinstance(token_ids, array) and token_ids.itemsize == _ID_BYTES:
-        return token_ids.tobytes()
+        return token_ids.tobytes(), _ID_BYTES
     try:
-        return array("I", token_ids).tobytes()
-    except (OverflowError, TypeError):
-        return None
+        return array("I", token_ids).tobytes(), _ID_BYTES
+    except OverflowError:
+        wide = array("Q", token_ids)
+        return wide.tobytes(), wide.itemsize
 
 
 class BlockIndex:

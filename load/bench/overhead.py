@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -47,12 +46,6 @@ SEED_NOTE = (
     "32 clients: Sluice 1,183 req/s, SMG 1,776, LiteLLM 103; idle CPU Sluice 17.5 ms/s, SMG 5,\n"
     "LiteLLM 2.5. Targets: Sluice <= 1.0 ms CPU/request, <= 1 ms added p50, idle <= 5 ms/s."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tree_cpu(pid: int) -> float:
@@ -84,17 +77,17 @@ async def start_targets(
     url = await stack.proxy(sim)
     targets["sluice"] = (url, stack.pids[url], {})
     if "smg" in peers:
-        port = free_port()
+        port = processes.free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [str(SMG_BIN), "launch", "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", sim, "--policy", "round_robin",
-                "--prometheus-port", str(free_port()), "--log-level", "warn"]  # fmt: skip
+                "--prometheus-port", str(processes.free_port()), "--log-level", "warn"]  # fmt: skip
         try:
             targets["smg"] = (url, await stack.command(argv, url), {})
         except (RuntimeError, trio.TooSlowError) as exc:
             print(f"smg did not start: {exc}")
     if "litellm" in peers:
-        port = free_port()
+        port = processes.free_port()
         url = f"http://127.0.0.1:{port}"
         config = Path(tempfile.mkdtemp()) / "litellm.yaml"
         config.write_text(
