@@ -258,8 +258,11 @@ def test_tokenizer_that_does_not_split_special_tokens_fails_the_probe() -> None:
 
 
 def test_cached_ids_add_nothing_for_the_garbage_collector_to_walk() -> None:
-    turns = [f"message {i}: a short line" for i in range(4000)]
-    prompt = grown_prompts("deepseek", turns)[-1]
+    messages = [
+        {"role": ("user", "assistant")[i % 2], "content": f"message {i}: a short line"}
+        for i in range(4000)
+    ]
+    prompt = family_template("deepseek").render(messages, add_generation_prompt=True)
     l1 = l1_for("deepseek")
     l0 = L0Cache(max_entries=10**4, max_bytes=10**8, max_text_bytes=1024)
     texts = [f"text {i}" for i in range(1000)]
