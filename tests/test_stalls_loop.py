@@ -4,11 +4,12 @@ Covers: stalls from `time.sleep`, a pure-Python busy loop and a GIL-holding C ca
 (`tokenizers.Tokenizer.encode`, ~100 ms) are each recorded with their duration, the cause
 `blocking` and a stack whose innermost frame is the blocking function; `encode` in a worker
 thread, holding the GIL while the loop wants to run, is `gil-wait`, with the instrument on
-or off; an idle loop records no stall but what the OS preempts; phases tag only the stall
-they contain; a second monitor in the process, or a SIGALRM someone else uses, leaves stalls
-counted without stacks; with the instrument off the probe still catches stalls; stopping a
-monitor removes everything it installed (instrument, signal handler, POSIX timer); reports
-are rate-limited; the snapshot is JSON.
+or off; an idle loop records no stall but what the OS preempts; the probe ticks several
+times faster while another thread is on a CPU than while the loop works alone; phases tag
+only the stall they contain; a second monitor in the process, or a SIGALRM someone else
+uses, leaves stalls counted without stacks; with the instrument off the probe still catches
+stalls; stopping a monitor removes everything it installed (instrument, signal handler,
+POSIX timer); reports are rate-limited; the snapshot is JSON.
 
 Durations are lower bounds: real stalls on a shared machine only ever run long. Causes are
 asserted where the task's own time alone reaches the threshold (`blocking`) or where another
@@ -18,11 +19,13 @@ test_stalls_preempted.py and, as a pure function, in test_stalls_causes.py.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -33,7 +36,12 @@ import trio
 import trio.testing
 from tokenizers import Tokenizer
 
-from app.observe.loop_monitor import IDLE_PROBE_INTERVAL_S, PROBE_INTERVAL_S, LoopMonitor
+from app.observe.loop_monitor import (
+    IDLE_PROBE_INTERVAL_S,
+    PROBE_INTERVAL_S,
+    QUIET_PROBE_INTERVAL_S,
+    LoopMonitor,
+)
 from app.observe.metrics import Metrics
 
 THRESHOLD_MS = 10.0
@@ -177,6 +185,40 @@ async def test_idle_loop_records_no_stall(monitor: LoopMonitor) -> None:
     ticks = snapshot["lag"]["count"]
     assert observation_window_s / IDLE_PROBE_INTERVAL_S / 5 <= ticks
     assert ticks < observation_window_s / PROBE_INTERVAL_S / 2
+
+
+async def ticks_while_stepping(monitor: LoopMonitor, window_s: float) -> int:
+    """Probe ticks during `window_s` of a task stepping every millisecond (never idle)."""
+    before = monitor.snapshot()["lag"]["count"]
+    deadline = trio.current_time() + window_s
+    while trio.current_time() < deadline:
+        await trio.sleep(0.001)
+    ticks: int = monitor.snapshot()["lag"]["count"] - before
+    return ticks
+
+
+async def test_probe_ticks_faster_while_another_thread_is_on_a_cpu(monitor: LoopMonitor) -> None:
+    # Only the probe sees the loop wait for the GIL between steps, so it ticks every
+    # PROBE_INTERVAL_S while another thread runs, and every QUIET_PROBE_INTERVAL_S otherwise.
+    window_s = 0.5
+    alone = await ticks_while_stepping(monitor, window_s)
+    stop = threading.Event()
+
+    def hash_until_stopped() -> None:
+        data = bytes(1 << 20)  # hashlib releases the GIL for large buffers: CPU, no GIL
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    worker = threading.Thread(target=hash_until_stopped)
+    worker.start()
+    try:
+        shared = await ticks_while_stepping(monitor, window_s)
+    finally:
+        stop.set()
+        worker.join()
+
+    assert QUIET_PROBE_INTERVAL_S >= 2 * PROBE_INTERVAL_S
+    assert shared >= 2 * alone > 0, (alone, shared)
 
 
 async def test_phase_tags_the_stall_it_contains(

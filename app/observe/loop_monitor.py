@@ -1,13 +1,19 @@
 """Watching the Trio event loop: how late it wakes, which task steps stall it, where, and why.
 
 `LoopMonitor.run` goes in the main nursery and does four things:
-- a lag probe sleeps `probe_interval_s` and records how late it woke
-  (`sluice_event_loop_lag_seconds`): the delay any request feels. Each tick also re-arms
-  the alarm of `stack_capture`, which dumps the loop thread's stack only if the next tick
-  is late.
+- a lag probe sleeps and records how late it woke (`sluice_event_loop_lag_seconds`): the
+  delay any request feels. It ticks every `probe_interval_s` while another of our threads
+  is on a CPU (only the probe sees the loop wait for the GIL between steps), every
+  QUIET_PROBE_INTERVAL_S while the loop thread works alone (the instrument times every
+  step itself; a lateness sampled less often has the same distribution), and every
+  IDLE_PROBE_INTERVAL_S while nothing runs.
 - an instrument times every task step; a step longer than the threshold is a stall:
   counted per task and cause, timed, tied to the request phase (`phase`) and, when the
-  alarm fired inside that step, to the stack it dumped.
+  alarm of `stack_capture` fired inside that step, to the stack it dumped. The instrument
+  starts the alarm's countdown each time the loop comes back from waiting for I/O and
+  pauses it when the loop goes to sleep, so the alarm fires, and the loop thread dumps its
+  own stack, only when one run of steps outlasts the threshold. With the instrument off,
+  the probe re-arms the alarm at every tick instead.
 - each stall gets a cause, `blocking`, `gil-wait` or `preempted` (stall_causes.py), from
   the loop thread's clocks (thread_clocks.py) sampled at the probe's ticks and after I/O
   waits (at most once a millisecond: ~5 µs a sample at rest, ~20 µs under load, 3-3.5% of
@@ -63,6 +69,9 @@ from app.observe.thread_clocks import ThreadClocks
 log = logging.getLogger("sluice.stalls")
 
 PROBE_INTERVAL_S = 0.005
+# A tick costs ~0.15 ms of CPU here, mostly the wake-up itself: at 5 ms while requests
+# trickle in, the probe alone was 0.3-0.5 ms of CPU per request at 100 requests/s.
+QUIET_PROBE_INTERVAL_S = 0.025
 # While the loop is idle (at most IDLE_STEPS task steps between two ticks: the probe's own
 # and a stray timer's), the probe ticks at this pace instead.
 IDLE_PROBE_INTERVAL_S = 1.0
@@ -102,8 +111,15 @@ class _StepTimer(trio.abc.Instrument):
         self.mark: ThreadSample | None = None
         self.mark_at = 0.0
         self.steps = 0  # task steps run so far: the probe reads whether the loop is idle
+        self.capture: LoopStackCapture | None = None  # the stack alarm, counting while busy
+
+    def before_io_wait(self, timeout: float) -> None:
+        if timeout > 0 and self.capture is not None:
+            self.capture.pause()
 
     def after_io_wait(self, timeout: float) -> None:
+        if self.capture is not None:
+            self.capture.rearm()
         now = self.window_started = perf_counter()
         if self.clocks is not None and now - self.mark_at >= MARK_MIN_AGE_S:
             self.mark = self.clocks.sample()
@@ -125,11 +141,10 @@ def _others_cpu_ns(sample: ThreadSample) -> int:
 
 
 class _WakeOnWork(trio.abc.Instrument):
-    """Installed while the probe idles: before the first step of any other task, re-arm the
-    stack alarm (that step may stall) and wake the probe, then remove itself."""
+    """Installed while the probe idles: before the first step of any other task, wake the
+    probe, then remove itself."""
 
-    def __init__(self, capture: LoopStackCapture | None, probe: trio.lowlevel.Task) -> None:
-        self._capture = capture
+    def __init__(self, probe: trio.lowlevel.Task) -> None:
         self._probe = probe
         self.work = trio.Event()
         self.woke_at = 0.0
@@ -137,8 +152,6 @@ class _WakeOnWork(trio.abc.Instrument):
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         if task is self._probe:
             return
-        if self._capture is not None:
-            self._capture.rearm()
         self.woke_at = perf_counter()
         self.work.set()
         trio.lowlevel.remove_instrument(self)
@@ -199,7 +212,10 @@ class LoopMonitor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._loop_thread_id = threading.get_ident()
-        claimed = LoopStackCapture.claim(self._threshold_s + self._probe_interval_s)
+        # The instrument restarts the countdown when a run of steps starts; the probe only
+        # at its ticks, so the countdown then allows for one interval more.
+        timeout_s = self._threshold_s + (0 if self._instrument_enabled else self._probe_interval_s)
+        claimed = LoopStackCapture.claim(timeout_s)
         if isinstance(claimed, str):
             self._stacks_off_reason = claimed
             log.warning(
@@ -216,6 +232,7 @@ class LoopMonitor:
             self._step_timer.mark = clocks.sample(full=True)
         if self._instrument_enabled:
             self._step_timer.window_started = perf_counter()
+            self._step_timer.capture = self._capture
             trio.lowlevel.add_instrument(self._step_timer)
         try:
             task_status.started()
@@ -231,7 +248,7 @@ class LoopMonitor:
                 self._waker = None
             if self._capture is not None:
                 self._capture.close()
-                self._capture = None
+                self._capture = self._step_timer.capture = None
             if self._clocks is not None:
                 self._clocks.close()
                 self._clocks = self._step_timer.clocks = self._step_timer.mark = None
@@ -277,17 +294,18 @@ class LoopMonitor:
         others_busy = True
         while True:
             # Idle (nothing ran between two ticks but the probe and a stray timer, and no
-            # other thread of ours was on a CPU), the probe sleeps longer with its alarm
-            # paused, and the first step of other work re-arms the alarm and wakes it: an idle
-            # proxy then costs ~4 ms of CPU a second, not ~20 (each wake-up costs ~0.4 ms
-            # here), and a stall that starts from idle still gets its stack.
-            idle = (
-                self._instrument_enabled
-                and timer.steps - steps_seen <= IDLE_STEPS
-                and not others_busy
-            )
+            # other thread of ours was on a CPU), the probe sleeps longer, and the first step
+            # of other work wakes it: an idle proxy then costs ~4 ms of CPU a second, not ~20
+            # (each wake-up costs ~0.4 ms here).
+            quiet = self._instrument_enabled and not others_busy
+            idle = quiet and timer.steps - steps_seen <= IDLE_STEPS
             steps_seen = timer.steps
-            interval = IDLE_PROBE_INTERVAL_S if idle else self._probe_interval_s
+            if idle:
+                interval = IDLE_PROBE_INTERVAL_S
+            elif quiet:
+                interval = max(self._probe_interval_s, QUIET_PROBE_INTERVAL_S)
+            else:
+                interval = self._probe_interval_s
             due = perf_counter() + interval
             if idle:
                 due = await self._idle_wait(due)
@@ -318,8 +336,8 @@ class LoopMonitor:
                     self._count_stall(UNKNOWN_TASK, cause, lag)
                     self._record_stall(None, lag, self._harvest_stack(), cause, split)
                     recorded = True
-            if not recorded and self._capture is not None and self._waker is None:
-                self._capture.rearm()  # (an idle probe's alarm stays paused)
+            if not recorded and self._capture is not None and not self._instrument_enabled:
+                self._capture.rearm()
             if sample is not None:
                 previous = timer.mark = sample
                 timer.mark_at = woke
@@ -339,9 +357,7 @@ class LoopMonitor:
         """
         waker = self._waker
         if waker is None:
-            waker = self._waker = _WakeOnWork(self._capture, trio.lowlevel.current_task())
-            if self._capture is not None:
-                self._capture.pause()
+            waker = self._waker = _WakeOnWork(trio.lowlevel.current_task())
             trio.lowlevel.add_instrument(waker)
         with trio.move_on_after(due - perf_counter()):
             await waker.work.wait()

@@ -8,8 +8,9 @@ the Python line that called into C.
 How the dump is triggered: `faulthandler.register(SIGALRM, all_threads=False)` makes the
 thread that receives SIGALRM write its own stack, and a thread-directed POSIX timer
 (thread_timer.py) sends SIGALRM to the loop thread, never to another one. The timer is a
-dead-man's switch that the lag probe re-arms on every tick: if the next tick is late by the
-timeout, the loop is stalled and its thread dumps its stack while it still is.
+dead-man's switch: the loop monitor restarts it each time the loop starts a run of steps and
+pauses it while the loop sleeps (loop_monitor.py); if one run of steps outlasts the timeout,
+the loop is stalled and its thread dumps its stack while it still is.
 
 Why only the receiving thread's own stack: with `all_threads=True` the handler walks the
 frames of every other thread while they run, and CPython does not make that safe. Under
@@ -36,6 +37,7 @@ counts stalls without stacks.
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import signal
 import tempfile
@@ -58,7 +60,9 @@ class LoopStackCapture:
         # The signal handler writes to a raw fd, so it must be a real file; open until close().
         self._file = tempfile.TemporaryFile()  # noqa: SIM115
         self._fd = self._file.fileno()
-        self._armed_at = 0.0
+        # When the running countdown runs out, and when it was paused (inf: it runs).
+        self._deadline = 0.0
+        self._paused_at = math.inf
         self._dumps = 0
 
     @classmethod
@@ -91,18 +95,20 @@ class LoopStackCapture:
         """Restart the countdown, dropping a dump that fired without a stall to claim it.
 
         Only a countdown that ran out can have written a dump, so the file is looked at
-        only then: one system call a tick instead of two (the probe ticks every 5 ms).
+        only then: one system call instead of two, several hundred times a second.
         """
         now = time.monotonic()
-        if now - self._armed_at >= self._timeout_s and os.fstat(self._fd).st_size:
+        if min(now, self._paused_at) >= self._deadline and os.fstat(self._fd).st_size:
             self._dumps += 1
             self._truncate()
         self._timer.arm()
-        self._armed_at = now
+        self._deadline = now + self._timeout_s
+        self._paused_at = math.inf
 
     def pause(self) -> None:
         """Stop the countdown until the next `rearm` (the loop is idle)."""
         self._timer.disarm()
+        self._paused_at = time.monotonic()
 
     def harvest(self) -> list[Frame] | None:
         """The loop thread's stack from a dump taken since the last re-arm, then re-arm.
@@ -116,7 +122,8 @@ class LoopStackCapture:
             self._dumps += 1
             self._truncate()
         self._timer.arm()
-        self._armed_at = time.monotonic()
+        self._deadline = time.monotonic() + self._timeout_s
+        self._paused_at = math.inf
         return parse_own_stack(dump) if dump else None
 
     def close(self) -> None:
