@@ -22,7 +22,12 @@ def main() -> None:
     url, interval = urlsplit(sys.argv[1]), float(sys.argv[2])
     connection = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+
+    def stop_at_end_of_input() -> None:
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=stop_at_end_of_input, daemon=True).start()
     latencies: list[float] = []
     failures = 0
     print("ready", flush=True)

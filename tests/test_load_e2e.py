@@ -2,17 +2,25 @@
 its own proxies and simulated backend as processes and writes its table, JSON and PNG;
 `python -m load run` drives a proxy it did not start, writing its JSON and PNG; and
 `python -m load routing` starts simulated GPUs and a Sluice in front of them and reports the
-backends' own prefix-cache hits beside Sluice's predictions."""
+backends' own prefix-cache hits beside Sluice's predictions; the overhead scenario's two
+floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
+import pytest
 import trio
+from hypercorn.trio import serve
 
+from app.asgi import server_config
+from load import floors
 from load.bench.common import Stack, wait_healthy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -111,3 +119,28 @@ def test_the_routing_comparison_runs_a_variant_and_reports_real_cache_hits(
     assert result["errors"] == 0
     assert result["hit_rate"] > 0
     assert result["predicted_hit"] is not None
+
+
+async def start_floor(nursery: trio.Nursery, kind: str) -> str:
+    if kind == "hypercorn":
+        app: Any = floors.answer_asgi
+        [url] = await nursery.start(serve, app, server_config("127.0.0.1", 0))
+        return str(url)
+    [listener] = await nursery.start(
+        functools.partial(trio.serve_tcp, floors.answer_h11, 0, host="127.0.0.1")
+    )
+    return f"http://127.0.0.1:{listener.socket.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("kind", ["hypercorn", "h11"])
+async def test_floor_servers_answer_keep_alive_chat_requests(kind: str) -> None:
+    async with trio.open_nursery() as nursery:
+        url = await start_floor(nursery, kind)
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+            for _ in range(3):  # one connection, reused
+                response = await client.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                )
+                assert response.status_code == 200
+                assert response.json()["object"] == "chat.completion"
+        nursery.cancel_scope.cancel()

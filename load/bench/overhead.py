@@ -2,8 +2,10 @@
 
 Targets: `direct` (the backend itself), `sluice` (`sluice serve`), and, where installed in
 their own venvs, `smg` (`/tmp/venv-smg`, `smg launch`) and `litellm` (`/tmp/venv-litellm`,
-the LiteLLM proxy). The backend answers instantly, so what remains is HTTP and each proxy's
-own work. Non-streaming one-token chat requests.
+the LiteLLM proxy). Two floors (load/floors.py) answer without any backend:
+`floor-hypercorn`, the bare server Sluice runs on, and `floor-h11`, h11 on bare Trio streams;
+their CPU per request is what the server alone costs. The backend answers instantly, so
+what remains is HTTP and each proxy's own work. Non-streaming one-token chat requests.
 
 1. Fixed open-loop rates: the targets take turns (rounds alternate) at each rate; added
    p50/p99 = the proxy's minus direct's in the same rounds; CPU per request from /proc
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,6 +39,7 @@ from load.rawhttp import RawConnection
 from load.stats import percentile
 
 PATH = "/v1/chat/completions"
+FLOORS = ("hypercorn", "h11")
 BODY = {"model": "sim", "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1}
 SMG_BIN = Path(os.environ.get("SMG_BIN", "/tmp/venv-smg/bin/smg"))
 LITELLM_BIN = Path(os.environ.get("LITELLM_BIN", "/tmp/venv-litellm/bin/litellm"))
@@ -76,6 +80,10 @@ async def start_targets(
     targets: dict[str, tuple[str, int | None, dict[str, str]]] = {"direct": (sim, None, {})}
     url = await stack.proxy(sim)
     targets["sluice"] = (url, stack.pids[url], {})
+    for floor in FLOORS:
+        url = f"http://127.0.0.1:{processes.free_port()}"
+        argv = [sys.executable, "-m", "load.floors", floor, url.rsplit(":", 1)[1]]
+        targets[f"floor-{floor}"] = (url, await stack.command(argv, url), {})
     if "smg" in peers:
         port = processes.free_port()
         url = f"http://127.0.0.1:{port}"
@@ -262,7 +270,7 @@ async def measure(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
             await pool.close()
         idle: dict[str, float] = {}
         for name, (_, pid, _) in targets.items():
-            if pid:
+            if pid and not name.startswith("floor-"):
                 cpu0 = tree_cpu(pid)
                 await trio.sleep(5.0)
                 idle[name] = (tree_cpu(pid) - cpu0) / 5.0 * 1e3
