@@ -11,6 +11,9 @@ timeout exact. Covers:
 - the idle timeout between chunks ends an event stream with an error event and [DONE];
 - a slow client: relaying waits for the client as long as it takes (back-pressure), and
   only silence from the backend counts against the idle timeout;
+- a body that arrived whole is relayed as the response start and one last body message,
+  and its connection goes back to the pool; a body still arriving is relayed piece by
+  piece, its end a message of its own;
 - the check for a keep-alive socket closed while idle works on a real socket whose file
   descriptor is above 1023 (`select` refuses those; a proxy with 1,000 clients has them).
 """
@@ -214,6 +217,59 @@ async def test_a_slow_client_is_waited_for_and_the_stream_ends_cleanly(
         body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         assert body == b"".join(chunks)
         assert sent[-1]["more_body"] is False
+        nursery.cancel_scope.cancel()
+
+
+def ending_send(
+    log: list[Message], request: trio.CancelScope
+) -> Callable[[Message], Awaitable[None]]:
+    """As the proxy's `send`: once the client has the last byte, the server reports the
+    exchange over and the request's scope is cancelled."""
+
+    async def client_send(message: Message) -> None:
+        log.append(message)
+        if message.get("more_body") is False:
+            request.cancel()
+            await trio.lowlevel.checkpoint()
+
+    return client_send
+
+
+async def test_a_whole_answer_is_one_last_body_message_and_its_connection_is_reused() -> None:
+    async with trio.open_nursery() as nursery:
+        backend = FakeBackend(nursery, answer_ok)
+        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
+        for _ in range(2):
+            response = await pool.request(BASE, "/v1/completions", [], b"{}")
+            sent: list[Message] = []
+            with trio.CancelScope() as request_scope:
+                try:
+                    await relay(response, ending_send(sent, request_scope), [], idle=1.0)
+                finally:
+                    await response.aclose()
+            assert [(m["type"], m.get("body"), m.get("more_body")) for m in sent] == [
+                ("http.response.start", None, None),
+                ("http.response.body", b"{}", False),
+            ]
+        assert (backend.connections, backend.requests) == (1, 2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_body_still_arriving_ends_with_a_message_of_its_own() -> None:
+    async def two_reads(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
+        await send(stream, protocol, head(event_stream=True), h11.Data(data=b"data: 1\n\n"))
+        await trio.testing.wait_all_tasks_blocked()  # the relay has sent the first event
+        await send(stream, protocol, h11.EndOfMessage())
+
+    async with trio.open_nursery() as nursery:
+        backend = FakeBackend(nursery, two_reads)
+        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
+        response = await pool.request(BASE, "/v1/completions", [], b"{}")
+        sent: list[Message] = []
+        assert await relay(response, collecting_send(sent), [], idle=1.0) is None
+        await response.aclose()
+        bodies = [(m["body"], m["more_body"]) for m in sent if m["type"] == "http.response.body"]
+        assert bodies == [(b"data: 1\n\n", True), (b"", False)]
         nursery.cancel_scope.cancel()
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import trio
@@ -110,7 +111,7 @@ async def open_upstream(
         raise UpstreamFailure("connect" if exc.connect else "protocol", str(exc)) from None
 
 
-async def _chunks(response: UpstreamResponse, idle: float) -> AsyncIterator[bytes]:
+async def _chunks(response: UpstreamResponse, idle: float) -> AsyncGenerator[bytes, None]:
     """The body as it arrives, failing if the backend goes quiet for `idle` seconds.
 
     Only the wait for the backend is timed: a client slow to take a chunk holds the stream
@@ -153,12 +154,20 @@ async def relay(
         }
     )
     sent = 0
+    finished = False
     try:
-        async for received in _chunks(response, idle):
-            chunk = received if converter is None else converter.feed(received)
-            if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                sent += len(chunk)
+        # Closed on the way out: the request is cancelled as its last byte goes out, and
+        # a generator left suspended would be finalized later, in a task of its own.
+        async with aclosing(_chunks(response, idle)) as chunks:
+            async for received in chunks:
+                chunk = received if converter is None else converter.feed(received)
+                if chunk:
+                    # A body already read to its end goes out as the last message.
+                    finished = converter is None and await response.ended()
+                    await send(
+                        {"type": "http.response.body", "body": chunk, "more_body": not finished}
+                    )
+                    sent += len(chunk)
     except UpstreamError as exc:
         detail = str(exc)
         if not is_event_stream(response):
@@ -172,8 +181,9 @@ async def relay(
             }
         )
         return detail
-    tail = b"" if converter is None else converter.finish()
-    await send({"type": "http.response.body", "body": tail, "more_body": False})
+    if not finished:
+        tail = b"" if converter is None else converter.finish()
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
     return None
 
 

@@ -69,6 +69,7 @@ class UpstreamResponse:
         self._pool = pool
         self._key = key
         self._connection: _Connection | None = connection
+        self._peeked: h11.Event | None = None  # read by `ended`, not yet returned
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -82,12 +83,39 @@ class UpstreamResponse:
         if connection is None:
             return None
         while True:
-            event = await _next_event(connection)
+            event = self._peeked if self._peeked is not None else await _next_event(connection)
+            self._peeked = None
             if isinstance(event, h11.Data):
                 return bytes(event.data)
             if isinstance(event, h11.EndOfMessage):
                 await self._release(reusable=True)
                 return None
+
+    async def ended(self) -> bool:
+        """Whether the body is complete without waiting for the backend; if so, the
+        connection goes back to the pool now.
+
+        The relay then sends its last piece as the last message (one fewer through the
+        server), and must not need the connection after it: once the client has its answer
+        the server reports the exchange over, which cancels the rest of the request.
+        """
+        connection = self._connection
+        if connection is None:
+            return True
+        if self._peeked is None:
+            try:
+                event = connection.protocol.next_event()
+            except h11.RemoteProtocolError:
+                return False  # `receive_chunk` raises it
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return False
+            assert isinstance(event, h11.Event)
+            self._peeked = event
+        if not isinstance(self._peeked, h11.EndOfMessage):
+            return False
+        self._peeked = None
+        await self._release(reusable=True)
+        return True
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while (chunk := await self.receive_chunk()) is not None:
@@ -177,11 +205,16 @@ class UpstreamPool:
         return _Connection(stream)
 
     async def _checkout(self, base_url: str) -> _Connection:
+        # A free slot is taken without a schedule point: the exchange that follows has
+        # plenty, and each costs a pass through the loop.
         try:
-            with trio.fail_after(self.connect_timeout):
-                await self._slots.acquire()
-        except trio.TooSlowError:
-            raise UpstreamError("every upstream connection is busy", connect=True) from None
+            self._slots.acquire_nowait()
+        except trio.WouldBlock:
+            try:
+                with trio.fail_after(self.connect_timeout):
+                    await self._slots.acquire()
+            except trio.TooSlowError:
+                raise UpstreamError("every upstream connection is busy", connect=True) from None
         try:
             idle = self._idle.get(base_url)
             while idle:
