@@ -8,6 +8,7 @@ from load import (
     bench,
     bench_preprocess,
     burst,
+    compare,
     dashboard_cost,
     detector_cost,
     hardening,
@@ -47,6 +48,9 @@ def main() -> None:
     routing.add_arguments(
         sub.add_parser("routing", help="routing policies and SMG side by side on 4 simulated GPUs")
     )
+    compare.add_arguments(
+        sub.add_parser("compare", help="this checkout's proxy against a git revision's, by turns")
+    )
     args = parser.parse_args()
     if args.benchmark == "overhead":
         overhead.main(args)
@@ -70,6 +74,8 @@ def main() -> None:
         profile.main(args)
     elif args.benchmark == "routing":
         routing.main(args)
+    elif args.benchmark == "compare":
+        compare.main(args)
 
 
 main()

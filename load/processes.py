@@ -53,26 +53,35 @@ async def start_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
 
 
 async def start_proxy(
-    stack: list[subprocess.Popen[bytes]], backend: str | Sequence[str], *extra: str
+    stack: list[subprocess.Popen[bytes]],
+    backend: str | Sequence[str],
+    *extra: str,
+    source: Path | None = None,
 ) -> str:
-    """`sluice serve` in front of `backend`(s) on free ports, quiet but for warnings."""
+    """`sluice serve` in front of `backend`(s) on free ports, quiet but for warnings;
+    `source`: a directory holding another version's `app/` to run instead."""
     backends = [backend] if isinstance(backend, str) else list(backend)
     serve = ["serve", "--port", "0", "--dashboard-port", "0"]
     for url in backends:
         serve += ["--backend", url]
-    return await start_process([*serve, "--log-level", "warning", *extra], "Sluice proxy", stack)
+    args = [*serve, "--log-level", "warning", *extra]
+    return await start_process(args, "Sluice proxy", stack, source)
 
 
 async def start_process(
-    args: Sequence[str], marker: str | bytes, stack: list[subprocess.Popen[bytes]]
+    args: Sequence[str],
+    marker: str | bytes,
+    stack: list[subprocess.Popen[bytes]],
+    source: Path | None = None,
 ) -> str:
-    """Run `python -m app ARGS`, wait for the line holding `marker`, return its URL."""
+    """Run `python -m app ARGS` (from `source` if given: `-m` looks in the working directory
+    first), wait for the line holding `marker`, return its URL."""
     if isinstance(marker, bytes):  # the earlier benchmarks pass bytes
         marker = marker.decode()
     LOG_DIR.mkdir(exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=LOG_DIR, suffix=".log", delete=False) as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "app", *args], stdout=log, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "app", *args], stdout=log, stderr=subprocess.STDOUT, cwd=source
         )
     os.replace(log.name, log_path(process))
     stack.append(process)

@@ -1,0 +1,103 @@
+"""`python -m load compare REV`: this checkout's proxy against another version's, side by side.
+
+    python -m load compare HEAD~3 --rate 100 --rounds 5
+
+Exports REV's `app/` with `git archive` into a temporary directory, starts both versions of
+`sluice serve` (default flags) in front of one instant simulated backend, and sends the
+overhead scenario's one-token chats at a fixed open-loop rate, the two taking turns round by
+round (these machines are noisy: only a ratio measured in one run means anything). Reports
+for each: CPU per request (the process and its render workers, from /proc), added p50 and
+p99 over calling the backend directly in the same rounds, and how often the stall
+detector's lag probe ticked under that load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from load.bench import common
+from load.bench.overhead import Pool, Samples, open_loop, tree_cpu
+from load.processes import start_proxy
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE_TICKS = "sluice_event_loop_lag_seconds_count"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("rev", help="the git revision to compare with (e.g. HEAD~1, a tag)")
+    parser.add_argument("--rate", type=float, default=100.0, help="requests per second")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per target")
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of a round")
+
+
+def export(rev: str, into: Path) -> None:
+    """REV's `app/` (and what it reads at run time: `static/`, `templates/`) into `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "app", "static", "templates"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+
+
+async def ticks(client: httpx.AsyncClient, url: str) -> float:
+    return common.metric(await common.scrape(client, url), PROBE_TICKS) or 0.0
+
+
+async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
+    labels = {"this": f"this checkout ({REPO.name})", "rev": args.rev}
+    async with common.Stack() as stack, httpx.AsyncClient(trust_env=False) as client:
+        sim = await stack.sim("--model", "sim", instant=True)
+        urls = {"direct": sim, "this": await stack.proxy(sim)}
+        urls["rev"] = await start_proxy(stack.processes, sim, source=source)
+        stack.pids[urls["rev"]] = stack.processes[-1].pid
+        pools = {name: Pool(url, {}) for name, url in urls.items()}
+        for pool in pools.values():  # warm connections and first-request costs
+            for _ in range(50):
+                await pool.send()
+        samples = {name: Samples() for name in urls}
+        probe_ticks = {name: 0.0 for name in urls}
+        for number, name in common.alternate(args.rounds, list(urls)):
+            url = urls[name]
+            proxy = name != "direct"
+            cpu0 = tree_cpu(stack.pids[url]) if proxy else 0.0
+            ticks0 = await ticks(client, url) if proxy else 0.0
+            latencies, errors = await open_loop(pools[name], args.rate, args.seconds, number)
+            samples[name].lat += latencies
+            samples[name].errors += errors
+            if proxy:
+                samples[name].cpu += tree_cpu(stack.pids[url]) - cpu0
+                probe_ticks[name] += await ticks(client, url) - ticks0
+        for pool in pools.values():
+            await pool.close()
+    direct = samples["direct"].lat
+    seconds = args.rounds * args.seconds
+    return {
+        labels[name]: {
+            **samples[name].report(direct, proxy=True),
+            "probe_ticks_per_s": probe_ticks[name] / seconds,
+        }
+        for name in ("this", "rev")
+    }
+
+
+def main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="sluice-compare-") as directory:
+        source = Path(directory)
+        export(args.rev, source)
+        result = trio.run(measure, args, source)
+    columns = ("cpu_ms_per_request", "added_p50_ms", "added_p99_ms", "probe_ticks_per_s")
+    rows = [[name, *(r[c] for c in columns), r["errors"]] for name, r in result.items()]
+    print(f"\n{args.rate:g} req/s, {args.rounds} alternating rounds of {args.seconds:g} s")
+    headers = ["proxy", "CPU ms/request", "added p50 ms", "added p99 ms", "probe ticks/s"]
+    print(common.table([*headers, "errors"], rows, digits=2))
