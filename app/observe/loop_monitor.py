@@ -72,10 +72,10 @@ PROBE_INTERVAL_S = 0.005
 # A tick costs ~0.15 ms of CPU here, mostly the wake-up itself: at 5 ms while requests
 # trickle in, the probe alone was 0.3-0.5 ms of CPU per request at 100 requests/s.
 QUIET_PROBE_INTERVAL_S = 0.025
-# While the loop is idle (at most IDLE_STEPS task steps between two ticks: the probe's own
-# and a stray timer's), the probe ticks at this pace instead.
+# While the loop is idle (no task but the probe stepped for IDLE_AFTER_S), the probe ticks
+# at this pace instead, and the loop's next wake-up for other work wakes it.
 IDLE_PROBE_INTERVAL_S = 1.0
-IDLE_STEPS = 4
+IDLE_AFTER_S = 0.005
 # Other threads' CPU between two ticks below which the process counts as idle (a worker
 # thread holding the GIL would stall the loop without any task step of its own).
 OTHERS_IDLE_CPU_NS = 1_000_000
@@ -110,8 +110,13 @@ class _StepTimer(trio.abc.Instrument):
         self.clocks: ThreadClocks | None = None
         self.mark: ThreadSample | None = None
         self.mark_at = 0.0
-        self.steps = 0  # task steps run so far: the probe reads whether the loop is idle
         self.capture: LoopStackCapture | None = None  # the stack alarm, counting while busy
+        # The probe's task; when the last step of any other task ended (whether the loop is
+        # idle); set while the probe idles, to wake it when the loop wakes for other work.
+        self.probe: trio.lowlevel.Task | None = None
+        self.worked_at = 0.0
+        self.idle_wake: trio.Event | None = None
+        self.woke_at = 0.0
 
     def before_io_wait(self, timeout: float) -> None:
         if timeout > 0 and self.capture is not None:
@@ -121,40 +126,28 @@ class _StepTimer(trio.abc.Instrument):
         if self.capture is not None:
             self.capture.rearm()
         now = self.window_started = perf_counter()
+        if self.idle_wake is not None:
+            self.woke_at = now
+            self.idle_wake.set()
+            self.idle_wake = None
         if self.clocks is not None and now - self.mark_at >= MARK_MIN_AGE_S:
             self.mark = self.clocks.sample()
             self.mark_at = now
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         ended = perf_counter()
-        self.steps += 1
         elapsed = ended - self.window_started
         if elapsed > self._threshold_s:
             self._monitor._on_step_stall(task, elapsed)
             # Harvesting the stack takes time too; it is not the next step's.
             ended = perf_counter()
         self.window_started = ended
+        if task is not self.probe:
+            self.worked_at = ended
 
 
 def _others_cpu_ns(sample: ThreadSample) -> int:
     return sample.process_cpu_ns - sample.thread_cpu_ns
-
-
-class _WakeOnWork(trio.abc.Instrument):
-    """Installed while the probe idles: before the first step of any other task, wake the
-    probe, then remove itself."""
-
-    def __init__(self, probe: trio.lowlevel.Task) -> None:
-        self._probe = probe
-        self.work = trio.Event()
-        self.woke_at = 0.0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        if task is self._probe:
-            return
-        self.woke_at = perf_counter()
-        self.work.set()
-        trio.lowlevel.remove_instrument(self)
 
 
 class _Phase:
@@ -199,7 +192,6 @@ class LoopMonitor:
         self._report_limiter = RateLimiter(reports_per_minute, 60.0)
         self._recent_lag = RecentMax(RECENT_LAG_WINDOW_S)
         self._capture: LoopStackCapture | None = None
-        self._waker: _WakeOnWork | None = None  # installed while the probe idles
         self._stacks_off_reason: str | None = None
         self._clocks: ThreadClocks | None = None
         self._causes_off_reason: str | None = None
@@ -239,13 +231,10 @@ class LoopMonitor:
             await self._probe()
         finally:
             if self._instrument_enabled:
-                # Trio has already dropped an instrument whose hook raised (or that removed
-                # itself, as the waker does).
-                for instrument in (self._step_timer, self._waker):
-                    if instrument is not None:
-                        with contextlib.suppress(KeyError):
-                            trio.lowlevel.remove_instrument(instrument)
-                self._waker = None
+                # Trio has already dropped an instrument whose hook raised.
+                with contextlib.suppress(KeyError):
+                    trio.lowlevel.remove_instrument(self._step_timer)
+                self._step_timer.probe = self._step_timer.idle_wake = None
             if self._capture is not None:
                 self._capture.close()
                 self._capture = self._step_timer.capture = None
@@ -290,16 +279,16 @@ class LoopMonitor:
         previous = timer.mark
         explained = self._step_stalls
         full_at = perf_counter()
-        steps_seen = timer.steps
+        timer.probe = trio.lowlevel.current_task()
         others_busy = True
         while True:
-            # Idle (nothing ran between two ticks but the probe and a stray timer, and no
-            # other thread of ours was on a CPU), the probe sleeps longer, and the first step
-            # of other work wakes it: an idle proxy then costs ~4 ms of CPU a second, not ~20
-            # (each wake-up costs ~0.4 ms here).
+            # Idle (no other task stepped for IDLE_AFTER_S, and no other thread of ours was on
+            # a CPU), the probe sleeps longer, and the loop's next wake-up for other work wakes
+            # it with no wake-up of its own: an idle proxy then costs ~4 ms of CPU a second, not
+            # ~20 (each wake-up costs ~0.4 ms here), and requests that trickle in cost a tick
+            # each, not several.
             quiet = self._instrument_enabled and not others_busy
-            idle = quiet and timer.steps - steps_seen <= IDLE_STEPS
-            steps_seen = timer.steps
+            idle = quiet and perf_counter() - timer.worked_at > IDLE_AFTER_S
             if idle:
                 interval = IDLE_PROBE_INTERVAL_S
             elif quiet:
@@ -349,22 +338,14 @@ class LoopMonitor:
                 timer.window_started = perf_counter()
 
     async def _idle_wait(self, due: float) -> float:
-        """Sleep until `due` (perf_counter) unless other work starts first; return when the
-        probe was due to run again, from which its lag counts.
-
-        The waker is installed once per idle period (installing an instrument costs ~40 µs)
-        and removes itself at the first step of other work.
-        """
-        waker = self._waker
-        if waker is None:
-            waker = self._waker = _WakeOnWork(trio.lowlevel.current_task())
-            trio.lowlevel.add_instrument(waker)
+        """Sleep until `due` (perf_counter) unless the loop wakes for other work first; return
+        when the probe was due to run again, from which its lag counts."""
+        timer = self._step_timer
+        work = timer.idle_wake = trio.Event()
         with trio.move_on_after(due - perf_counter()):
-            await waker.work.wait()
-        if not waker.work.is_set():
-            return due
-        self._waker = None
-        return waker.woke_at
+            await work.wait()
+        timer.idle_wake = None
+        return timer.woke_at if work.is_set() else due
 
     def _on_step_stall(self, task: trio.lowlevel.Task, duration_s: float) -> None:
         self._step_stalls += 1
