@@ -3,7 +3,8 @@ its own proxies and simulated backend as processes and writes its table, JSON an
 `python -m load run` drives a proxy it did not start, writing its JSON and PNG; and
 `python -m load routing` starts simulated GPUs and a Sluice in front of them and reports the
 backends' own prefix-cache hits beside Sluice's predictions; the overhead scenario's two
-floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would."""
+floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would;
+`python -m load compare REV` exports a revision that runs as `python -m app`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import trio
 from hypercorn.trio import serve
 
 from app.asgi import server_config
-from load import floors
+from load import compare, floors
 from load.bench.common import Stack, wait_healthy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -144,3 +145,28 @@ async def test_floor_servers_answer_keep_alive_chat_requests(kind: str) -> None:
                 assert response.status_code == 200
                 assert response.json()["object"] == "chat.completion"
         nursery.cancel_scope.cancel()
+
+
+def test_compare_exports_a_revision_that_runs(tmp_path: Path) -> None:
+    compare.export("HEAD", tmp_path)
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "app", "serve", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "--backend" in completed.stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import app; print(app.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert Path(where.stdout.strip()).is_relative_to(tmp_path)  # not the installed one
+    assert (tmp_path / "static").is_dir()

@@ -289,11 +289,13 @@ def plot(result: dict[str, Any], png: Path) -> None:
     rates = list(result["fixed_rates"])
     groups = [f"{r} req/s" for r in rates]
     fixed = result["fixed_rates"]
-    added = {n: [max(fixed[r][n]["added_p50_ms"], 0.01) for r in rates] for n in names}
+    # A floor answers without a backend: its latency "added" over direct is negative.
+    proxies = [n for n in names if not n.startswith("floor-")]
+    added = {n: [max(fixed[r][n]["added_p50_ms"], 0.01) for r in rates] for n in proxies}
     plot_bars("Added latency p50 over direct", groups, added, "ms (log)", png, log=True)
     cpu = {n: [fixed[r][n]["cpu_ms_per_request"] for r in rates] for n in names}
     plot_bars(
-        "Proxy CPU per request",
+        "CPU per request (floor-*: the server alone, no backend)",
         groups,
         cpu,
         "ms (log)",
