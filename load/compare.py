@@ -26,7 +26,6 @@ import trio
 
 from load.bench import common
 from load.bench.overhead import Pool, Samples, open_loop, tree_cpu
-from load.processes import start_proxy
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE_TICKS = "sluice_event_loop_lag_seconds_count"
@@ -44,9 +43,12 @@ def export(rev: str, into: Path) -> None:
     archive = subprocess.run(
         ["git", "-C", str(REPO), "archive", rev, "app", "static", "templates"],
         capture_output=True,
-        check=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        check=False,
+    )
+    if archive.returncode:
+        reason = archive.stderr.decode(errors="replace").strip()
+        raise SystemExit(f"python -m load compare: cannot export {rev!r}: {reason}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(into, filter="data")
 
 
@@ -59,8 +61,7 @@ async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     async with common.Stack() as stack, httpx.AsyncClient(trust_env=False) as client:
         sim = await stack.sim("--model", "sim", instant=True)
         urls = {"direct": sim, "this": await stack.proxy(sim)}
-        urls["rev"] = await start_proxy(stack.processes, sim, source=source)
-        stack.pids[urls["rev"]] = stack.processes[-1].pid
+        urls["rev"] = await stack.proxy(sim, source=source)
         pools = {name: Pool(url, {}) for name, url in urls.items()}
         for pool in pools.values():  # warm connections and first-request costs
             for _ in range(50):

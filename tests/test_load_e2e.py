@@ -27,26 +27,19 @@ from load.bench.common import Stack, wait_healthy
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_quick_scenario_prints_its_table_and_writes_json_and_png(tmp_path: Path) -> None:
+def run_python(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` as a user runs it; it must exit 0 (its stderr's end tells why not)."""
     completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "load",
-            "bench",
-            "submit",
-            "--quick",
-            "--rounds",
-            "1",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+def test_a_quick_scenario_prints_its_table_and_writes_json_and_png(tmp_path: Path) -> None:
+    completed = run_python(
+        "-m", "load", "bench", "submit", "--quick", "--rounds", "1", "--out-dir", str(tmp_path)
+    )
     assert "seed 003" in completed.stdout
     table_rows = [
         line for line in completed.stdout.splitlines() if line.startswith(("inline", "offload"))
@@ -104,16 +97,10 @@ def test_the_routing_comparison_runs_a_variant_and_reports_real_cache_hits(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "routing.json"
-    command = [sys.executable, "-m", "load", "routing", "--workloads", "rag"]
-    command += ["--variants", "cache_aware", "--duration", "2", "--json", str(out)]
-    completed = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
+    run_python(
+        "-m", "load", "routing", "--workloads", "rag", "--variants", "cache_aware",
+        "--duration", "2", "--json", str(out),
+    )  # fmt: skip
     [result] = json.loads(out.read_text())
     assert (result["workload"], result["variant"]) == ("rag", "cache_aware")
     assert result["answered"] > 0
@@ -150,23 +137,7 @@ async def test_floor_servers_answer_keep_alive_chat_requests(kind: str) -> None:
 def test_compare_exports_a_revision_that_runs(tmp_path: Path) -> None:
     compare.export("HEAD", tmp_path)
 
-    completed = subprocess.run(
-        [sys.executable, "-m", "app", "serve", "--help"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "--backend" in completed.stdout
-    where = subprocess.run(
-        [sys.executable, "-c", "import app; print(app.__file__)"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    assert "--backend" in run_python("-m", "app", "serve", "--help", cwd=tmp_path).stdout
+    where = run_python("-c", "import app; print(app.__file__)", cwd=tmp_path)
     assert Path(where.stdout.strip()).is_relative_to(tmp_path)  # not the installed one
     assert (tmp_path / "static").is_dir()

@@ -101,9 +101,7 @@ class LoopStackCapture:
         if min(now, self._paused_at) >= self._deadline and os.fstat(self._fd).st_size:
             self._dumps += 1
             self._truncate()
-        self._timer.arm()
-        self._deadline = now + self._timeout_s
-        self._paused_at = math.inf
+        self._start_countdown(now)
 
     def pause(self) -> None:
         """Stop the countdown until the next `rearm` (the loop is idle)."""
@@ -121,9 +119,7 @@ class LoopStackCapture:
         if dump:
             self._dumps += 1
             self._truncate()
-        self._timer.arm()
-        self._deadline = time.monotonic() + self._timeout_s
-        self._paused_at = math.inf
+        self._start_countdown(time.monotonic())
         return parse_own_stack(dump) if dump else None
 
     def close(self) -> None:
@@ -140,6 +136,11 @@ class LoopStackCapture:
         self._file.close()
         with _owner_lock:
             _owner = None
+
+    def _start_countdown(self, now: float) -> None:
+        self._timer.arm()
+        self._deadline = now + self._timeout_s
+        self._paused_at = math.inf
 
     def _truncate(self) -> None:
         os.ftruncate(self._fd, 0)

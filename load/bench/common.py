@@ -43,8 +43,10 @@ class Stack:
         self.pids[url] = self.processes[-1].pid
         return url
 
-    async def proxy(self, backends: str | Sequence[str], *flags: str) -> str:
-        url = await processes.start_proxy(self.processes, backends, *flags)
+    async def proxy(
+        self, backends: str | Sequence[str], *flags: str, source: Path | None = None
+    ) -> str:
+        url = await processes.start_proxy(self.processes, backends, *flags, source=source)
         self.pids[url] = self.processes[-1].pid
         return url
 
