@@ -21,6 +21,7 @@ SCENARIOS = {
     "sidecar": "--forward passthrough vs tokens, backend charging preprocessing (seed 002 exp 7)",
     "templating": "Jinja2 cost vs messages; threads: templates vs tokenizer (seed 002 exp 2, 4)",
     "submit": "time before a request reaches a backend, inline vs offload (seed 003)",
+    "streams": "relaying N concurrent token streams: direct vs Sluice vs SMG (issue 15)",
 }
 
 
@@ -28,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", choices=[*SCENARIOS, "all"])
     parser.add_argument("--quick", action="store_true", help="finish in under a minute")
     parser.add_argument("--rounds", type=int, help="alternating rounds (default per scenario)")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        action="append",
+        help="streams: concurrent streams (repeatable; default 50 and 200)",
+    )
     parser.add_argument(
         "--out-dir", type=Path, help="where JSON and PNG go (default: load/results/)"
     )

@@ -85,15 +85,9 @@ async def start_targets(
         argv = [sys.executable, "-m", "load.floors", floor, url.rsplit(":", 1)[1]]
         targets[f"floor-{floor}"] = (url, await stack.command(argv, url), {})
     if "smg" in peers:
-        port = processes.free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [str(SMG_BIN), "launch", "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", sim, "--policy", "round_robin",
-                "--prometheus-port", str(processes.free_port()), "--log-level", "warn"]  # fmt: skip
-        try:
-            targets["smg"] = (url, await stack.command(argv, url), {})
-        except (RuntimeError, trio.TooSlowError) as exc:
-            print(f"smg did not start: {exc}")
+        smg = await start_smg(stack, sim)
+        if smg is not None:
+            targets["smg"] = (*smg, {})
     if "litellm" in peers:
         port = processes.free_port()
         url = f"http://127.0.0.1:{port}"
@@ -115,6 +109,20 @@ async def start_targets(
         except (RuntimeError, trio.TooSlowError) as exc:
             print(f"litellm did not start: {exc}")
     return targets
+
+
+async def start_smg(stack: common.Stack, sim: str) -> tuple[str, int] | None:
+    """SMG in front of `sim` (round robin): (URL, pid), or None if it did not start."""
+    port = processes.free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(SMG_BIN), "launch", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", sim, "--policy", "round_robin",
+            "--prometheus-port", str(processes.free_port()), "--log-level", "warn"]  # fmt: skip
+    try:
+        return url, await stack.command(argv, url)
+    except (RuntimeError, trio.TooSlowError) as exc:
+        print(f"smg did not start: {exc}")
+        return None
 
 
 async def answers(url: str, headers: dict[str, str]) -> bool:

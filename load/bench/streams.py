@@ -1,0 +1,295 @@
+"""`python -m load bench streams`: relaying a busy GPU's token streams (issue 15).
+
+One simulated GPU that streams a token every 20 ms with no prefill (`--inter-token-latency
+0.02`, no slow-down under load), and in front of it, taking turns: `direct` (the backend
+itself), `sluice` (`sluice serve`) and, where installed, `smg`. For each number of concurrent
+streams (default 50 and 200), closed-loop clients stream 200-token chats back to back for the
+round's length while a probe in a process of its own (load/probe.py) sends `GET /health` every
+10 ms on one keep-alive connection. Reported per target: tokens/s delivered, the proxy's CPU
+per 1,000 tokens and as a share of a core (/proc), the inter-token gap the clients saw (p50,
+p99; tokens that arrive in one read count as gaps of 0 after the first) and /health p99 and
+worst while streaming.
+
+The clients read raw sockets and count `data: ` events (load/rawhttp.py): a client library
+would spend more CPU than the proxies it measures on these two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from load.bench import common, overhead
+from load.plots import plot_bars
+from load.rawhttp import RawConnection
+from load.stats import percentile
+
+TOKENS = 200
+INTER_TOKEN_S = 0.02
+PROBE_INTERVAL_S = 0.01
+SIM_FLAGS = (
+    "--model", "sim",
+    "--prefill-overhead", "0",
+    "--prefill-per-token", "0",
+    "--inter-token-latency", str(INTER_TOKEN_S),
+    "--time-factor-under-load", "1",
+    "--max-num-seqs", "4096",
+)  # fmt: skip
+# Sluice's default admits 128 requests per backend at once and queues the rest; this
+# benchmark asks what the relay costs, not what admission does, so every stream is let in.
+SLUICE_FLAGS = ("--max-inflight-per-backend", "4096", "--max-connections", "4096")
+BODY = {
+    "model": "sim",
+    "messages": [{"role": "user", "content": "Tell me a long story."}],
+    "max_tokens": TOKENS,
+    "stream": True,
+}
+SEED_NOTE = (
+    "issue 15 (2026-11-24, main 5808e14): 50 streams: direct 2,288 tokens/s, Sluice 2,280 at\n"
+    "240 ms CPU per 1,000 tokens (0.55 of a core), SMG 2,296 at 44 ms (0.10), /health p99\n"
+    "Sluice 24 ms vs SMG 3.6; 200 streams: direct 7,669, Sluice 4,486 at 192 ms (0.86),\n"
+    "SMG 7,247 at 28 ms (0.20), /health p99 181 ms vs 5.7. Targets: CPU per 1,000 tokens\n"
+    "<= 2x SMG's; at 200 streams tokens/s >= 0.95x direct and /health p99 <= 10 ms."
+)
+
+
+@dataclass
+class Samples:
+    """One target's figures over its rounds at one number of streams."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    cpu: float = 0.0
+    streams_done: int = 0
+    errors: int = 0
+    gaps: list[float] = field(default_factory=list)
+    health: list[float] = field(default_factory=list)  # per round: p99
+    health_worst: float = 0.0
+
+    def report(self, measured: bool) -> dict[str, Any]:
+        return {
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "cpu_ms_per_1000_tokens": self.cpu / max(self.tokens, 1) * 1e6 if measured else None,
+            "cpu_share_of_core": self.cpu / self.seconds if measured and self.seconds else None,
+            "gap_p50_ms": percentile(self.gaps, 50) * 1e3 if self.gaps else None,
+            "gap_p99_ms": percentile(self.gaps, 99) * 1e3 if self.gaps else None,
+            "health_p99_ms": max(self.health) * 1e3 if self.health else None,
+            "health_worst_ms": self.health_worst * 1e3,
+            "streams_done": self.streams_done,
+            "errors": self.errors,
+        }
+
+
+class Window:
+    """What the clients count between `start` and `stop`: the round's measured part."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.tokens = 0
+        self.streams_done = 0
+        self.errors = 0
+        self.gaps: list[float] = []
+
+
+async def stream_once(connection: RawConnection, request: bytes, window: Window) -> None:
+    """One streamed chat to its end: `data: ` events counted, gaps between reads kept."""
+    if connection.stream is None:
+        connection.stream = await trio.open_tcp_stream(connection.host, connection.port)
+        connection.buffer = b""
+    stream = connection.stream
+    await stream.send_all(request)
+    head = await connection._read_until(b"\r\n\r\n")
+    if b" 200 " not in head.split(b"\r\n", 1)[0]:
+        raise ConnectionError(head.split(b"\r\n", 1)[0].decode("latin-1"))
+    data = connection.buffer
+    connection.buffer = b""
+    last = time.perf_counter()
+    carry = b""
+    done = False
+    while True:
+        if data:
+            events = (carry + data).count(b"data: ")
+            if events:
+                now = time.perf_counter()
+                done = done or b"[DONE]" in data or b"[DONE]" in carry + data[:8]
+                if window.open:
+                    window.gaps.append(now - last)
+                    window.gaps.extend([0.0] * (events - 1))
+                    window.tokens += events
+                last = now
+            carry = data[-5:]
+            if done and (carry + data).endswith(b"0\r\n\r\n"):
+                if window.open:
+                    window.tokens -= 1  # [DONE] is not a token
+                    window.streams_done += 1
+                return
+        data = await stream.receive_some(65536)
+        if not data:
+            raise ConnectionError("the connection closed mid-stream")
+
+
+async def client_loop(url: str, request: bytes, window: Window, stop: trio.Event) -> None:
+    connection = RawConnection(url)
+    try:
+        while not stop.is_set():
+            try:
+                await stream_once(connection, request, window)
+            except (OSError, trio.BrokenResourceError, ConnectionError):
+                window.errors += window.open
+                await connection.close()
+                await trio.sleep(0.05)
+    finally:
+        await connection.close()
+
+
+@asynccontextmanager
+async def health_probe(url: str) -> AsyncIterator[dict[str, Any]]:
+    """load/probe.py against `url` while the body runs; the dict gets its summary."""
+    summary: dict[str, Any] = {}
+    probe = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "load.probe", url, str(PROBE_INTERVAL_S)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert probe.stdin is not None and probe.stdout is not None
+    try:
+        await _read_line(probe.stdout)  # "ready"
+        yield summary
+        await probe.stdin.send_all(b"stop\n")
+        summary.update(json.loads(await _read_line(probe.stdout)))
+    finally:
+        probe.kill()
+        await probe.wait()
+
+
+async def _read_line(stream: trio.abc.ReceiveStream) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = await stream.receive_some(1)
+        if not chunk:
+            raise RuntimeError("the /health probe exited early")
+        line += chunk
+    return line
+
+
+async def one_round(
+    url: str, pid: int | None, streams: int, warmup: float, seconds: float, samples: Samples
+) -> None:
+    request = RawConnection.request(url, "/v1/chat/completions", json.dumps(BODY).encode(), {})
+    window = Window()
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for _ in range(streams):
+            nursery.start_soon(client_loop, url, request, window, stop)
+        await trio.sleep(warmup)  # every stream started, their starts spread over a stream
+        async with health_probe(url) as probe:
+            cpu0 = overhead.tree_cpu(pid) if pid else 0.0
+            started = time.perf_counter()
+            window.open = True
+            await trio.sleep(seconds)
+            window.open = False
+            elapsed = time.perf_counter() - started
+            cpu = (overhead.tree_cpu(pid) - cpu0) if pid else 0.0
+        stop.set()
+        nursery.cancel_scope.cancel()
+    samples.tokens += window.tokens
+    samples.seconds += elapsed
+    samples.cpu += cpu
+    samples.streams_done += window.streams_done
+    samples.errors += window.errors
+    samples.gaps += window.gaps
+    samples.health.append(probe["p99_s"])
+    samples.health_worst = max(samples.health_worst, probe["worst_s"])
+
+
+async def start_targets(
+    stack: common.Stack, sim: str, peers: list[str]
+) -> dict[str, tuple[str, int | None]]:
+    targets: dict[str, tuple[str, int | None]] = {"direct": (sim, None)}
+    url = await stack.proxy(sim, *SLUICE_FLAGS)
+    targets["sluice"] = (url, stack.pids[url])
+    if "smg" in peers:
+        smg = await overhead.start_smg(stack, sim)
+        if smg is not None:
+            targets["smg"] = smg
+    return targets
+
+
+async def measure(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
+    quick = args.quick
+    counts = args.streams or ([50] if quick else [50, 200])
+    rounds = args.rounds or (1 if quick else 3)
+    seconds = 5.0 if quick else 10.0
+    warmup = TOKENS * INTER_TOKEN_S + 1.0
+    async with common.Stack() as stack:
+        sim = await stack.sim(*SIM_FLAGS)
+        targets = await start_targets(stack, sim, peers)
+        for name, (url, _) in list(targets.items()):
+            if not await overhead.answers(url, {}):
+                print(f"{name} never answered a request; left out")
+                del targets[name]
+        by_count: dict[str, dict[str, Any]] = {}
+        for count in counts:
+            samples = {name: Samples() for name in targets}
+            for number, name in common.alternate(rounds, list(targets)):
+                url, pid = targets[name]
+                print(f"  {count} streams, round {number}: {name}", flush=True)
+                await one_round(url, pid, count, warmup, seconds, samples[name])
+            by_count[str(count)] = {name: s.report(name != "direct") for name, s in samples.items()}
+    return {
+        "streams": by_count,
+        "tokens_per_stream": TOKENS,
+        "inter_token_s": INTER_TOKEN_S,
+        "rounds": rounds,
+        "seconds_per_round": seconds,
+        "sluice_flags": list(SLUICE_FLAGS),
+    }
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    counts = list(result["streams"])
+    groups = [f"{c} streams" for c in counts]
+    names = [n for n in result["streams"][counts[0]] if n != "direct"]
+    cpu = {n: [result["streams"][c][n]["cpu_ms_per_1000_tokens"] for c in counts] for n in names}
+    plot_bars("Proxy CPU per 1,000 streamed tokens", groups, cpu, "ms", png)
+
+
+def main(args: argparse.Namespace) -> None:
+    peers = ["smg"] if overhead.SMG_BIN.exists() else []
+    result = trio.run(measure, args, peers)
+    png = common.write("streams", result, args.out_dir)
+    plot(result, png)
+    rows = []
+    for count, targets in result["streams"].items():
+        direct = targets["direct"]["tokens_per_s"] or 1.0
+        for name, r in targets.items():
+            rows.append(
+                [
+                    count,
+                    name,
+                    r["tokens_per_s"],
+                    r["tokens_per_s"] / direct,
+                    r["cpu_ms_per_1000_tokens"],
+                    r["cpu_share_of_core"],
+                    r["gap_p50_ms"],
+                    r["gap_p99_ms"],
+                    r["health_p99_ms"],
+                    r["health_worst_ms"],
+                    r["errors"],
+                ]
+            )
+    headers = [
+        "streams", "target", "tokens/s", "x direct", "CPU ms/1k tok", "CPU share",
+        "gap p50 ms", "gap p99 ms", "/health p99 ms", "/health max ms", "errors",
+    ]  # fmt: skip
+    common.report("streams", SEED_NOTE, common.table(headers, rows, 2), png)
