@@ -1,7 +1,8 @@
-"""The few ASGI primitives the proxy and the simulated backend share.
+"""The few ASGI primitives of the servers hypercorn runs: the simulated backend (a lean ASGI
+app, no framework), the dashboard's settings, and the backends tests write by hand.
 
-Both are lean ASGI apps (no framework on the data path); these helpers read a bounded
-request body and send whole JSON responses and OpenAI-shaped errors.
+These helpers read a bounded request body and send whole JSON responses and OpenAI-shaped
+errors. The proxy's own port is not ASGI: app/proxy/http_server.py serves it.
 """
 
 from __future__ import annotations

@@ -35,11 +35,13 @@ from app.preprocess.chat_template import TemplateLoadError
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
+from app.proxy.http_server import HttpServer
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
 from app.routing.health import HealthChecker
 from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
+from app.routing.tokenizer_check import check_tokenizers_at_startup
 from app.sim.server import serve_sim
 from app.sim.settings import SimSettings
 from app.sim.traffic import DemoTraffic
@@ -162,14 +164,13 @@ class Sluice:
             dashboard.config[CONTROL_KEY] = BackendControl(
                 self.router, checker.check, settings.health_check_timeout
             )
+            # Tokens mode: no backend takes traffic before its tokenizer was compared, so
+            # compare before listening.
+            await check_tokenizers_at_startup(self.pool, settings.health_check_timeout)
+            server = HttpServer(proxy)
             async with trio.open_nursery() as servers:
-                proxy_urls = await servers.start(
-                    _serve,
-                    proxy,
-                    server_config(
-                        settings.host, settings.port, settings.shutdown_grace, settings.backlog
-                    ),
-                    self.shutdown.wait,
+                proxy_url = await servers.start(
+                    server.serve, settings.host, settings.port, settings.backlog
                 )
                 dashboard_urls = await servers.start(
                     _serve,
@@ -181,12 +182,11 @@ class Sluice:
                 # as long as the process: out of the collector's sight, a full collection no
                 # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).
                 gc.freeze()
-                task_status.started((proxy_urls[0], dashboard_urls[0]))
+                task_status.started((proxy_url, dashboard_urls[0]))
                 await self.shutdown.wait()
-                # Hypercorn has stopped accepting; idle keep-alive connections would hold
-                # it for the whole grace period, so stop as soon as requests are done.
+                server.close()
                 with trio.move_on_after(settings.shutdown_grace):
-                    await proxy.wait_idle()
+                    await server.wait_idle()
                 servers.cancel_scope.cancel()
             await upstream.aclose()
             nursery.cancel_scope.cancel()

@@ -52,8 +52,8 @@ if not Path(CHROMIUM).exists():
 class Demo:
     """`sluice demo` in its own process; the URLs come from what it prints."""
 
-    def __init__(self, dashboard_port: int = 0) -> None:
-        command = [sys.executable, "-m", "app", "demo", "--port", "0"]
+    def __init__(self, dashboard_port: int = 0, *flags: str) -> None:
+        command = [sys.executable, "-m", "app", "demo", "--port", "0", *flags]
         command += ["--dashboard-port", str(dashboard_port), "--demo-burst-interval", "0"]
         self.process = subprocess.Popen(
             command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -92,7 +92,8 @@ def browser() -> Iterator[Any]:
 
 @pytest.fixture
 def demo() -> Iterator[Demo]:
-    running = Demo()
+    # The naive baseline, so that a burst stalls the loop: the default no longer does.
+    running = Demo(0, "--tokenize-mode", "inline")
     yield running
     running.stop()
 
@@ -144,7 +145,8 @@ def test_a_live_dashboard_a_stall_stack_and_a_switch_seen_by_every_page(
         assert panel.locator(".plot canvas").count() >= 1, name
         assert any(ch.isdigit() for ch in panel.inner_text()), name
 
-    # A burst from the page's own button (demo only) stalls the loop; a stall opens its stack.
+    # A burst from the page's own button (demo only) stalls the inline loop; a stall opens
+    # its stack.
     burst = page.locator("#burst-button")
     assert burst.is_visible()
     burst.click()

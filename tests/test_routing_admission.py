@@ -12,7 +12,7 @@ import trio.testing
 
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
 from app.routing.load_scraper import KV_USAGE, WAITING, metric_sum
-from app.routing.usage import TAIL_BYTES, AnswerTail, Usage, usage_from_tail
+from app.routing.usage import Usage, usage_from_tail
 
 # --- tokens per minute --------------------------------------------------------------------------
 
@@ -99,24 +99,6 @@ def test_usage_is_read_from_whole_answers_and_stream_ends() -> None:
     assert usage_from_tail(b'{"usage":{"prompt_tokens":5}}') == Usage(5, None, None)
     assert usage_from_tail(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') is None
     assert usage_from_tail(b'{"usage": null}') is None
-
-
-async def test_the_tail_keeps_only_the_end_of_what_was_sent() -> None:
-    sent: list[bytes] = []
-
-    async def send(message: dict[str, object]) -> None:
-        body = message.get("body", b"")
-        assert isinstance(body, bytes)
-        sent.append(body)
-
-    tail = AnswerTail(send)
-    await tail.send({"type": "http.response.start", "status": 200})
-    await tail.send({"type": "http.response.body", "body": b"x" * 10_000, "more_body": True})
-    for piece in (STREAM_END[:40], STREAM_END[40:], b""):
-        await tail.send({"type": "http.response.body", "body": piece, "more_body": True})
-    assert len(tail.tail) == TAIL_BYTES
-    assert tail.usage() == Usage(30, 4, 16)
-    assert b"".join(sent).endswith(STREAM_END)
 
 
 # --- scraped load ---------------------------------------------------------------------------------

@@ -1,19 +1,21 @@
-"""The forwarding client and relay, driven over in-memory streams under a jumping clock.
+"""The forwarding client and the relay, driven over in-memory streams under a jumping clock.
 
 No port and no real time (as hypercorn's own tests drive its server over
-`trio.testing.memory_stream_pair`): each "connection" is a memory stream pair whose far end
-is served by a small h11 server written for the test, and `autojump_clock` makes every
-timeout exact. Covers:
+`trio.testing.memory_stream_pair`): each backend "connection" is a memory stream pair whose
+far end is served by a small h11 server written for the test, the client of the relay is an
+h11 client on another pair, and `autojump_clock` makes every timeout exact. Covers:
 - a keep-alive connection the backend closed while idle: the next request is retried once
-  on a fresh connection, and the backend sees it once;
+  on a fresh connection, and the backend sees it once; a fresh one is never retried;
 - pool exhaustion: the request that finds every connection busy fails after exactly the
   connect timeout, and a freed connection is reused;
-- the idle timeout between chunks ends an event stream with an error event and [DONE];
+- coalescing: what arrives from the backend in one read leaves in one write, a whole answer
+  in a single write with its head, its connection back in the pool before that write;
+- the idle timeout between chunks ends an event stream with an error event and [DONE],
+  between `idle` and 1.1 x `idle` after the last byte; a body that is not an event stream
+  raises StreamBroken instead;
 - a slow client: relaying waits for the client as long as it takes (back-pressure), and
   only silence from the backend counts against the idle timeout;
-- a body that arrived whole is relayed as the response start and one last body message,
-  and its connection goes back to the pool; a body still arriving is relayed piece by
-  piece, its end a message of its own;
+- the answer's tail, where its usage is, survives a long body;
 - the check for a keep-alive socket closed while idle works on a real socket whose file
   descriptor is above 1023 (`select` refuses those; a proxy with 1,000 clients has them).
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import h11
@@ -31,9 +33,12 @@ import pytest
 import trio
 import trio.testing
 
-from app.asgi import Message
-from app.proxy.forward import relay
-from app.proxy.upstream import UpstreamError, UpstreamPool, _Connection
+from app.proxy.byte_stream import SendWait, StreamBytes, byte_stream
+from app.proxy.exchange import ClientConnection, Exchange
+from app.proxy.forward import StreamBroken
+from app.proxy.relay import relay
+from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from app.routing.usage import TAIL_BYTES, Usage, usage_from_tail
 
 BASE = "http://backend:8000"
 Handler = Callable[[trio.abc.Stream, h11.Connection], Awaitable[None]]
@@ -57,7 +62,7 @@ class FakeBackend:
 
     async def _serve(self, stream: trio.abc.Stream) -> None:
         # A handler that closed the connection ends it.
-        with contextlib.suppress(trio.ClosedResourceError):
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
             await self._serve_requests(stream)
 
     async def _serve_requests(self, stream: trio.abc.Stream) -> None:
@@ -103,11 +108,24 @@ async def answer_then_close(stream: trio.abc.Stream, protocol: h11.Connection) -
     await stream.aclose()  # the backend drops the idle keep-alive connection
 
 
+async def body_of(response: UpstreamResponse) -> bytes:
+    pieces = [await response.read_arrived()]
+    while (data := await response.read()) is not None:
+        pieces.append(data)
+    return b"".join(pieces)
+
+
 async def read_all(pool: UpstreamPool) -> bytes:
     response = await pool.request(BASE, "/v1/completions", [], b"{}")
-    body = b"".join([chunk async for chunk in response.chunks()])
+    body = await body_of(response)
     await response.aclose()
     return body
+
+
+def new_pool(backend: FakeBackend, max_connections: int = 1) -> UpstreamPool:
+    return UpstreamPool(
+        connect_timeout=3, max_connections=max_connections, open_stream=backend.open_stream
+    )
 
 
 async def test_a_dead_keep_alive_connection_is_retried_on_a_fresh_one(
@@ -115,7 +133,7 @@ async def test_a_dead_keep_alive_connection_is_retried_on_a_fresh_one(
 ) -> None:
     async with trio.open_nursery() as nursery:
         backend = FakeBackend(nursery, answer_then_close)
-        pool = UpstreamPool(connect_timeout=3, max_connections=4, open_stream=backend.open_stream)
+        pool = new_pool(backend, 4)
         assert await read_all(pool) == b"{}"
         await trio.testing.wait_all_tasks_blocked()  # the backend has closed its end
         backend.handler = answer_ok
@@ -133,9 +151,8 @@ async def test_a_dead_fresh_connection_is_not_retried(
 
     async with trio.open_nursery() as nursery:
         backend = FakeBackend(nursery, close_at_once)
-        pool = UpstreamPool(connect_timeout=3, max_connections=4, open_stream=backend.open_stream)
         with pytest.raises(UpstreamError):
-            await read_all(pool)
+            await read_all(new_pool(backend, 4))
         assert backend.connections == 1  # the backend saw the request: no second try
         nursery.cancel_scope.cancel()
 
@@ -152,136 +169,216 @@ async def test_an_exhausted_pool_fails_after_exactly_the_connect_timeout(
 
     async with trio.open_nursery() as nursery:
         backend = FakeBackend(nursery, hold_the_body)
-        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
+        pool = new_pool(backend)
         held = await pool.request(BASE, "/v1/completions", [], b"{}")
         started = trio.current_time()
         with pytest.raises(UpstreamError, match="every upstream connection is busy"):
             await pool.request(BASE, "/v1/completions", [], b"{}")
         assert trio.current_time() - started == 3
         release.set()
-        assert b"".join([chunk async for chunk in held.chunks()]) == b"{}"
+        assert await body_of(held) == b"{}"
         await held.aclose()
         assert await read_all(pool) == b"{}"  # the freed connection serves the next request
         assert backend.connections == 1
         nursery.cancel_scope.cancel()
 
 
-def collecting_send(log: list[Message], delay: float = 0.0) -> Callable[[Message], Awaitable[None]]:
-    async def client_send(message: Message) -> None:
-        await trio.sleep(delay)  # a client that takes its time reading
-        log.append(message)
+class CountingBytes(StreamBytes):
+    """The relay's client side: counts the writes the proxy makes."""
 
-    return client_send
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        super().__init__(stream)
+        self.sends = 0
+
+    async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
+        self.sends += 1
+        await super().send(data, waiting)
 
 
-async def test_a_silent_backend_ends_the_stream_after_exactly_the_idle_timeout(
+class Client:
+    """The relay's client: an h11 client reading what the proxy writes, `delay` per read."""
+
+    def __init__(self, stream: trio.abc.Stream, delay: float = 0.0) -> None:
+        self.stream = stream
+        self.delay = delay
+        self.protocol = h11.Connection(h11.CLIENT)
+        self.protocol.send(h11.Request(method="POST", target="/", headers=[(b"host", b"x")]))
+
+    async def answer(self) -> tuple[int, bytes]:
+        status = 0
+        body = []
+        while True:
+            try:
+                event = self.protocol.next_event()
+            except h11.RemoteProtocolError:  # the answer broke off
+                return status, b"".join(body)
+            if event is h11.NEED_DATA:
+                await trio.sleep(self.delay)
+                data = await self.stream.receive_some(65536)
+                self.protocol.receive_data(bytes(data))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                body.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                return status, b"".join(body)
+
+
+@contextlib.asynccontextmanager
+async def client_exchange(
+    lockstep: bool = False, delay: float = 0.0
+) -> AsyncIterator[tuple[Exchange, CountingBytes, Client]]:
+    """An exchange whose request was read, and the client at the other end."""
+    pair = trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
+    client_end, proxy_end = pair
+    proxy_bytes = CountingBytes(proxy_end)
+    connection = ClientConnection(proxy_bytes, 16384)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(connection.read)
+        request = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
+        nursery.start_soon(client_end.send_all, request)
+        event = await connection.next_event(trio.current_time() + 1)
+        assert isinstance(event, h11.Request)
+        exchange = Exchange(connection, event, read_timeout=1, closing=lambda: False)
+        assert await exchange.read_body(100) == b""
+        yield exchange, proxy_bytes, Client(client_end, delay)
+        nursery.cancel_scope.cancel()
+
+
+async def relayed_answer(
+    handler: Handler, idle: float = 1.0, delay: float = 0.0
+) -> tuple[Any, tuple[int, bytes], int, FakeBackend]:
+    """Relay one answer of `handler`'s: (what relay returned or raised, what the client got,
+    how many writes the proxy made, the backend)."""
+    async with trio.open_nursery() as nursery:
+        backend = FakeBackend(nursery, handler)
+        pool = new_pool(backend)
+        async with client_exchange(lockstep=delay > 0, delay=delay) as (exchange, counted, client):
+            response = await pool.request(BASE, "/v1/completions", [], b"{}")
+            outcome: Any
+            async with trio.open_nursery() as both:
+                answer: list[tuple[int, bytes]] = []
+
+                async def read_answer() -> None:
+                    answer.append(await client.answer())
+
+                both.start_soon(read_answer)
+                try:
+                    outcome = await relay(response, exchange, [], idle)
+                except StreamBroken as exc:
+                    outcome = exc
+                    await counted.aclose()  # as the server does with an unfinished answer
+                finally:
+                    await response.aclose()
+            sends = counted.sends
+        nursery.cancel_scope.cancel()
+    return outcome, answer[0], sends, backend
+
+
+EVENTS = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
+
+
+async def test_a_whole_answer_leaves_in_one_write_and_its_connection_is_reused() -> None:
+    async with trio.open_nursery() as nursery:
+        backend = FakeBackend(nursery, answer_ok)
+        pool = new_pool(backend)
+        for _ in range(2):
+            async with client_exchange() as (exchange, counted, client):
+                response = await pool.request(BASE, "/v1/completions", [], b"{}")
+                relayed = await relay(response, exchange, [], idle=1.0)
+                # Given back before the client's write: nothing is left to close.
+                assert response.ended
+                assert relayed.broken is None and relayed.tail == b"{}"
+                assert await client.answer() == (200, b"{}")
+                assert counted.sends == 1
+        assert (backend.connections, backend.requests) == (1, 2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_what_arrives_in_one_read_leaves_in_one_write() -> None:
+    async def events_then_end(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
+        data = [h11.Data(data=event) for event in EVENTS[:3]]
+        await send(stream, protocol, head(event_stream=True), *data)
+        await trio.testing.wait_all_tasks_blocked()  # the relay has sent what it had
+        await send(stream, protocol, h11.Data(data=EVENTS[3]), h11.EndOfMessage())
+
+    relayed, answer, sends, _ = await relayed_answer(events_then_end)
+    assert relayed.broken is None
+    assert answer == (200, b"".join(EVENTS))
+    assert sends == 2  # head and three events; the last event and the end
+
+
+async def test_a_silent_backend_ends_the_stream_after_the_idle_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async def one_event_then_silence(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
         await send(stream, protocol, head(event_stream=True), h11.Data(data=b"data: 1\n\n"))
+        await trio.sleep(0.5)
+        await send(stream, protocol, h11.Data(data=b"data: 2\n\n"))
         await trio.sleep_forever()
 
-    async with trio.open_nursery() as nursery:
-        backend = FakeBackend(nursery, one_event_then_silence)
-        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
-        response = await pool.request(BASE, "/v1/completions", [], b"{}")
-        sent: list[Message] = []
-        started = trio.current_time()
-        broken = await relay(response, collecting_send(sent), [], idle=1.0)
-        await response.aclose()
-        assert broken is not None and "no data from the backend for 1s" in broken
-        assert trio.current_time() - started == 1
-        bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
-        assert bodies[0] == b"data: 1\n\n"
-        assert b"backend_stream_broken" in bodies[-1] and bodies[-1].endswith(b"[DONE]\n\n")
-        nursery.cancel_scope.cancel()
+    started = trio.current_time()
+    relayed, (status, body), _, _ = await relayed_answer(one_event_then_silence)
+    assert relayed.broken == "no data from the backend for 1s"
+    silent = trio.current_time() - started - 0.5
+    assert 1.0 <= silent <= 1.1
+    assert status == 200 and body.startswith(b"data: 1\n\ndata: 2\n\n")
+    assert b"backend_stream_broken" in body and body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_body_cut_short_that_is_not_a_stream_is_a_broken_answer() -> None:
+    async def half_a_body(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
+        await send(stream, protocol, head(10), h11.Data(data=b'{"a":'))
+        await stream.aclose()
+
+    outcome, (status, body), _, _ = await relayed_answer(half_a_body)
+    assert isinstance(outcome, StreamBroken) and "short of its length" in str(outcome)
+    assert (status, body) == (200, b'{"a":')  # and the client's connection was closed
 
 
 async def test_a_slow_client_is_waited_for_and_the_stream_ends_cleanly(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    chunks = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
-
-    async def stream_four_events(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
-        events = [h11.Data(data=chunk) for chunk in chunks]
-        await send(stream, protocol, head(event_stream=True), *events, h11.EndOfMessage())
-
-    async with trio.open_nursery() as nursery:
-        backend = FakeBackend(nursery, stream_four_events)
-        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
-        response = await pool.request(BASE, "/v1/completions", [], b"{}")
-        sent: list[Message] = []
-        broken = await relay(response, collecting_send(sent, delay=5.0), [], idle=1.0)
-        await response.aclose()
-        assert broken is None
-        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-        assert body == b"".join(chunks)
-        assert sent[-1]["more_body"] is False
-        nursery.cancel_scope.cancel()
-
-
-def ending_send(
-    log: list[Message], request: trio.CancelScope
-) -> Callable[[Message], Awaitable[None]]:
-    """As the proxy's `send`: once the client has the last byte, the server reports the
-    exchange over and the request's scope is cancelled."""
-
-    async def client_send(message: Message) -> None:
-        log.append(message)
-        if message.get("more_body") is False:
-            request.cancel()
-            await trio.lowlevel.checkpoint()
-
-    return client_send
-
-
-async def test_a_whole_answer_is_one_last_body_message_and_its_connection_is_reused() -> None:
-    async with trio.open_nursery() as nursery:
-        backend = FakeBackend(nursery, answer_ok)
-        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
-        for _ in range(2):
-            response = await pool.request(BASE, "/v1/completions", [], b"{}")
-            sent: list[Message] = []
-            with trio.CancelScope() as request_scope:
-                try:
-                    await relay(response, ending_send(sent, request_scope), [], idle=1.0)
-                finally:
-                    await response.aclose()
-            assert [(m["type"], m.get("body"), m.get("more_body")) for m in sent] == [
-                ("http.response.start", None, None),
-                ("http.response.body", b"{}", False),
-            ]
-        assert (backend.connections, backend.requests) == (1, 2)
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_body_still_arriving_ends_with_a_message_of_its_own() -> None:
-    async def two_reads(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
-        await send(stream, protocol, head(event_stream=True), h11.Data(data=b"data: 1\n\n"))
-        await trio.testing.wait_all_tasks_blocked()  # the relay has sent the first event
+    async def stream_events(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
+        await send(stream, protocol, head(event_stream=True))
+        for event in EVENTS:
+            await send(stream, protocol, h11.Data(data=event))
+            await trio.sleep(0.1)
         await send(stream, protocol, h11.EndOfMessage())
 
-    async with trio.open_nursery() as nursery:
-        backend = FakeBackend(nursery, two_reads)
-        pool = UpstreamPool(connect_timeout=3, max_connections=1, open_stream=backend.open_stream)
-        response = await pool.request(BASE, "/v1/completions", [], b"{}")
-        sent: list[Message] = []
-        assert await relay(response, collecting_send(sent), [], idle=1.0) is None
-        await response.aclose()
-        bodies = [(m["body"], m["more_body"]) for m in sent if m["type"] == "http.response.body"]
-        assert bodies == [(b"data: 1\n\n", True), (b"", False)]
-        nursery.cancel_scope.cancel()
+    relayed, answer, _, _ = await relayed_answer(stream_events, idle=1.0, delay=5.0)
+    assert relayed.broken is None
+    assert answer == (200, b"".join(EVENTS))
+
+
+async def test_the_tail_keeps_the_usage_at_the_end_of_a_long_answer() -> None:
+    usage = (
+        b'data: {"choices":[],"usage":{"prompt_tokens":30,"completion_tokens":4,'
+        b'"prompt_tokens_details":{"cached_tokens":16}}}\n\ndata: [DONE]\n\n'
+    )
+
+    async def long_answer(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
+        await send(stream, protocol, head(event_stream=True), h11.Data(data=b"x" * 10_000))
+        for piece in (usage[:40], usage[40:]):
+            await trio.testing.wait_all_tasks_blocked()
+            await send(stream, protocol, h11.Data(data=piece))
+        await send(stream, protocol, h11.EndOfMessage())
+
+    relayed, (_, body), _, _ = await relayed_answer(long_answer)
+    assert len(relayed.tail) == TAIL_BYTES and body.endswith(usage)
+    assert usage_from_tail(relayed.tail) == Usage(30, 4, 16)
 
 
 async def test_an_idle_socket_above_descriptor_1023_is_checked() -> None:
     ours, theirs = socket.socketpair()
     high = os.dup2(ours.fileno(), 1500)
     ours.close()
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=high)))
-    connection = _Connection(stream)
+    stream = byte_stream(
+        trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=high)))
+    )
     try:
-        assert not connection.closed_while_idle()
+        assert not stream.closed_by_peer()
         theirs.close()
-        assert connection.closed_while_idle()
+        assert stream.closed_by_peer()
     finally:
-        await connection.close()
+        await stream.aclose()

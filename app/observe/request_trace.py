@@ -1,30 +1,25 @@
-"""Recording each proxied request for the dashboard, from the proxy, in three calls:
+"""Recording each proxied request for the dashboard, from the proxy, in a few calls:
 
-    send = trace = metrics.traffic.trace(send, timing, kind)  # where a request starts
-    trace.prepared(prepared)                                  # once it is tokenized
-    trace.finish()                                            # where it ends
+    trace = metrics.traffic.trace(timing, kind)      # where a request starts
+    trace.prepared(prepared)                         # once it is tokenized
+    trace.routed(backend, route, request_id)         # as a backend's answer starts to flow
+    trace.finish(answer)                             # where it ends, however it ends
 
-The trace *is* the ASGI `send` the rest of the request uses: it sees the response head (the
-status, and the `x-sluice-backend`, `x-sluice-route` and `x-request-id` headers the proxy
-sets on every proxied answer), the first body byte (time to first token; for an answer that
-is not streamed, the whole answer) and the last one. So every answer is recorded, error
-answers sent before any backend was chosen included, without the proxy passing anything
-else along. `finish()` is for the request whose client left before the last byte: it is
-recorded then, with 499. Recording costs a few microseconds a request, no I/O and no lock:
-everything runs on the event loop.
+`finish` reads what the answer became from the exchange with the client once: its status,
+when its first body byte went out (time to first token; for an answer that is not
+streamed, the whole answer) and whether its last byte did. A request whose client left
+first is recorded with 499. Nothing is done per chunk of a streamed answer. Recording costs
+a few microseconds a request, no I/O and no lock: everything runs on the event loop.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from app.observe.backend_stats import BackendStats
 from app.observe.request_log import CLIENT_GONE_STATUS, RequestLog, RequestRecord, clip
-
-Message = MutableMapping[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 
 
 class TimingLike(Protocol):
@@ -49,6 +44,19 @@ class PreparedLike(Protocol):
     def tokenize_path(self) -> str: ...
 
 
+class AnswerLike(Protocol):
+    """The answer as the client got it: app/proxy/exchange.py's Exchange."""
+
+    @property
+    def status(self) -> int | None: ...
+
+    @property
+    def first_byte_at(self) -> float | None: ...  # perf_counter
+
+    @property
+    def complete(self) -> bool: ...
+
+
 class TrafficRecorder:
     """The request log and per-backend stats that the proxy's traces feed."""
 
@@ -56,8 +64,8 @@ class TrafficRecorder:
         self.log = RequestLog(log_capacity)
         self.backends = BackendStats()
 
-    def trace(self, send: Send, timing: TimingLike, kind: str) -> RequestTrace:
-        return RequestTrace(self, send, timing, kind)
+    def trace(self, timing: TimingLike, kind: str) -> RequestTrace:
+        return RequestTrace(self, timing, kind)
 
     def add(self, record: RequestRecord, now: float) -> None:
         self.log.add(record)
@@ -81,38 +89,28 @@ class TrafficRecorder:
 class RequestTrace:
     __slots__ = (
         "_backend",
-        "_complete",
-        "_done",
-        "_first_byte",
         "_kind",
         "_model",
         "_prompt_tokens",
         "_recorder",
         "_request_id",
         "_route",
-        "_send",
-        "_status",
         "_stream",
         "_timing",
         "_tokenize_path",
     )
 
-    def __init__(self, recorder: TrafficRecorder, send: Send, timing: TimingLike, kind: str):
+    def __init__(self, recorder: TrafficRecorder, timing: TimingLike, kind: str):
         self._recorder = recorder
-        self._send = send
         self._timing = timing
         self._kind = kind
         self._model: str | None = None
         self._stream: bool | None = None  # unknown until the body was read
         self._prompt_tokens: int | None = None
         self._tokenize_path: str | None = None
-        self._status: int | None = None
         self._backend: str | None = None
         self._route: str | None = None
         self._request_id: str | None = None
-        self._first_byte: float | None = None
-        self._complete = False  # the last body byte was handed to the server
-        self._done = False
 
     def prepared(self, prepared: PreparedLike) -> None:
         """What the request asked for and how its prompt was tokenized (never the prompt)."""
@@ -123,40 +121,20 @@ class RequestTrace:
         self._prompt_tokens = None if ids is None else len(ids)
         self._tokenize_path = prepared.tokenize_path
 
-    async def __call__(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self._response_started(message)
-        elif kind == "http.response.body":
-            if self._first_byte is None and message.get("body"):
-                self._first_byte = time.perf_counter()
-            if not message.get("more_body", False):
-                # Recorded as the last byte is handed over, not after: the server then
-                # tells the proxy the exchange is over, which cancels the rest of this call.
-                self._complete = True
-                self.finish()
-        await self._send(message)
+    def routed(self, backend: str, route: str, request_id: bytes) -> None:
+        """The backend whose answer is being relayed (the last one tried), and why."""
+        self._backend = backend
+        self._route = route
+        self._request_id = clip(request_id.decode("latin-1"))
 
-    def _response_started(self, message: Message) -> None:
-        self._status = int(message["status"])
-        for name, value in message.get("headers", ()):
-            if name == b"x-sluice-backend":
-                self._backend = value.decode("latin-1")
-            elif name == b"x-sluice-route":
-                self._route = value.decode("latin-1")
-            elif name == b"x-request-id":
-                self._request_id = clip(value.decode("latin-1"))
-
-    def finish(self) -> None:
-        """Record the request once (later calls do nothing). Without a last body byte sent,
-        the client left first: 499, or the status it had started to receive."""
-        if self._done:
-            return
-        self._done = True
+    def finish(self, answer: AnswerLike) -> None:
+        """Record the request. Without its last byte sent, the client left first: 499, or
+        the status it had started to receive."""
         now = time.perf_counter()
         timing = self._timing
         duration = now - timing.started
-        first = self._first_byte
+        first = answer.first_byte_at
+        status = answer.status
         recorder = self._recorder
         record: RequestRecord = {
             "seq": recorder.log.next_seq(),
@@ -173,9 +151,9 @@ class RequestTrace:
             "template_ms": round(timing.template * 1000, 3),
             "tokenize_ms": round(timing.tokenize * 1000, 3),
             "route_ms": round(timing.route * 1000, 3),
-            "status": CLIENT_GONE_STATUS if self._status is None else self._status,
+            "status": CLIENT_GONE_STATUS if status is None else status,
             "ttft_ms": None if first is None else round((first - timing.started) * 1000, 3),
             "duration_ms": round(duration * 1000, 3),
-            "client_gone": not self._complete,
+            "client_gone": not answer.complete,
         }
         recorder.add(record, now)

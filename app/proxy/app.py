@@ -1,9 +1,10 @@
-"""The proxy's ASGI app: parse -> preprocess -> route -> forward, plus the small GET endpoints.
+"""The proxy's handler: parse -> preprocess -> route -> forward, plus the small GET endpoints.
 
-No framework on the data path: a request costs one dict lookup to dispatch, and streaming
-is plain ASGI sends. Every error leaves as OpenAI-shaped JSON. With `--forward tokens` the
-backend gets Sluice's token ids (token_forwarding.py), only backends whose tokenizer was
-verified take traffic (routing/tokenizer_check.py), and chat answers are reshaped back.
+It answers each `Exchange` the proxy's server (http_server.py) hands it: a request costs one
+dict lookup to dispatch, and a backend's answer is relayed by relay.py. Every error leaves
+as OpenAI-shaped JSON. With `--forward tokens` the backend gets Sluice's token ids
+(token_forwarding.py), only backends whose tokenizer was verified take traffic
+(routing/tokenizer_check.py), and chat answers are reshaped back.
 """
 
 from __future__ import annotations
@@ -17,52 +18,38 @@ from typing import Any
 
 import trio
 
-from app.asgi import (
-    ClientGone,
-    Headers,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    answer_lifespan,
-    header,
-    read_body,
-    send_bytes,
-    send_client_error,
-    send_json,
-)
 from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
+from app.observe.request_trace import RequestTrace
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
 from app.proxy.accounting import KeyLabels
 from app.proxy.errors import (
-    send_internal_error,
-    send_method_not_allowed,
-    send_no_backend,
-    send_not_found,
-    send_overloaded,
-    send_rate_limited,
-    send_upstream_failure,
+    respond_method_not_allowed,
+    respond_no_backend,
+    respond_not_found,
+    respond_overloaded,
+    respond_rate_limited,
+    respond_upstream_failure,
 )
+from app.proxy.exchange import Exchange, Headers
 from app.proxy.forward import (
     StreamBroken,
     Timeouts,
     UpstreamFailure,
     open_upstream,
-    relay,
-    relay_as_chat,
     upstream_headers,
 )
+from app.proxy.relay import Relayed, relay, relay_as_chat
 from app.proxy.token_forwarding import plan_forward
 from app.proxy.upstream import UpstreamPool
 from app.routing.admission import Overloaded
 from app.routing.backends import Backend, BackendPool
 from app.routing.policies import Decision, RouteRequest
 from app.routing.router import Router, estimated_tokens
-from app.routing.tokenizer_check import build_probe, check_tokenizers_at_startup
-from app.routing.usage import AnswerTail
+from app.routing.tokenizer_check import build_probe
+from app.routing.usage import usage_from_tail
 
 log = logging.getLogger("sluice.proxy")
 
@@ -123,83 +110,46 @@ class ProxyApp:
         self.upstream = upstream
         self.metrics = metrics
         self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
-        self.active_requests = 0
         self.active_completions = 0  # what --max-connections bounds
-        self._idle = trio.Event()
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
             probe = build_probe(preprocessor.encode_plain, preprocessor.special_tokens())
             pool.require_tokenizer_match(probe)
 
-    async def wait_idle(self) -> None:
-        """Return once no HTTP request is being handled (idle keep-alives don't count)."""
-        while self.active_requests:
-            self._idle = trio.Event()
-            await self._idle.wait()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            # Tokens mode: no backend takes traffic before its tokenizer was compared, so
-            # compare before listening (hypercorn binds once startup completes).
-            await check_tokenizers_at_startup(self.pool, self.settings.health_check_timeout)
-            await answer_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        self.active_requests += 1
-        started = False
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.dispatch(scope, receive, tracked_send)
-        except Exception:
-            # A bug of ours must cost this request only, and still answer in OpenAI's shape.
-            log.exception("unexpected error while serving %s %s", scope["method"], scope["path"])
-            if not started:
-                await send_internal_error(send)
-        finally:
-            self.active_requests -= 1
-            if not self.active_requests:
-                self._idle.set()
-
-    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path: str = scope["path"]
-        method: str = scope["method"]
+    async def __call__(self, exchange: Exchange) -> None:
+        path = exchange.path
+        method = exchange.method
         kind = COMPLETION_PATHS.get(path)
         if kind is not None:
             if method != "POST":
-                await send_method_not_allowed(send, b"POST")
+                await respond_method_not_allowed(exchange, b"POST")
                 return
             if self.active_completions >= self.settings.max_connections:
                 # Refused before reading the body: past the bound, memory stays flat.
-                await send_overloaded(send, self.settings.max_connections)
+                await respond_overloaded(exchange, self.settings.max_connections)
                 return
             self.active_completions += 1
             try:
-                await self.completion(scope, receive, send, path, kind)
+                await self.completion(exchange, path, kind)
             finally:
                 self.active_completions -= 1
             return
         if path in GET_PATHS:
             if method not in ("GET", "HEAD"):
-                await send_method_not_allowed(send, b"GET")
+                await respond_method_not_allowed(exchange, b"GET")
                 return
             if path == "/health":
-                await self.health(send)
+                await self.health(exchange)
             elif path == "/metrics":
-                await send_bytes(
-                    send, 200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8"
-                )
+                content_type = b"text/plain; version=0.0.4; charset=utf-8"
+                headers = [(b"content-type", content_type)]
+                await exchange.respond(200, headers, self.metrics.render())
             else:
-                await self.models(send)
+                await self.models(exchange)
             return
-        await send_not_found(send, path)
+        await respond_not_found(exchange)
 
-    async def health(self, send: Send) -> None:
+    async def health(self, exchange: Exchange) -> None:
         now = trio.current_time()
         healthy = sum(1 for b in self.pool.backends if b.takes_traffic(now))
         status = 200 if healthy else 503
@@ -212,48 +162,52 @@ class ProxyApp:
             payload["unverified_backends"] = self.pool.tokenizer_refusals()
             if not healthy and payload["unverified_backends"]:
                 payload["status"] = "no verified backend"
-        await send_json(send, status, payload)
+        await exchange.respond_json(status, payload)
 
-    async def models(self, send: Send) -> None:
+    async def models(self, exchange: Exchange) -> None:
         now = trio.current_time()
         seen: dict[str, dict[str, Any]] = {}
         for backend in self.pool.available(now):
             for model in backend.models:
                 seen.setdefault(model["id"], model)
         if not seen and not self.pool.any_available(now):
-            await send_no_backend(send, self.pool.tokenizer_refusals())
+            await respond_no_backend(exchange, self.pool.tokenizer_refusals())
             return
-        await send_json(send, 200, {"object": "list", "data": list(seen.values())})
+        await exchange.respond_json(200, {"object": "list", "data": list(seen.values())})
 
-    async def completion(
-        self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind
-    ) -> None:
+    async def completion(self, exchange: Exchange, path: str, kind: Kind) -> None:
         timing = Timing(started=time.perf_counter())
-        send = trace = self.metrics.traffic.trace(send, timing, kind)
+        trace = self.metrics.traffic.trace(timing, kind)
         try:
-            body = await read_body(receive, self.settings.max_body_bytes)
+            await self._complete(exchange, path, kind, timing, trace)
+        finally:
+            trace.finish(exchange)
+
+    async def _complete(
+        self, exchange: Exchange, path: str, kind: Kind, timing: Timing, trace: RequestTrace
+    ) -> None:
+        try:
+            body = await exchange.read_body(self.settings.max_body_bytes)
             prepared = await self.prepare(kind, body)
         except ClientError as exc:
-            await send_client_error(send, exc)
-            return
-        except ClientGone:
+            await exchange.respond_client_error(exc)
             return
         trace.prepared(prepared)
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
-        key = self.key_labels.label(header(scope, b"authorization"))
+        key = self.key_labels.label(exchange.header(b"authorization"))
         if prepared.token_ids is not None:
             self.metrics.prompt_tokens.labels(api_key=key).inc(len(prepared.token_ids))
 
-        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
-        headers = upstream_headers(scope["headers"], request_id)
+        request_id = exchange.header(b"x-request-id") or uuid.uuid4().hex.encode()
+        headers = upstream_headers(exchange.headers, request_id)
         route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
-        session = header(scope, b"x-session-id") or prepared.fields.get("user")
+        session = exchange.header(b"x-session-id") or prepared.fields.get("user")
         route_request = RouteRequest(prepared.token_ids, route_key, _session_key(session))
         try:
             self.router.admit(key, estimated_tokens(route_request))
         except Overloaded as exc:
-            await send_rate_limited(send, exc)
+            await respond_rate_limited(exchange, exc)
             return
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
         as_chat = False
@@ -261,17 +215,12 @@ class ProxyApp:
             plan = plan_forward(kind, path, body, prepared)
             path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
             extra_headers.append((b"x-sluice-forward", plan.label.encode()))
+        outgoing = Outgoing(
+            path, body, headers, request_id, route_request, timing, extra_headers, as_chat, key
+        )
+        await self.forward(exchange, outgoing, trace)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            outgoing = Outgoing(
-                path, body, headers, request_id, route_request, timing, extra_headers, as_chat, key
-            )
-            await self.forward(send, outgoing)
-            nursery.cancel_scope.cancel()
-        trace.finish()
-
-    async def forward(self, send: Send, outgoing: Outgoing) -> None:
+    async def forward(self, exchange: Exchange, outgoing: Outgoing, trace: RequestTrace) -> None:
         tried: list[Backend] = []
         failure: UpstreamFailure | None = None
         while len(tried) < 2:
@@ -279,7 +228,7 @@ class ProxyApp:
             try:
                 chosen = await self.router.choose(outgoing.route_request, tuple(tried))
             except Overloaded as exc:
-                await send_rate_limited(send, exc)
+                await respond_rate_limited(exchange, exc)
                 return
             if chosen is None:
                 break
@@ -289,25 +238,35 @@ class ProxyApp:
             self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
             tried.append(backend)
             try:
-                await self._exchange(send, backend, decision, outgoing)
+                await self._exchange(exchange, backend, decision, outgoing, trace)
                 return
             except UpstreamFailure as exc:
                 failure = exc
                 log.warning("backend %s failed before answering: %s", backend.url, exc)
+            except StreamBroken as exc:
+                # The client has part of an answer that cannot be finished: the server
+                # closes its connection, which is how HTTP says the answer is incomplete.
+                log.warning("backend %s broke off its answer: %s", backend.url, exc)
+                return
         if failure is None:
-            await send_no_backend(send, self.pool.tokenizer_refusals())
+            await respond_no_backend(exchange, self.pool.tokenizer_refusals())
         else:
-            await send_upstream_failure(send, failure)
+            await respond_upstream_failure(exchange, failure)
 
     async def _exchange(
-        self, send: Send, backend: Backend, decision: Decision, outgoing: Outgoing
+        self,
+        exchange: Exchange,
+        backend: Backend,
+        decision: Decision,
+        outgoing: Outgoing,
+        trace: RequestTrace,
     ) -> None:
         """One try on one backend. Raises `UpstreamFailure` while a retry is still possible.
 
         `decision` was reserved by the router, which `release` gives back."""
         code = "error"
         broken: str | None = None
-        answer = AnswerTail(send)
+        relayed: Relayed | None = None
         try:
             timing = outgoing.timing
             self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
@@ -326,25 +285,28 @@ class ProxyApp:
             code = str(response.status_code)
             if response.status_code in BACKEND_FAULT_STATUSES:
                 broken = f"answered {response.status_code}"
+            route = f"{self.policy.name}:{decision.reason}"
+            trace.routed(backend.url, route, outgoing.request_id)
             extra = [
                 (b"x-request-id", outgoing.request_id),
                 (b"x-sluice-backend", backend.url.encode()),
-                (b"x-sluice-route", f"{self.policy.name}:{decision.reason}".encode()),
+                (b"x-sluice-route", route.encode()),
                 (b"server-timing", timing.header()),
                 *outgoing.extra_headers,
             ]
             relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
-                stream_error = await relay_answer(response, answer.send, extra, self.timeouts.idle)
-                if stream_error is not None:
-                    broken = stream_error
+                relayed = await relay_answer(response, exchange, extra, self.timeouts.idle)
+                if relayed.broken is not None:
+                    broken = relayed.broken
             except (StreamBroken, UpstreamFailure) as exc:
                 broken = str(exc)
                 raise
             finally:
                 await response.aclose()
         finally:
-            self.router.release(decision, answer.usage(), outgoing.api_key)
+            usage = usage_from_tail(relayed.tail) if relayed is not None else None
+            self.router.release(decision, usage, outgoing.api_key)
             self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
             if broken is None:
                 self.pool.request_succeeded(backend)
@@ -375,12 +337,3 @@ def _prompt_tokens_header(prepared: Prepared) -> bytes:
     if prepared.token_ids is None:
         return b"estimated"
     return str(len(prepared.token_ids)).encode()
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    """The body is read, so the next message can only be the client going away."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return

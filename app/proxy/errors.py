@@ -4,7 +4,7 @@ request checks raise travel as `ClientError` instead."""
 
 from __future__ import annotations
 
-from app.asgi import Send, send_error
+from app.proxy.exchange import Exchange
 from app.proxy.forward import UpstreamFailure
 from app.proxy.token_forwarding import no_verified_backend_message
 from app.routing.admission import Overloaded
@@ -12,13 +12,14 @@ from app.routing.admission import Overloaded
 RETRY_AFTER_SECONDS = b"2"
 
 
-async def send_not_found(send: Send, path: str) -> None:
-    await send_error(send, 404, f"Unknown path {path}", "invalid_request_error", None, "not_found")
+async def respond_not_found(exchange: Exchange) -> None:
+    await exchange.respond_error(
+        404, f"Unknown path {exchange.path}", "invalid_request_error", None, "not_found"
+    )
 
 
-async def send_method_not_allowed(send: Send, allowed: bytes) -> None:
-    await send_error(
-        send,
+async def respond_method_not_allowed(exchange: Exchange, allowed: bytes) -> None:
+    await exchange.respond_error(
         405,
         f"Method not allowed; use {allowed.decode()}.",
         "invalid_request_error",
@@ -28,13 +29,12 @@ async def send_method_not_allowed(send: Send, allowed: bytes) -> None:
     )
 
 
-async def send_no_backend(send: Send, tokenizer_refusals: dict[str, str]) -> None:
+async def respond_no_backend(exchange: Exchange, tokenizer_refusals: dict[str, str]) -> None:
     """503: no healthy backend, or (tokens mode) none whose tokenizer is verified."""
     message, code = "No healthy backend is available; try again shortly.", "no_healthy_backend"
     if tokenizer_refusals:
         message, code = no_verified_backend_message(tokenizer_refusals), "no_verified_backend"
-    await send_error(
-        send,
+    await exchange.respond_error(
         503,
         message,
         "service_unavailable",
@@ -44,9 +44,8 @@ async def send_no_backend(send: Send, tokenizer_refusals: dict[str, str]) -> Non
     )
 
 
-async def send_overloaded(send: Send, limit: int) -> None:
-    await send_error(
-        send,
+async def respond_overloaded(exchange: Exchange, limit: int) -> None:
+    await exchange.respond_error(
         503,
         f"The proxy is serving its maximum of {limit} requests; try again shortly.",
         "service_unavailable",
@@ -56,9 +55,8 @@ async def send_overloaded(send: Send, limit: int) -> None:
     )
 
 
-async def send_internal_error(send: Send) -> None:
-    await send_error(
-        send,
+async def respond_internal_error(exchange: Exchange) -> None:
+    await exchange.respond_error(
         500,
         "The proxy failed while handling this request; the error is in its log.",
         "internal_error",
@@ -67,20 +65,19 @@ async def send_internal_error(send: Send) -> None:
     )
 
 
-async def send_upstream_failure(send: Send, failure: UpstreamFailure) -> None:
+async def respond_upstream_failure(exchange: Exchange, failure: UpstreamFailure) -> None:
     """504 when the backend was too slow to answer, 502 when it could not be reached."""
     if failure.kind == "timeout":
         message = f"The backend did not answer in time ({failure.detail})."
-        await send_error(send, 504, message, "upstream_error", None, "backend_timeout")
+        await exchange.respond_error(504, message, "upstream_error", None, "backend_timeout")
     else:
         message = f"Could not reach a backend ({failure.detail})."
-        await send_error(send, 502, message, "upstream_error", None, "backend_unreachable")
+        await exchange.respond_error(502, message, "upstream_error", None, "backend_unreachable")
 
 
-async def send_rate_limited(send: Send, overloaded: Overloaded) -> None:
+async def respond_rate_limited(exchange: Exchange, overloaded: Overloaded) -> None:
     """429: the key's tokens per minute, or every backend at its in-flight limit."""
-    await send_error(
-        send,
+    await exchange.respond_error(
         429,
         overloaded.message,
         "rate_limit_error",

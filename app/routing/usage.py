@@ -4,16 +4,14 @@ vLLM (with `--enable-prompt-tokens-details`) and the simulated backend report
 `usage.prompt_tokens_details.cached_tokens`: the prompt tokens its prefix cache served. It
 sits at the end of an answer: the last object of a JSON body, or the last event before
 `[DONE]` of a stream that asked for `stream_options.include_usage`. So the proxy keeps only
-the last `TAIL_BYTES` it relayed (`AnswerTail`) and reads the numbers from there, instead of
-parsing whole answers on its hot path.
+the last `TAIL_BYTES` it relayed (app/proxy/relay.py) and reads the numbers from there,
+instead of parsing whole answers on its hot path.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-from app.asgi import Message, Send
 
 TAIL_BYTES = 2048
 
@@ -44,20 +42,3 @@ def usage_from_tail(tail: bytes) -> Usage | None:
     return Usage(
         fields.get("prompt_tokens"), fields.get("completion_tokens"), fields.get("cached_tokens")
     )
-
-
-class AnswerTail:
-    """Wraps an ASGI `send`, keeping the last `TAIL_BYTES` of the body it sends."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.tail = b""
-
-    async def send(self, message: Message) -> None:
-        body = message.get("body")
-        if body:
-            self.tail = (self.tail + body[-TAIL_BYTES:])[-TAIL_BYTES:]
-        await self._send(message)
-
-    def usage(self) -> Usage | None:
-        return usage_from_tail(self.tail)

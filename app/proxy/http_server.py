@@ -1,0 +1,188 @@
+"""The proxy port's HTTP/1.1 server: h11 on Trio streams, one task per connection.
+
+Why not hypercorn, which still serves the dashboard: measured here (`python -m load bench
+overhead`, its floors), hypercorn's Trio worker costs 1.1-1.4 ms of CPU to answer a request
+with no work behind it, h11 on bare Trio streams 0.4-0.6 ms; and every relayed chunk went
+through an ASGI message and hypercorn's send path, ~28% of the relay's CPU.
+
+What clients get: keep-alive; pipelined requests answered in order, one at a time (what
+arrives meanwhile is read ahead, bounded); chunked request bodies; `Expect: 100-continue`;
+431 for a head over `max_head_bytes`, 400 for one h11 cannot read, 408 for a head not whole
+within `read_timeout` of its first byte; idle keep-alive connections closed after
+`keep_alive_timeout`; HTTP/1.0 clients, answered until close. A slow or silent client costs
+its socket and a parked task, never the loop. A handler's bug costs its own request (500)
+and its connection, nothing else.
+
+Shutdown (`close`): stop accepting, close connections waiting for a request, let answers in
+flight finish, each the last on its connection; `wait_idle` tells when they have, and the
+caller cancels whatever is left when its grace period ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import h11
+import trio
+
+from app.proxy.byte_stream import ByteStream, byte_stream
+from app.proxy.errors import respond_internal_error
+from app.proxy.exchange import ClientConnection, ClientGone, Exchange
+
+log = logging.getLogger("sluice.proxy")
+
+KEEP_ALIVE_TIMEOUT_S = 75.0
+READ_TIMEOUT_S = 30.0
+MAX_HEAD_BYTES = 16384  # h11's default, and hypercorn's
+
+Handler = Callable[[Exchange], Awaitable[None]]
+
+
+class HttpServer:
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S,
+        read_timeout: float = READ_TIMEOUT_S,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+    ) -> None:
+        self._handler = handler
+        self._keep_alive_timeout = keep_alive_timeout
+        self._read_timeout = read_timeout
+        self._max_head_bytes = max_head_bytes
+        self.closing = False
+        self._listening = trio.CancelScope()
+        self._between_requests: set[trio.CancelScope] = set()
+        self.answering = 0  # requests being answered now
+        self._idle = trio.Event()
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        backlog: int,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen, report the URL, serve until `close` and every connection has ended."""
+        listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
+        bound_port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as connections:
+            connections.start_soon(self._accept, listeners, connections)
+            task_status.started(f"http://{host}:{bound_port}")
+
+    async def _accept(
+        self, listeners: list[trio.SocketListener], connections: trio.Nursery
+    ) -> None:
+        with self._listening:
+            await trio.serve_listeners(self._serve_socket, listeners, handler_nursery=connections)
+
+    async def _serve_socket(self, stream: trio.SocketStream) -> None:
+        await self.serve_connection(byte_stream(stream))
+
+    def close(self) -> None:
+        """Stop accepting and close idle connections; answers in flight go on."""
+        self.closing = True
+        self._listening.cancel()
+        for waiting in self._between_requests:
+            waiting.cancel()
+
+    def _is_closing(self) -> bool:
+        return self.closing
+
+    async def wait_idle(self) -> None:
+        """Return once no request is being answered (idle keep-alives don't count)."""
+        while self.answering:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+    async def serve_connection(self, stream: ByteStream) -> None:
+        """Answer the requests of one connection until it ends, then close it."""
+        connection = ClientConnection(stream, self._max_head_bytes)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(connection.read)
+                await self._answer_requests(connection)
+                nursery.cancel_scope.cancel()
+        finally:
+            await stream.aclose()
+
+    async def _answer_requests(self, connection: ClientConnection) -> None:
+        protocol = connection.h11
+        while not self.closing:
+            request = await self._next_request(connection)
+            if request is None:
+                return
+            exchange = Exchange(
+                connection, request, read_timeout=self._read_timeout, closing=self._is_closing
+            )
+            if not await self._answer(connection, exchange):
+                return
+            if protocol.our_state is not h11.DONE or protocol.their_state is not h11.DONE:
+                return
+            protocol.start_next_cycle()
+
+    async def _next_request(self, connection: ClientConnection) -> h11.Request | None:
+        """The next request's head; None when the connection should end instead."""
+        protocol = connection.h11
+        received = connection.received
+        deadline = trio.current_time() + self._keep_alive_timeout
+        head_started = False
+        with trio.CancelScope() as waiting:
+            self._between_requests.add(waiting)
+            try:
+                while True:
+                    try:
+                        event = protocol.next_event()
+                    except h11.RemoteProtocolError as exc:
+                        await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
+                        return None
+                    if isinstance(event, h11.Request):
+                        return event
+                    if event is not h11.NEED_DATA:
+                        return None  # ConnectionClosed
+                    if not head_started and connection.received != received:
+                        head_started = True
+                        deadline = trio.current_time() + self._read_timeout
+                    try:
+                        await connection.wait_for_bytes(deadline)
+                    except trio.TooSlowError:
+                        if head_started:
+                            message = (
+                                f"The request head did not arrive within {self._read_timeout:g}s."
+                            )
+                            await connection.refuse(408, message, "request_timeout")
+                        return None
+            finally:
+                self._between_requests.discard(waiting)
+        return None  # the server is closing
+
+    async def _answer(self, connection: ClientConnection, exchange: Exchange) -> bool:
+        """Run the handler; whether the connection may carry another request."""
+        self.answering += 1
+        try:
+            with trio.CancelScope() as answering:
+                connection.begin_answering(answering)
+                try:
+                    await self._handler(exchange)
+                except ClientGone:
+                    return False
+                except Exception:
+                    # A bug of ours must cost this request only, and still answer in
+                    # OpenAI's shape.
+                    log.exception(
+                        "unexpected error while serving %s %s", exchange.method, exchange.path
+                    )
+                    if not exchange.started:
+                        with contextlib.suppress(ClientGone):
+                            await respond_internal_error(exchange)
+                    return False
+        finally:
+            connection.end_answering()
+            self.answering -= 1
+            if not self.answering:
+                self._idle.set()
+        return exchange.complete and not answering.cancelled_caught
