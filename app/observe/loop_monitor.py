@@ -15,9 +15,11 @@
   own stack, only when one run of steps outlasts the threshold. With the instrument off,
   the probe re-arms the alarm at every tick instead.
 - each stall gets a cause, `blocking`, `gil-wait` or `preempted` (stall_causes.py), from
-  the loop thread's clocks (thread_clocks.py) sampled at the probe's ticks and after I/O
-  waits (at most once a millisecond: ~5 µs a sample at rest, ~20 µs under load, 3-3.5% of
-  the proxy's CPU at 200 requests/s), and once more when the stall ends.
+  the loop thread's clocks (thread_clocks.py) sampled at the probe's ticks and once more
+  when the stall ends. Not after I/O waits: a sample is ~3 µs at rest and many times that
+  under load, and a relaying proxy waits for I/O once per token (15% of its CPU at 200
+  streams, py-spy); a stall's window may then start up to one probe interval before it,
+  a part the cause split leaves out (`unblamed_s`).
 - stalls go into a ring of recent distinct stalls and, a few a minute, to the
   "sluice.stalls" logger.
 
@@ -80,10 +82,6 @@ IDLE_AFTER_S = 0.005
 # thread holding the GIL would stall the loop without any task step of its own).
 OTHERS_IDLE_CPU_NS = 1_000_000
 RECENT_LAG_WINDOW_S = 10.0
-# After an I/O wait the clocks are sampled only if the last sample is older than this: at
-# most one sample a millisecond however often the loop waits, and a stall's window
-# starts at most this much before the stall (stall_causes.py).
-MARK_MIN_AGE_S = 0.001
 # The other threads' run delays (a pread each) are read at the end of every stall, and in
 # between at this pace: ~13 µs with 6 threads, too much for every 5 ms tick.
 FULL_SAMPLE_EVERY_S = 0.025
@@ -106,10 +104,9 @@ class _StepTimer(trio.abc.Instrument):
         # Start of the current step; phases that end after it belong to it. When the
         # instrument is off the probe moves it on each tick instead.
         self.window_started = perf_counter()
-        # The latest sample of the loop thread's clocks (None without clocks), and when.
-        self.clocks: ThreadClocks | None = None
+        # The latest sample of the loop thread's clocks (None without clocks): a stall's
+        # cause is read over the window from it to the stall's end.
         self.mark: ThreadSample | None = None
-        self.mark_at = 0.0
         self.capture: LoopStackCapture | None = None  # the stack alarm, counting while busy
         # The probe's task; when the last step of any other task ended (whether the loop is
         # idle); set while the probe idles, to wake it when the loop wakes for other work.
@@ -130,9 +127,6 @@ class _StepTimer(trio.abc.Instrument):
             self.woke_at = now
             self.idle_wake.set()
             self.idle_wake = None
-        if self.clocks is not None and now - self.mark_at >= MARK_MIN_AGE_S:
-            self.mark = self.clocks.sample()
-            self.mark_at = now
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         ended = perf_counter()
@@ -220,7 +214,7 @@ class LoopMonitor:
             self._causes_off_reason = clocks
             log.warning("stall causes are off for this monitor (%s)", clocks)
         else:
-            self._clocks = self._step_timer.clocks = clocks
+            self._clocks = clocks
             self._step_timer.mark = clocks.sample(full=True)
         if self._instrument_enabled:
             self._step_timer.window_started = perf_counter()
@@ -240,7 +234,7 @@ class LoopMonitor:
                 self._capture = self._step_timer.capture = None
             if self._clocks is not None:
                 self._clocks.close()
-                self._clocks = self._step_timer.clocks = self._step_timer.mark = None
+                self._clocks = self._step_timer.mark = None
             self._stacks_off_reason = self._causes_off_reason = None
             self._loop_thread_id = None
 
@@ -329,7 +323,6 @@ class LoopMonitor:
                 self._capture.rearm()
             if sample is not None:
                 previous = timer.mark = sample
-                timer.mark_at = woke
             explained = self._step_stalls
             if recorded or not self._instrument_enabled:
                 # The stall just recorded may have begun inside this very step (the loop
@@ -354,7 +347,6 @@ class LoopMonitor:
         cause, split = self._cause(timer.mark, end, duration_s)
         if end is not None:
             timer.mark = end
-            timer.mark_at = perf_counter()
         self._count_stall(self._task_labels.label(task.name), cause, duration_s)
         frames = self._harvest_stack()
         root = getattr(task.coro, "cr_code", None)

@@ -28,9 +28,10 @@ not GIL waits — reaches the stall threshold by itself, so the task would have 
 machine too. Otherwise it goes to the larger outside cause, the GIL or the OS. A stall the OS
 caused is then never read as a bug in whatever task happened to be running.
 
-The samples are taken at the lag probe's ticks and after I/O waits, not at every task step
-(that would double the instrument's cost), so the window between two samples may begin
-before the stall did. That earlier part (`unblamed_s`) is taken off the task's own time:
+The samples are taken at the lag probe's ticks (every 5 ms while another thread of ours is
+on a CPU, every 25 ms otherwise) and at the end of each stall, not at every task step or
+I/O wait (that would cost more than the proxy's own work per token), so the window between
+two samples may begin before the stall did. That earlier part (`unblamed_s`) is taken off the task's own time:
 it was the previous steps' work or the idle wait for I/O, and erring that way never blames a
 task for time it did not take.
 """

@@ -60,12 +60,13 @@ def byte_stream(stream: trio.abc.Stream) -> ByteStream:
 
 
 class SocketBytes(ByteStream):
-    __slots__ = ("_closed", "_socket", "_stream", "_unyielded")
+    __slots__ = ("_closed", "_drained", "_socket", "_stream", "_unyielded")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self._stream = stream
         self._socket = stream.socket
         self._unyielded = 0
+        self._drained = False  # the last read returned less than it asked for
         self._closed = False
 
     def _fd(self) -> int:
@@ -81,6 +82,11 @@ class SocketBytes(ByteStream):
             await trio.lowlevel.checkpoint()
 
     async def receive(self, max_bytes: int = RECEIVE_SIZE) -> bytes:
+        if self._drained:
+            # The last read took all there was: a read now would almost always fail
+            # (EAGAIN, a system call and a Python exception per token); wait first.
+            await trio.lowlevel.wait_readable(self._fd())
+            self._unyielded = 0
         while True:
             fd = self._fd()
             try:
@@ -91,7 +97,9 @@ class SocketBytes(ByteStream):
                 continue
             except OSError as exc:
                 raise trio.BrokenResourceError(f"connection lost: {exc}") from None
-            await self._done_at_once()
+            self._drained = len(data) < max_bytes
+            if not self._drained:
+                await self._done_at_once()
             return data
 
     async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
