@@ -75,12 +75,6 @@ class SocketBytes(ByteStream):
             raise trio.ClosedResourceError("the connection is closed")
         return self._socket.fileno()
 
-    async def _done_at_once(self) -> None:
-        self._unyielded += 1
-        if self._unyielded >= YIELD_EVERY:
-            self._unyielded = 0
-            await trio.lowlevel.checkpoint()
-
     async def receive(self, max_bytes: int = RECEIVE_SIZE) -> bytes:
         if self._drained:
             # The last read took all there was: a read now would almost always fail
@@ -99,7 +93,10 @@ class SocketBytes(ByteStream):
                 raise trio.BrokenResourceError(f"connection lost: {exc}") from None
             self._drained = len(data) < max_bytes
             if not self._drained:
-                await self._done_at_once()
+                self._unyielded += 1
+                if self._unyielded >= YIELD_EVERY:
+                    self._unyielded = 0
+                    await trio.lowlevel.checkpoint()
             return data
 
     async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
@@ -114,7 +111,10 @@ class SocketBytes(ByteStream):
                 raise trio.BrokenResourceError(f"connection lost: {exc}") from None
             if view is None:
                 if sent == len(data):
-                    await self._done_at_once()
+                    self._unyielded += 1
+                    if self._unyielded >= YIELD_EVERY:
+                        self._unyielded = 0
+                        await trio.lowlevel.checkpoint()
                     return
                 view = memoryview(data)
             view = view[sent:]

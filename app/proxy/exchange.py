@@ -288,10 +288,13 @@ class Exchange:
         return data
 
     async def write(self, data: bytes) -> None:
-        """More of the body; `data` must not be empty."""
+        """More of the body; `data` must not be empty. The relay's per-token call."""
         if self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
-        await self._send(self._frame(data))
+        try:
+            await self._connection.stream.send(self._frame(data), self.client_wait)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ClientGone from None
 
     async def end(self, last: bytes = b"") -> None:
         """The rest of the body, if any, and its end, in one write."""

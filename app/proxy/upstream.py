@@ -80,7 +80,12 @@ class UpstreamResponse:
     async def read_arrived(self) -> bytes:
         """The body's bytes that came with the head, decoded (b"" if none); never waits."""
         raw, self._early = self._early, None
-        return await self._decode(raw) if raw else b""
+        if not raw:
+            return b""
+        data = self._decode(raw)
+        if self._decoder.done:
+            await self._finish(raw)
+        return data
 
     async def read(self) -> bytes | None:
         """The body's bytes that have arrived, decoded (waiting for some if none have);
@@ -92,35 +97,35 @@ class UpstreamResponse:
             elif self._connection is None:
                 break
             else:
-                raw = await self._receive(self._connection)
-            data = await self._decode(raw)
+                try:
+                    raw = await self._connection.stream.receive()
+                except trio.BrokenResourceError as exc:
+                    raise UpstreamError(str(exc)) from None
+            data = self._decode(raw)
+            if self._decoder.done:
+                await self._finish(raw)
             if data:
                 return data
         return None
 
-    async def _decode(self, raw: bytes) -> bytes:
+    def _decode(self, raw: bytes) -> bytes:
         decoder = self._decoder
         try:
             if raw:
                 pieces = decoder.feed(raw)
             else:
                 decoder.end_of_input()
-                pieces = []
+                return b""
         except FramingError as exc:
             raise UpstreamError(f"invalid body from the backend: {exc}") from None
-        if decoder.done:
-            self.ended = True
-            await self._release(reusable=self._keep_alive and raw != b"" and not decoder.leftover)
         if not pieces:
             return b""
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    @staticmethod
-    async def _receive(connection: _Connection) -> bytes:
-        try:
-            return await connection.stream.receive()
-        except trio.BrokenResourceError as exc:
-            raise UpstreamError(str(exc)) from None
+    async def _finish(self, last_read: bytes) -> None:
+        self.ended = True
+        reusable = self._keep_alive and last_read != b"" and not self._decoder.leftover
+        await self._release(reusable=reusable)
 
     async def aclose(self) -> None:
         """Give the connection back if the exchange completed, else close it."""
