@@ -31,9 +31,9 @@ caused is then never read as a bug in whatever task happened to be running.
 The samples are taken at the lag probe's ticks (every 5 ms while another thread of ours is
 on a CPU, every 25 ms otherwise) and at the end of each stall, not at every task step or
 I/O wait (that would cost more than the proxy's own work per token), so the window between
-two samples may begin before the stall did. That earlier part (`unblamed_s`) is taken off the task's own time:
-it was the previous steps' work or the idle wait for I/O, and erring that way never blames a
-task for time it did not take.
+two samples may begin before the stall did. That earlier part (`unblamed_s`) is taken off
+the task's own time: it was the previous steps' work or the idle wait for I/O, and erring
+that way never blames a task for time it did not take.
 """
 
 from __future__ import annotations
