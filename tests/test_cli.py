@@ -67,6 +67,18 @@ def test_booleans_and_sim_backend() -> None:
     assert (sim.port, sim.error_rate, sim.hang) == (9100, 0.5, True)
 
 
+def test_sim_backend_serves_every_model_named() -> None:
+    _, sim = parse(["sim-backend", "--model", "big", "--model", "small"])
+    assert isinstance(sim, SimSettings)
+    assert (sim.models, sim.served_models) == (("big", "small"), ("big", "small"))
+    _, default = parse(["sim-backend"])
+    assert isinstance(default, SimSettings)
+    assert default.models == ()
+    for wrong in (["--model", "a", "--model", "a"], ["--model", " "]):
+        with pytest.raises(SystemExit):
+            parse(["sim-backend", *wrong])
+
+
 def test_demo_needs_no_flags() -> None:
     command, settings = parse(["demo"])
     assert command == "demo" and isinstance(settings, Settings)
