@@ -59,6 +59,7 @@ HELP: dict[str, str] = {
     "tokenizer.json path: what /tokenize and prompt counting use",
     "model": "a model name this backend serves (repeatable; any other name gets vLLM's 404; "
     "default: answers to any name as deepseek-ai/DeepSeek-V4-sim)",
+    "metrics_style": "whose /metrics to expose: vllm, sglang, llamacpp or tgi (default: vllm)",
 }
 
 

@@ -339,7 +339,7 @@ async def test_metrics_use_vllm_names_and_count_prefix_hits(launch: Any) -> None
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
     ):
-        assert samples[name].labels == {"model_name": "sim-test-model"}
+        assert samples[name].labels == {"model_name": "sim-test-model", "engine": "0"}
     assert samples["vllm:generation_tokens_total"].value == 4
     queries = samples["vllm:prefix_cache_queries_total"].value
     assert queries == samples["vllm:prompt_tokens_total"].value
@@ -363,7 +363,7 @@ async def test_waiting_requests_are_exported(launch: Any) -> None:
         assert (state["running"], state["waiting"]) == (1, 1)
         assert 0 < state["kv_cache_usage_perc"] <= 1
         metrics = (await sim.http.get(sim.url + "/metrics")).text
-        assert 'vllm:num_requests_waiting{model_name="sim-test-model"} 1.0' in metrics
+        assert 'vllm:num_requests_waiting{engine="0",model_name="sim-test-model"} 1.0' in metrics
         nursery.cancel_scope.cancel()
 
 

@@ -65,7 +65,7 @@ class SimServer:
         self.tokenize_requests = 0
         self.prompts_by_form: dict[PromptForm, int] = {"messages": 0, "text": 0, "token_ids": 0}
         self.engine = SimEngine(settings)
-        self.metrics = SimMetrics(self.engine, settings.served_models[0])
+        self.metrics = SimMetrics(self.engine, settings)
         self.faults = SimFaults.from_settings(settings)
         self.created = int(time.time())
         self.preprocessing = trio.Lock()

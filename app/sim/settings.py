@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
+# Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
+MetricsStyle = Literal["vllm", "sglang", "llamacpp", "tgi"]
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,7 @@ class SimSettings:
     # one base model): /v1/models lists each, a request for any other name gets vLLM's 404.
     # None named: it serves DEFAULT_MODEL and answers to whatever name a client sends.
     models: tuple[str, ...] = ()
+    metrics_style: MetricsStyle = "vllm"
     max_model_len: int = 131072
     # What /tokenize and prompt counting use: "words" (the stand-in, one id a word),
     # "default" (Sluice's bundled DeepSeek tokenizer: a backend `--forward tokens` can
