@@ -1,6 +1,7 @@
 """Engines' own load figures end to end: one simulated backend per metrics style (vLLM, SGLang,
 llama.cpp server, TGI), the load scraper reading each over HTTP into the backend's state, the
-prefix hit rate over a scrape interval, and a backend without engine metrics."""
+prefix hit rate over a scrape interval, a backend without engine metrics, and the dashboard's
+`/api/snapshot` carrying each backend's `engine` block."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from app.routing.backends import BackendPool
 from app.routing.load_scraper import LoadScraper
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
-from tests.conftest import StartASGI
+from tests.conftest import StartASGI, StartSim, StartSluice, wait_until
 
 SLOW = SimSettings(
     port=0,
@@ -129,3 +130,36 @@ async def test_a_backend_without_engine_metrics_counts_no_queue(
     backend.reported_waiting = 3
     await scraper(pool, client).scrape_all()
     assert (backend.engine, backend.reported_waiting, backend.reported_kv_usage) == (None, 0, None)
+
+
+async def test_the_snapshot_carries_each_backends_engine_block(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sims = {style: await start_sim(metrics_style=style) for style in ("sglang", "tgi")}
+    running = await start_sluice([sim.url for sim in sims.values()])
+    for sim in sims.values():
+        await ask(client, sim.url, "warm up")  # SGLang's hit rate is that of its last prefill
+
+    async def engines() -> dict[str, Any]:
+        response = await client.get(running.dashboard_url + "/api/snapshot")
+        return {b["url"]: b["engine"] for b in response.json()["backends"]}
+
+    async def all_scraped() -> bool:
+        return all(engine is not None for engine in (await engines()).values())
+
+    await wait_until(all_scraped)
+    found = await engines()
+    assert found[sims["sglang"].url] == {
+        "name": "sglang",
+        "running": 0,
+        "waiting": 0,
+        "kv_cache_usage": 0.0,
+        "prefix_cache_hit_rate": 0.0,
+    }
+    assert found[sims["tgi"].url] == {
+        "name": "tgi",
+        "running": 0,
+        "waiting": 0,
+        "kv_cache_usage": None,
+        "prefix_cache_hit_rate": None,
+    }

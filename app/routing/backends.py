@@ -197,6 +197,7 @@ class BackendPool:
                 "load": round(b.load, 3),
                 "reported_waiting": b.reported_waiting,
                 "reported_kv_usage": b.reported_kv_usage,
+                "engine": _engine_block(b.engine),
                 "consecutive_failures": b.consecutive_failures,
                 "probe_path": b.probe_path,
                 "models": [m.get("id") for m in b.models],
@@ -207,3 +208,15 @@ class BackendPool:
             }
             for b in self.backends
         ]
+
+
+def _engine_block(load: EngineLoad | None) -> dict[str, Any] | None:
+    if load is None:
+        return None
+    return {
+        "name": load.name,
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_cache_usage": load.kv_cache_usage,
+        "prefix_cache_hit_rate": load.prefix_cache_hit_rate,
+    }
