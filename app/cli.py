@@ -57,6 +57,9 @@ HELP: dict[str, str] = {
     "fewer than the CPU count, min 1)",
     "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "
     "tokenizer.json path: what /tokenize and prompt counting use",
+    "model": "a model name this backend serves (repeatable; any other name gets vLLM's 404; "
+    "default: answers to any name as deepseek-ai/DeepSeek-V4-sim)",
+    "metrics_style": "whose /metrics to expose: vllm, sglang, llamacpp or tgi (default: vllm)",
 }
 
 
@@ -208,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dataclass_flags(demo, Settings, skip=("backends",))
 
     sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
+    sim.add_argument("--model", dest="models", action="append", metavar="NAME", help=HELP["model"])
     _add_dataclass_flags(sim, SimSettings)
     return parser
 
@@ -215,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSettings]:
     args = build_parser().parse_args(argv)
     if args.command == "sim-backend":
-        return args.command, _resolve(SimSettings, args, {})
+        return args.command, _resolve(SimSettings, args, {}, {"models": tuple(args.models or ())})
     try:
         file_values = _load_toml(args.config)
     except (OSError, tomllib.TOMLDecodeError) as exc:

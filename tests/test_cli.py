@@ -67,6 +67,22 @@ def test_booleans_and_sim_backend() -> None:
     assert (sim.port, sim.error_rate, sim.hang) == (9100, 0.5, True)
 
 
+def test_sim_backend_serves_every_model_named_in_the_named_metrics_style() -> None:
+    _, sim = parse(["sim-backend", "--model", "big", "--model", "small", "--metrics-style", "tgi"])
+    assert isinstance(sim, SimSettings)
+    assert (sim.models, sim.served_models, sim.metrics_style) == (
+        ("big", "small"),
+        ("big", "small"),
+        "tgi",
+    )
+    _, default = parse(["sim-backend"])
+    assert isinstance(default, SimSettings)
+    assert (default.models, default.metrics_style) == ((), "vllm")
+    for wrong in (["--model", "a", "--model", "a"], ["--model", " "], ["--metrics-style", "x"]):
+        with pytest.raises(SystemExit):
+            parse(["sim-backend", *wrong])
+
+
 def test_demo_needs_no_flags() -> None:
     command, settings = parse(["demo"])
     assert command == "demo" and isinstance(settings, Settings)

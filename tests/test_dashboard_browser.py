@@ -3,7 +3,9 @@
 changing numbers and draws its charts, nothing is logged to the console as an error, a burst
 from the page's button makes the loop stall and a stall row opens its stack, the switch
 changes the policy that `/api/snapshot` reports and a second open page shows it, and the page
-says so when Sluice goes away and reconnects by itself when it is back.
+says so when Sluice goes away and reconnects by itself when it is back. In front of one
+simulated backend per engine metrics style, the backends table shows each engine's name and
+every number the snapshot has from it.
 
 With SLUICE_UPDATE_SCREENSHOT=1 the screenshot is also written to static/dashboard.png (the
 one the README shows); otherwise it only goes to pytest's temporary directory.
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,29 +52,28 @@ if not Path(CHROMIUM).exists():
     pytest.skip(f"needs {CHROMIUM} (apt-get install -y chromium)", allow_module_level=True)
 
 
-class Demo:
-    """`sluice demo` in its own process; the URLs come from what it prints."""
+class Sluice:
+    """`python -m app ARGUMENTS` in its own process; `urls` maps each line prefix asked for to
+    the URL it printed on that line."""
 
-    def __init__(self, dashboard_port: int = 0, *flags: str) -> None:
-        command = [sys.executable, "-m", "app", "demo", "--port", "0", *flags]
-        command += ["--dashboard-port", str(dashboard_port), "--demo-burst-interval", "0"]
+    def __init__(self, arguments: list[str], *prefixes: str) -> None:
         self.process = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            [sys.executable, "-m", "app", *arguments],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         lines: queue.Queue[str] = queue.Queue()
         assert self.process.stdout is not None
         stdout = self.process.stdout
         threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
-        self.dashboard_url = ""
-        while not self.dashboard_url:
+        self.urls: dict[str, str] = {}
+        while len(self.urls) < len(prefixes):
             line = lines.get(timeout=60)
-            if line.startswith("Sluice dashboard:"):
-                self.dashboard_url = line.split()[-1]
-
-    def snapshot(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.dashboard_url + "/api/snapshot", timeout=10) as answer:
-            result: dict[str, Any] = json.load(answer)
-            return result
+            for prefix in prefixes:
+                if line.startswith(prefix):
+                    self.urls[prefix] = line.split()[-1]
 
     def stop(self) -> None:
         self.process.terminate()
@@ -80,6 +82,24 @@ class Demo:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def fetch_snapshot(dashboard_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(dashboard_url + "/api/snapshot", timeout=10) as answer:
+        result: dict[str, Any] = json.load(answer)
+        return result
+
+
+class Demo(Sluice):
+    """`sluice demo` as a user runs it."""
+
+    def __init__(self, dashboard_port: int = 0, *flags: str) -> None:
+        arguments = ["demo", "--port", "0", "--dashboard-port", str(dashboard_port), *flags]
+        super().__init__([*arguments, "--demo-burst-interval", "0"], "Sluice dashboard:")
+        self.dashboard_url = self.urls["Sluice dashboard:"]
+
+    def snapshot(self) -> dict[str, Any]:
+        return fetch_snapshot(self.dashboard_url)
 
 
 @pytest.fixture
@@ -221,3 +241,95 @@ def test_the_page_says_when_sluice_is_gone_and_reconnects_when_it_is_back(browse
         assert "reconnected" in page.inner_text("#connection")
     finally:
         second.stop()
+
+
+# The backends table's columns filled from each backend's `engine` block in the snapshot.
+ENGINE_COLUMNS = {
+    "engine": "name",
+    "running / waiting": "running",
+    "KV cache": "kv_cache_usage",
+    "prefix hits": "prefix_cache_hit_rate",
+}
+ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
+
+
+def ask(proxy_url: str, question: int) -> None:
+    body = {
+        "model": "sim",
+        "messages": [
+            {"role": "system", "content": "Answer in haiku. " * 30},
+            {"role": "user", "content": f"Question {question}?"},
+        ],
+        "max_tokens": 2,
+    }
+    request = urllib.request.Request(
+        proxy_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.status == 200
+
+
+def engine_numbers_known(snapshot: dict[str, Any]) -> bool:
+    """Every engine named, and every number its style reports known (a vLLM hit rate needs
+    prompts between two scrapes)."""
+    engines = {b["engine"]["name"]: b["engine"] for b in snapshot["backends"] if b.get("engine")}
+    if set(engines) != set(ENGINE_STYLES):
+        return False
+    reported = [engines[name]["kv_cache_usage"] for name in ("vllm", "sglang", "llamacpp")]
+    reported += [engines[name]["prefix_cache_hit_rate"] for name in ("vllm", "sglang")]
+    return all(value is not None for value in reported)
+
+
+def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
+    """Cells that show "—" where the snapshot has a number, or a number where it has none."""
+    table = page.evaluate(
+        "() => ({"
+        " heads: [...document.querySelectorAll('#panel-backends table.backends th')]"
+        ".map(th => th.textContent),"
+        " rows: [...document.querySelectorAll('#panel-backends table.backends tbody tr')]"
+        ".map(tr => [tr.dataset.backend, [...tr.cells].map(td => td.textContent)])})"
+    )
+    engines = {b["url"]: b["engine"] or {} for b in snapshot["backends"]}
+    mismatched = []
+    for url, cells in table["rows"]:
+        for head, field in ENGINE_COLUMNS.items():
+            cell = cells[table["heads"].index(head)]
+            known = engines[url].get(field) is not None
+            if known == ("—" in cell) or (field == "name" and cell != engines[url]["name"]):
+                mismatched.append(f"{url} {head}: {cell!r}, snapshot {engines[url]}")
+    return mismatched or ([] if table["rows"] else ["no rows"])
+
+
+def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None:
+    started: list[Sluice] = []
+    try:
+        for style in ENGINE_STYLES:
+            arguments = ["sim-backend", "--port", "0", "--metrics-style", style]
+            started.append(Sluice(arguments, "Simulated backend:"))
+        backends = [f"--backend={sim.urls['Simulated backend:']}" for sim in started]
+        arguments = ["serve", "--port", "0", "--dashboard-port", "0", "--policy", "round_robin"]
+        sluice = Sluice([*arguments, *backends], "Sluice proxy:", "Sluice dashboard:")
+        started.append(sluice)
+        proxy_url, dashboard_url = sluice.urls["Sluice proxy:"], sluice.urls["Sluice dashboard:"]
+
+        # Prompts for every backend, over several scrapes, until each engine's numbers are in.
+        deadline = time.monotonic() + WAIT_MS / 1000
+        question = 0
+        while not engine_numbers_known(fetch_snapshot(dashboard_url)):
+            assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["backends"]
+            ask(proxy_url, question)
+            question += 1
+
+        page = open_page(browser, dashboard_url, [])
+        mismatched: list[str] = []
+        for _ in range(WAIT_MS // 250):
+            mismatched = engine_cells_mismatched(page, fetch_snapshot(dashboard_url))
+            if not mismatched:
+                break
+            page.wait_for_timeout(250)
+        assert not mismatched, mismatched
+    finally:
+        for process in started:
+            process.stop()

@@ -21,7 +21,7 @@ from app.sim.server import create_sim_app, serve_sim
 from app.sim.tokens import WordTokenizer
 from tests.conftest import FAST_SIM, StartSim, StartSluice, set_faults, wait_until
 
-SIM_MODEL = FAST_SIM.model
+SIM_MODEL = FAST_SIM.served_models[0]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi there."}]
 CHAT: dict[str, Any] = {"model": SIM_MODEL, "messages": MESSAGES}
 

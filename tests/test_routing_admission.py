@@ -1,6 +1,6 @@
 """Admission and feedback plumbing alone: token buckets per API key (refill, charge after the
-fact, too-large requests, bounded keys), the slot queue's bounds under trio's MockClock, usage
-read off an answer's tail, and the load figures scraped from a Prometheus exposition."""
+fact, too-large requests, bounded keys), the slot queue's bounds under trio's MockClock, and
+usage read off an answer's tail."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import trio
 import trio.testing
 
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
-from app.routing.load_scraper import KV_USAGE, WAITING, metric_sum
 from app.routing.usage import Usage, usage_from_tail
 
 # --- tokens per minute --------------------------------------------------------------------------
@@ -99,22 +98,3 @@ def test_usage_is_read_from_whole_answers_and_stream_ends() -> None:
     assert usage_from_tail(b'{"usage":{"prompt_tokens":5}}') == Usage(5, None, None)
     assert usage_from_tail(b'data: {"choices":[]}\n\ndata: [DONE]\n\n') is None
     assert usage_from_tail(b'{"usage": null}') is None
-
-
-# --- scraped load ---------------------------------------------------------------------------------
-
-EXPOSITION = f"""# HELP {WAITING} Number of requests waiting to be processed.
-# TYPE {WAITING} gauge
-{WAITING}{{model_name="a"}} 3.0
-{WAITING}{{model_name="b"}} 2.0
-{WAITING}_extra 99
-{KV_USAGE}{{model_name="a"}} 0.25
-"""
-
-
-def test_load_figures_are_summed_over_models_and_comments_ignored() -> None:
-    assert metric_sum(EXPOSITION, WAITING) == 5.0
-    assert metric_sum(EXPOSITION, KV_USAGE) == 0.25
-    assert metric_sum(EXPOSITION, "vllm:num_requests_running") is None
-    assert metric_sum(f"{WAITING} not-a-number\n", WAITING) is None
-    assert metric_sum(f"{WAITING} 4", WAITING) == 4.0

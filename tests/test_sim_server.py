@@ -21,11 +21,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.asgi import Message
 from app.sim.server import SimServer, create_sim_app, serve_sim
-from app.sim.settings import SimSettings
+from app.sim.settings import DEFAULT_MODEL, SimSettings
 
 FAST = SimSettings(
     port=0,
-    model="sim-test-model",
+    models=("sim-test-model",),
     max_model_len=512,
     prefill_overhead=0.001,
     prefill_per_token=0.0,
@@ -79,6 +79,58 @@ async def test_models_lists_the_model_like_vllm(launch: Any) -> None:
     assert card["id"] == card["root"] == "sim-test-model"
     assert (card["object"], card["owned_by"], card["max_model_len"]) == ("model", "vllm", 512)
     assert isinstance(card["created"], int)
+
+
+async def test_every_served_name_is_listed_and_answered_under_its_own_name(launch: Any) -> None:
+    sim = await launch(models=("base", "base-adapter"))
+    cards = (await sim.http.get(sim.url + "/v1/models")).json()["data"]
+    assert [(card["id"], card["root"], card["max_model_len"]) for card in cards] == [
+        ("base", "base", 512),
+        ("base-adapter", "base", 512),
+    ]
+    for name in ("base", "base-adapter"):
+        body = {**CHAT, "model": name}
+        answer = (await sim.http.post(sim.url + "/v1/chat/completions", json=body)).json()
+        assert answer["model"] == name
+    unnamed = (await sim.http.post(sim.url + "/v1/chat/completions", json=CHAT)).json()
+    assert unnamed["model"] == "base"  # vLLM's default: the first served name
+
+
+# What vLLM answers for a model it does not serve (vllm/entrypoints/openai/models/serving.py,
+# `OpenAIModelRegistry.check_model`, through `create_error_response`).
+UNKNOWN_MODEL = {
+    "error": {
+        "message": "The model `other` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**CHAT, "model": "other"}),
+        ("/v1/chat/completions", {**CHAT, "model": "other", "stream": True}),
+        ("/v1/completions", {"model": "other", "prompt": "Once upon"}),
+        ("/tokenize", {"model": "other", "prompt": "Once upon"}),
+    ],
+)
+async def test_any_other_model_gets_vllms_404(launch: Any, path: str, body: dict[str, Any]) -> None:
+    sim = await launch()
+    response = await sim.http.post(sim.url + path, json=body)
+    assert (response.status_code, response.json()) == (404, UNKNOWN_MODEL)
+    assert sim.app.engine.prompt_tokens_total == 0
+
+
+async def test_with_no_model_named_any_name_is_answered(launch: Any) -> None:
+    sim = await launch(models=())
+    (card,) = (await sim.http.get(sim.url + "/v1/models")).json()["data"]
+    assert card["id"] == DEFAULT_MODEL
+    body = {**CHAT, "model": "whatever-the-client-says"}
+    answer = await sim.http.post(sim.url + "/v1/chat/completions", json=body)
+    assert (answer.status_code, answer.json()["model"]) == (200, DEFAULT_MODEL)
 
 
 async def test_health_is_empty_200_until_made_unhealthy_at_runtime(launch: Any) -> None:
@@ -287,7 +339,7 @@ async def test_metrics_use_vllm_names_and_count_prefix_hits(launch: Any) -> None
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
     ):
-        assert samples[name].labels == {"model_name": "sim-test-model"}
+        assert samples[name].labels == {"model_name": "sim-test-model", "engine": "0"}
     assert samples["vllm:generation_tokens_total"].value == 4
     queries = samples["vllm:prefix_cache_queries_total"].value
     assert queries == samples["vllm:prompt_tokens_total"].value
@@ -311,7 +363,7 @@ async def test_waiting_requests_are_exported(launch: Any) -> None:
         assert (state["running"], state["waiting"]) == (1, 1)
         assert 0 < state["kv_cache_usage_perc"] <= 1
         metrics = (await sim.http.get(sim.url + "/metrics")).text
-        assert 'vllm:num_requests_waiting{model_name="sim-test-model"} 1.0' in metrics
+        assert 'vllm:num_requests_waiting{engine="0",model_name="sim-test-model"} 1.0' in metrics
         nursery.cancel_scope.cancel()
 
 

@@ -7,7 +7,7 @@ opens it at once while the next success closes it.
 
 Load, for the policies, is `load`: requests in flight plus the prompt tokens they still have
 to prefill (counted locally, in units of `TOKENS_PER_LOAD`), plus the queue the backend
-itself last reported (`vllm:num_requests_waiting`, scraped off the request path by
+itself last reported (its engine's waiting count, scraped off the request path by
 `load_scraper.py`: it also sees other proxies' traffic). Backends join and leave at run time
 (`add`, `remove`); a removed backend's requests in flight finish where they are.
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from app.routing.engine_metrics import EngineLoad
 
 if TYPE_CHECKING:
     from app.routing.tokenizer_check import TokenizerOutcome, TokenizerProbe
@@ -47,8 +49,8 @@ class Backend:
     healthy: bool = False
     inflight: int = 0
     pending_tokens: int = 0  # uncached prompt tokens of the requests in flight
-    reported_waiting: int = 0  # vllm:num_requests_waiting at the last scrape
-    reported_kv_usage: float | None = None  # vllm:kv_cache_usage_perc at the last scrape
+    reported_waiting: int = 0  # the engine's waiting count at the last scrape
+    engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
     consecutive_failures: int = 0
     open_until: float = 0.0
     half_open: bool = False
@@ -65,6 +67,10 @@ class Backend:
     @property
     def load(self) -> float:
         return self.inflight + self.reported_waiting + self.pending_tokens / TOKENS_PER_LOAD
+
+    @property
+    def reported_kv_usage(self) -> float | None:
+        return None if self.engine is None else self.engine.kv_cache_usage
 
     @property
     def max_model_len(self) -> int | None:
@@ -191,6 +197,7 @@ class BackendPool:
                 "load": round(b.load, 3),
                 "reported_waiting": b.reported_waiting,
                 "reported_kv_usage": b.reported_kv_usage,
+                "engine": _engine_block(b.engine),
                 "consecutive_failures": b.consecutive_failures,
                 "probe_path": b.probe_path,
                 "models": [m.get("id") for m in b.models],
@@ -201,3 +208,15 @@ class BackendPool:
             }
             for b in self.backends
         ]
+
+
+def _engine_block(load: EngineLoad | None) -> dict[str, Any] | None:
+    if load is None:
+        return None
+    return {
+        "name": load.name,
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_cache_usage": load.kv_cache_usage,
+        "prefix_cache_hit_rate": load.prefix_cache_hit_rate,
+    }

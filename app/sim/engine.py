@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import trio
 
 from app.sim.kv_cache import KVAllocation, PrefixKVCache
-from app.sim.latency import LatencyModel
+from app.sim.latency import LatencyModel, Step
 from app.sim.scheduler import StepScheduler
 from app.sim.settings import SimSettings
 
@@ -42,6 +42,18 @@ class SimEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
+        # What engines other than vLLM report (app/sim/metrics.py): GPU time and steps by
+        # phase, sequences in the batch summed over steps, and the prefix-cache hit rate of
+        # the last step that admitted prompts (SGLang's `cache_hit_rate` is that of the last
+        # prefill batch).
+        self.prefill_seconds_total = 0.0
+        self.decode_seconds_total = 0.0
+        self.prefill_steps = 0
+        self.decode_steps = 0
+        self.batched_seqs_total = 0
+        self.last_prefill_hit_rate = 0.0
+        self._admitted_prompt_tokens = 0
+        self._admitted_cached_tokens = 0
         self._seq_ids = itertools.count()
         self._requests: dict[int, _Request] = {}
         self._work = trio.Event()
@@ -67,6 +79,7 @@ class SimEngine:
                 continue
             step = self.scheduler.plan()
             self._notify()  # admissions change running/waiting
+            self._account(step)
             await trio.sleep(self.latency.step_seconds(step))
             self.steps += 1
             for progress in self.scheduler.complete(step):
@@ -111,7 +124,19 @@ class SimEngine:
         request = self._requests[seq_id]
         request.allocation = self.kv_cache.allocate(request.prompt, request.output_tokens)
         self.prompt_tokens_total += len(request.prompt)
+        self._admitted_prompt_tokens += len(request.prompt)
+        self._admitted_cached_tokens += request.allocation.cached_tokens
         return request.allocation.uncached_tokens
+
+    def _account(self, step: Step) -> None:
+        self.prefill_seconds_total += self.latency.prefill_step_seconds(step)
+        self.decode_seconds_total += self.latency.decode_step_seconds(len(step.decode))
+        self.prefill_steps += bool(step.prefill)
+        self.decode_steps += bool(step.decode)
+        self.batched_seqs_total += len(step.prefill) + len(step.decode)
+        if self._admitted_prompt_tokens:
+            self.last_prefill_hit_rate = self._admitted_cached_tokens / self._admitted_prompt_tokens
+            self._admitted_prompt_tokens = self._admitted_cached_tokens = 0
 
     async def wait_until(self, condition: Callable[[], bool]) -> None:
         """Block until `condition()` holds; it is re-checked whenever a sequence moves."""

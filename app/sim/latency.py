@@ -72,12 +72,11 @@ class LatencyModel:
             return 0.0
         return self.inter_token_latency * self.load_factor(decoding)
 
+    def prefill_step_seconds(self, step: Step) -> float:
+        return step.started * self.prefill_overhead + step.prefill_tokens * self.prefill_per_token
+
     def step_seconds(self, step: Step) -> float:
-        return (
-            step.started * self.prefill_overhead
-            + step.prefill_tokens * self.prefill_per_token
-            + self.decode_step_seconds(len(step.decode))
-        )
+        return self.prefill_step_seconds(step) + self.decode_step_seconds(len(step.decode))
 
     def prefill_seconds(self, uncached_prompt_tokens: int) -> float:
         """Time to the first token of a sequence alone whose prompt fits one step."""

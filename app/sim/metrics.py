@@ -1,23 +1,54 @@
-"""The simulated backend's Prometheus metrics, under vLLM's names and `model_name` label.
+"""The simulated backend's Prometheus `/metrics`, written the way the engine it imitates writes it.
 
-The engine already keeps every number; a collector reads them at scrape time instead of
-mirroring each change into separate metric objects.
+`--metrics-style` picks whose names, labels, HELP texts and neighbouring metrics appear, so
+that a proxy's scraper meets each engine's real exposition:
+
+- `vllm`: vLLM V1's `PrometheusStatLogger` (vllm/v1/metrics/loggers.py) through
+  prometheus_client: `vllm:` names labelled `model_name` (the first served name) and
+  `engine` (the engine index), counters with their `_created` samples, `vllm:cache_config_info`,
+  and the Python GC, platform and process metrics of the default registry before them.
+- `sglang`: SGLang's `SchedulerMetricsCollector` and `TokenizerMetricsCollector`
+  (python/sglang/srt/metrics/collector.py) as its multiprocess registry serves them: scheduler
+  gauges labelled `model_name`, `engine_type`, `tp_rank`, `pp_rank`; token counters labelled
+  `model_name`; no `_created` samples and no process metrics.
+- `llamacpp`: the llama.cpp server's `/metrics` handler (tools/server), which writes the text
+  itself: `# HELP`, `# TYPE` and one unlabelled sample per metric, counters first. This is the
+  server as it was before ggml-org/llama.cpp#13660 (May 2025) dropped `kv_cache_usage_ratio`
+  and `kv_cache_tokens`; newer builds report no KV use at all.
+- `tgi`: text-generation-inference's router through metrics-exporter-prometheus 0.15:
+  unlabelled gauges, counters without a `_total` suffix, and a blank line after each family.
+
+The engine keeps every number; each style reads them at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
 
 from app.sim.engine import SimEngine
+from app.sim.settings import SimSettings
 
 
-class _EngineCollector:
-    def __init__(self, engine: SimEngine, model: str) -> None:
+class _VllmCollector:
+    def __init__(self, engine: SimEngine, settings: SimSettings, created: float) -> None:
         self._engine = engine
-        self._model = model
+        self._settings = settings
+        self._labels = {"model_name": settings.served_models[0], "engine": "0"}
+        self._created = created
 
     def collect(self) -> Iterator[Metric]:
         engine, kv_cache = self._engine, self._engine.kv_cache
@@ -32,9 +63,7 @@ class _EngineCollector:
             engine.waiting,
         )
         yield self._gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            kv_cache.usage,
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache.usage
         )
         yield self._counter(
             "vllm:prefix_cache_queries",
@@ -46,34 +75,224 @@ class _EngineCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             kv_cache.hit_tokens,
         )
+        # The simulated scheduler never preempts: a sequence holds its blocks to the end.
         yield self._counter(
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed.",
-            engine.prompt_tokens_total,
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", 0
+        )
+        yield self._counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", engine.prompt_tokens_total
         )
         yield self._counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
             engine.generation_tokens_total,
         )
+        config = {
+            "block_size": str(self._settings.block_size),
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": str(self._settings.kv_cache_blocks),
+            "engine": "0",
+        }
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(config),
+        )
+        info.add_metric(list(config.values()), 1)
+        yield info
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(name, documentation, labels=["model_name"])
-        family.add_metric([self._model], value)
+        family = GaugeMetricFamily(name, documentation, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value)
         return family
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, documentation, labels=["model_name"])
-        family.add_metric([self._model], value)
+        family = CounterMetricFamily(name, documentation, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), value, created=self._created)
         return family
 
 
-class SimMetrics:
-    """One registry per simulated server, so several in one process never mix numbers."""
+class _SglangCollector:
+    def __init__(self, engine: SimEngine, settings: SimSettings) -> None:
+        self._engine = engine
+        model = settings.served_models[0]
+        self._scheduler_labels = {
+            "model_name": model,
+            "engine_type": "unified",
+            "tp_rank": "0",
+            "pp_rank": "0",
+        }
+        self._tokenizer_labels = {"model_name": model}
 
-    def __init__(self, engine: SimEngine, model: str) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model))
+    def collect(self) -> Iterator[Metric]:
+        engine, kv_cache = self._engine, self._engine.kv_cache
+        scheduler = self._scheduler_labels
+        yield _gauge(
+            "sglang:num_running_reqs", "The number of running requests.", scheduler, engine.running
+        )
+        yield _gauge(
+            "sglang:num_used_tokens",
+            "The number of used tokens.",
+            scheduler,
+            kv_cache.used_blocks * kv_cache.block_size,
+        )
+        yield _gauge("sglang:token_usage", "The token usage.", scheduler, kv_cache.usage)
+        yield _gauge(
+            "sglang:num_queue_reqs",
+            "The number of requests in the waiting queue.",
+            scheduler,
+            engine.waiting,
+        )
+        yield _gauge(
+            "sglang:cache_hit_rate",
+            "The prefix cache hit rate.",
+            scheduler,
+            engine.last_prefill_hit_rate,
+        )
+        yield _gauge(
+            "sglang:max_total_num_tokens",
+            "Maximum total number of tokens in the KV cache pool.",
+            scheduler,
+            kv_cache.num_blocks * kv_cache.block_size,
+        )
+        tokenizer = self._tokenizer_labels
+        yield _counter(
+            "sglang:prompt_tokens",
+            "Number of prefill tokens processed.",
+            tokenizer,
+            engine.prompt_tokens_total,
+        )
+        yield _counter(
+            "sglang:generation_tokens",
+            "Number of generation tokens processed.",
+            tokenizer,
+            engine.generation_tokens_total,
+        )
+        yield _counter(
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens.",
+            tokenizer,
+            kv_cache.hit_tokens,
+        )
+
+
+def _gauge(name: str, documentation: str, labels: dict[str, str], value: float) -> Metric:
+    family = GaugeMetricFamily(name, documentation, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def _counter(name: str, documentation: str, labels: dict[str, str], value: float) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def llamacpp_exposition(engine: SimEngine) -> bytes:
+    kv_cache = engine.kv_cache
+    processed = engine.prompt_tokens_total - kv_cache.hit_tokens  # cached tokens cost nothing
+    counters = [
+        ("prompt_tokens_total", "Number of prompt tokens processed.", processed),
+        ("prompt_seconds_total", "Prompt process time", engine.prefill_seconds_total),
+        (
+            "tokens_predicted_total",
+            "Number of generation tokens processed.",
+            engine.generation_tokens_total,
+        ),
+        ("tokens_predicted_seconds_total", "Predict process time", engine.decode_seconds_total),
+        ("n_decode_total", "Total number of llama_decode() calls", engine.steps),
+        (
+            "n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call",
+            engine.batched_seqs_total / max(engine.steps, 1),
+        ),
+    ]
+    gauges = [
+        (
+            "prompt_tokens_seconds",
+            "Average prompt throughput in tokens/s.",
+            _per_second(processed, engine.prefill_seconds_total),
+        ),
+        (
+            "predicted_tokens_seconds",
+            "Average generation throughput in tokens/s.",
+            _per_second(engine.generation_tokens_total, engine.decode_seconds_total),
+        ),
+        ("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.", kv_cache.usage),
+        ("kv_cache_tokens", "KV-cache tokens.", kv_cache.used_blocks * kv_cache.block_size),
+        ("requests_processing", "Number of request processing.", engine.running),
+        ("requests_deferred", "Number of request deferred.", engine.waiting),
+    ]
+    lines: list[str] = []
+    for kind, metrics in (("counter", counters), ("gauge", gauges)):
+        for name, help_text, value in metrics:
+            # C++'s `stream << double`: six significant digits, as printf's %g.
+            lines += [
+                f"# HELP llamacpp:{name} {help_text}",
+                f"# TYPE llamacpp:{name} {kind}",
+                f"llamacpp:{name} {value:g}",
+            ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _per_second(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def tgi_exposition(engine: SimEngine) -> bytes:
+    calls = {"decode": engine.decode_steps, "prefill": engine.prefill_steps}
+    families = [
+        (
+            "tgi_batch_inference_count",
+            "counter",
+            "Inference calls per method (prefill or decode)",
+            calls,
+        ),
+        (
+            "tgi_batch_inference_success",
+            "counter",
+            "Number of successful inference calls per method (prefill or decode)",
+            calls,
+        ),
+        ("tgi_batch_current_size", "gauge", "Current batch size", {"": engine.running}),
+        ("tgi_queue_size", "gauge", "Current queue size", {"": engine.waiting}),
+    ]
+    out: list[str] = []
+    for name, kind, help_text, samples in families:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for method, value in samples.items():
+            labels = f'{{method="{method}"}}' if method else ""
+            out.append(f"{name}{labels} {_rust_number(value)}")
+        out.append("")  # metrics-exporter-prometheus ends every family with a blank line
+    return ("\n".join(out) + "\n").encode()
+
+
+def _rust_number(value: float) -> str:
+    """As Rust's `Display` prints an f64: no `.0` on whole numbers."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class SimMetrics:
+    """One exposition per simulated server, so several in one process never mix numbers."""
+
+    def __init__(self, engine: SimEngine, settings: SimSettings) -> None:
+        self._exposition: Callable[[], bytes]
+        style = settings.metrics_style
+        if style == "llamacpp":
+            self._exposition = lambda: llamacpp_exposition(engine)
+        elif style == "tgi":
+            self._exposition = lambda: tgi_exposition(engine)
+        else:
+            registry = CollectorRegistry(auto_describe=False)
+            if style == "vllm":
+                # vLLM serves prometheus_client's default registry, where these come first.
+                GCCollector(registry=registry)
+                PlatformCollector(registry=registry)
+                ProcessCollector(registry=registry)
+                registry.register(_VllmCollector(engine, settings, time.time()))
+            else:
+                registry.register(_SglangCollector(engine, settings))
+            self._exposition = lambda: generate_latest(registry)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return self._exposition()

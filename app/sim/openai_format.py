@@ -46,6 +46,28 @@ class GenerationRequest:
     include_usage: bool
 
 
+def answering_model(payload: dict[str, Any], settings: SimSettings) -> str:
+    """The model name an answer carries, or vLLM's 404 for a name this engine does not serve.
+
+    As vLLM's `OpenAIModelRegistry.check_model`: no `model` means the first served name, any
+    other unserved name is `NotFoundError` 404 with `param` "model". A served name is answered
+    under that name, as a LoRA adapter is. With no `--model` the sim answers to any name.
+    """
+    requested = payload.get("model")
+    served = settings.served_models
+    if not settings.models or not isinstance(requested, str) or not requested:
+        return served[0]
+    if requested not in served:
+        raise request_error(
+            f"The model `{requested}` does not exist.",
+            status=404,
+            type_="NotFoundError",
+            param="model",
+            code=404,
+        )
+    return requested
+
+
 def chat_prompt_text(payload: dict[str, Any]) -> str:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:

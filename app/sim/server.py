@@ -41,6 +41,7 @@ from app.sim.openai_format import (
     Kind,
     PromptForm,
     ResponseShapes,
+    answering_model,
     chat_prompt_text,
     parse_generation,
     request_error,
@@ -60,12 +61,11 @@ class SimServer:
 
     def __init__(self, settings: SimSettings, tokenizer: TextTokenizer | None = None) -> None:
         self.settings = settings
-        self.model = settings.model
         self.tokenizer: TextTokenizer = tokenizer or sim_tokenizer(settings.tokenize_with)
         self.tokenize_requests = 0
         self.prompts_by_form: dict[PromptForm, int] = {"messages": 0, "text": 0, "token_ids": 0}
         self.engine = SimEngine(settings)
-        self.metrics = SimMetrics(self.engine, settings.model)
+        self.metrics = SimMetrics(self.engine, settings)
         self.faults = SimFaults.from_settings(settings)
         self.created = int(time.time())
         self.preprocessing = trio.Lock()
@@ -125,7 +125,9 @@ class SimServer:
             async with cancelled_on_disconnect(receive):
                 await trio.sleep_forever()
             return
-        request = parse_generation(kind, parse_json_object(body), self.tokenizer, self.settings)
+        payload = parse_json_object(body)
+        model = answering_model(payload, self.settings)
+        request = parse_generation(kind, payload, self.tokenizer, self.settings)
         self.prompts_by_form[request.prompt_form] += 1
         if request.prompt_form != "token_ids" and self.settings.preprocess_per_token:
             async with self.preprocessing:  # one GIL: one request preprocessed at a time
@@ -137,7 +139,7 @@ class SimServer:
                 type_="InternalServerError",
                 code=500,
             )
-        shapes = ResponseShapes(kind, self.model)
+        shapes = ResponseShapes(kind, model)
         pieces = generated_pieces(request.prompt_tokens, self.settings.seed)
         if request.stream:
             await answer_stream(
@@ -147,16 +149,21 @@ class SimServer:
             await answer_whole(request, shapes, self.engine, pieces, receive, send)
 
     async def _models(self, receive: Receive, send: Send) -> None:
-        card = {
-            "id": self.model,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "vllm",
-            "root": self.model,
-            "parent": None,
-            "max_model_len": self.settings.max_model_len,
-        }
-        await send_json(send, 200, {"object": "list", "data": [card]})
+        # As vLLM lists its served names: one card each, all rooted in the same weights.
+        served = self.settings.served_models
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm",
+                "root": served[0],
+                "parent": None,
+                "max_model_len": self.settings.max_model_len,
+            }
+            for name in served
+        ]
+        await send_json(send, 200, {"object": "list", "data": cards})
 
     async def _health(self, receive: Receive, send: Send) -> None:
         await send_bytes(send, 503 if self.faults.unhealthy else 200, b"", b"application/json")
@@ -170,6 +177,7 @@ class SimServer:
     async def _tokenize(self, receive: Receive, send: Send) -> None:
         self.tokenize_requests += 1
         payload = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        answering_model(payload, self.settings)  # vLLM's /tokenize checks the model too
         if "messages" in payload:
             text = chat_prompt_text(payload)
         elif isinstance(payload.get("prompt"), str):
@@ -207,7 +215,7 @@ class SimServer:
     def state(self) -> dict[str, Any]:
         kv_cache = self.engine.kv_cache
         return {
-            "model": self.model,
+            "models": list(self.settings.served_models),
             "running": self.engine.running,
             "waiting": self.engine.waiting,
             "steps": self.engine.steps,

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+# What a simulated backend is called when no `--model` names it.
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
+# Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
+MetricsStyle = Literal["vllm", "sglang", "llamacpp", "tgi"]
 
 
 @dataclass(frozen=True)
@@ -10,7 +16,11 @@ class SimSettings:
     host: str = "127.0.0.1"
     port: int = 9000
     backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
-    model: str = "deepseek-ai/DeepSeek-V4-sim"
+    # The names one engine serves (vLLM's several `--served-model-name`s, or LoRA adapters on
+    # one base model): /v1/models lists each, a request for any other name gets vLLM's 404.
+    # None named: it serves DEFAULT_MODEL and answers to whatever name a client sends.
+    models: tuple[str, ...] = ()
+    metrics_style: MetricsStyle = "vllm"
     max_model_len: int = 131072
     # What /tokenize and prompt counting use: "words" (the stand-in, one id a word),
     # "default" (Sluice's bundled DeepSeek tokenizer: a backend `--forward tokens` can
@@ -47,7 +57,16 @@ class SimSettings:
     start_unhealthy: bool = False
     seed: int = 0
 
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The names /v1/models lists; the first one names the model in metrics."""
+        return self.models or (DEFAULT_MODEL,)
+
     def __post_init__(self) -> None:
+        if any(not name.strip() for name in self.models):
+            raise ValueError("--model needs a non-empty name")
+        if len(set(self.models)) != len(self.models):
+            raise ValueError("--model names a model twice")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

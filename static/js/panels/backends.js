@@ -1,5 +1,6 @@
 // Backends: one row each — health, breaker, load, rate, time to first token, errors, why
-// the router picked it, and what the backend itself reports (vLLM metrics) when it does.
+// the router picked it, and what its engine (vLLM, SGLang, llama.cpp, TGI) reports about
+// itself in its /metrics, when it does.
 
 import { COLORS, TimeChart } from "../charts.js";
 import { DASH, count, el, pct, rate, seconds } from "../format.js";
@@ -46,6 +47,7 @@ export function createBackendsPanel(root) {
         el("td", { class: "num" }, seconds(traffic.ttft_p99_s)),
         el("td", { class: "num", title: JSON.stringify(traffic.codes || {}) }, `${count(traffic.errors_total)} / ${count(traffic.requests_total)}`),
         el("td", {}, reasons(traffic)),
+        el("td", {}, engine.name || DASH),
         el("td", { class: "num" }, engine.running === undefined ? DASH : `${count(engine.running)} / ${count(engine.waiting)}`),
         el("td", { class: "num" }, fraction(engine.kv_cache_usage)),
         el("td", { class: "num" }, fraction(engine.prefix_cache_hit_rate)),

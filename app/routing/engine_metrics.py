@@ -1,0 +1,231 @@
+"""What an inference engine says about its own load, read off its Prometheus text. Pure.
+
+Four engines, recognised by the names in the exposition itself:
+
+    engine    running                       waiting                     KV use
+    vllm      vllm:num_requests_running     vllm:num_requests_waiting   vllm:kv_cache_usage_perc
+    sglang    sglang:num_running_reqs       sglang:num_queue_reqs       sglang:token_usage
+    llamacpp  llamacpp:requests_processing  llamacpp:requests_deferred  ...:kv_cache_usage_ratio
+    tgi       tgi_batch_current_size        tgi_queue_size              (none)
+
+vLLM before 0.9 named its KV use `vllm:gpu_cache_usage_perc`; llama.cpp builds since
+ggml-org/llama.cpp#13660 report none, and TGI never did: KV use is then unknown (None).
+The prefix-cache hit rate is vLLM's `prefix_cache_hits_total / prefix_cache_queries_total`
+over the interval between two readings, or the engine's own gauge: SGLang's
+`sglang:cache_hit_rate`, vLLM V0's `vllm:gpu_prefix_cache_hit_rate`.
+
+Several samples of one name are several engines behind one server (vLLM's `engine` label for
+data-parallel ranks, SGLang's `dp_rank`): counts add up, ratios average. Samples that differ
+only in a replica label (SGLang's `tp_rank`, `pp_rank` when every scheduler reports) repeat
+one scheduler's numbers and count once.
+
+The text is searched for the few names wanted instead of parsed whole: vLLM's exposition is
+~100 KB of histograms, and this runs on the proxy's event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+EngineName = Literal["vllm", "sglang", "llamacpp", "tgi"]
+
+
+@dataclass(frozen=True)
+class _Signals:
+    """One engine's metric names: for each figure, the names to try in order."""
+
+    name: EngineName
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_usage: tuple[str, ...] = ()
+    hit_rate: tuple[str, ...] = ()
+    prefix_queries: tuple[str, ...] = ()
+    prefix_hits: tuple[str, ...] = ()
+    replica_labels: frozenset[str] = frozenset()
+
+
+ENGINES: tuple[_Signals, ...] = (
+    _Signals(
+        "vllm",
+        running=("vllm:num_requests_running",),
+        waiting=("vllm:num_requests_waiting",),
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        hit_rate=("vllm:gpu_prefix_cache_hit_rate",),
+        prefix_queries=("vllm:prefix_cache_queries_total",),
+        prefix_hits=("vllm:prefix_cache_hits_total",),
+    ),
+    _Signals(
+        "sglang",
+        running=("sglang:num_running_reqs",),
+        waiting=("sglang:num_queue_reqs",),
+        kv_usage=("sglang:token_usage",),
+        hit_rate=("sglang:cache_hit_rate",),
+        replica_labels=frozenset({"tp_rank", "pp_rank", "moe_ep_rank"}),
+    ),
+    _Signals(
+        "llamacpp",
+        running=("llamacpp:requests_processing",),
+        waiting=("llamacpp:requests_deferred",),
+        kv_usage=("llamacpp:kv_cache_usage_ratio",),
+    ),
+    _Signals("tgi", running=("tgi_batch_current_size",), waiting=("tgi_queue_size",)),
+)
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Sample:
+    labels: Labels
+    value: float
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """One scrape's figures; the prefix counters need a second reading to become a rate."""
+
+    engine: EngineName
+    running: int | None
+    waiting: int | None
+    kv_cache_usage: float | None
+    reported_hit_rate: float | None
+    prefix_queries: float | None
+    prefix_hits: float | None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a backend's engine last said about itself, as the router and dashboard use it."""
+
+    name: EngineName
+    running: int | None
+    waiting: int | None
+    kv_cache_usage: float | None
+    prefix_cache_hit_rate: float | None
+
+
+def samples(text: str, name: str) -> Iterator[Sample]:
+    """Every sample of exactly `name` in a Prometheus text exposition (comments skipped)."""
+    start = 0
+    while (found := text.find(name, start)) >= 0:
+        start = found + len(name)
+        at_line_start = found == 0 or text[found - 1] == "\n"
+        if not at_line_start or text[start : start + 1] not in ("{", " ", "\t"):
+            continue  # inside a comment or a value, or a longer name that starts with this one
+        line_end = text.find("\n", start)
+        parsed = _parse_rest(text[start : line_end if line_end >= 0 else len(text)])
+        if parsed is not None:
+            yield Sample(*parsed)
+
+
+def _parse_rest(rest: str) -> tuple[Labels, float] | None:
+    """`{labels} value [timestamp]` after a metric name, or None when malformed."""
+    labels: list[tuple[str, str]] = []
+    if rest.startswith("{"):
+        i = 1
+        while True:
+            while rest[i : i + 1] in (" ", ","):
+                i += 1
+            if rest[i : i + 1] == "}":
+                i += 1
+                break
+            equals = rest.find("=", i)
+            if equals < 0 or rest[equals + 1 : equals + 2] != '"':
+                return None
+            key, value, i = rest[i:equals].strip(), [], equals + 2
+            while i < len(rest) and rest[i] != '"':
+                if rest[i] == "\\" and i + 1 < len(rest):
+                    i += 1
+                    value.append({"n": "\n"}.get(rest[i], rest[i]))
+                else:
+                    value.append(rest[i])
+                i += 1
+            if i >= len(rest):
+                return None  # unterminated label value
+            labels.append((key, "".join(value)))
+            i += 1
+        rest = rest[i:]
+    fields = rest.split()
+    if not fields:
+        return None
+    try:
+        number = float(fields[0])
+    except ValueError:
+        return None
+    return (tuple(labels), number) if math.isfinite(number) else None
+
+
+def _combined(
+    found: Iterable[Sample], replica_labels: frozenset[str], *, average: bool
+) -> float | None:
+    """One figure for a whole server: replicas count once, engines add up (or average)."""
+    by_engine: dict[Labels, float] = {}
+    for sample in found:
+        key = tuple(sorted(pair for pair in sample.labels if pair[0] not in replica_labels))
+        by_engine[key] = max(sample.value, by_engine.get(key, sample.value))
+    if not by_engine:
+        return None
+    total = sum(by_engine.values())
+    return total / len(by_engine) if average else total
+
+
+def _first(text: str, names: tuple[str, ...], signals: _Signals, *, average: bool) -> float | None:
+    for name in names:
+        value = _combined(samples(text, name), signals.replica_labels, average=average)
+        if value is not None:
+            return value
+    return None
+
+
+def read_engine(text: str) -> EngineReading | None:
+    """The first engine whose running or waiting count the exposition has; None for none."""
+    for signals in ENGINES:
+        running = _first(text, signals.running, signals, average=False)
+        waiting = _first(text, signals.waiting, signals, average=False)
+        if running is None and waiting is None:
+            continue
+        return EngineReading(
+            engine=signals.name,
+            running=None if running is None else round(running),
+            waiting=None if waiting is None else round(waiting),
+            kv_cache_usage=_first(text, signals.kv_usage, signals, average=True),
+            reported_hit_rate=_first(text, signals.hit_rate, signals, average=True),
+            prefix_queries=_first(text, signals.prefix_queries, signals, average=False),
+            prefix_hits=_first(text, signals.prefix_hits, signals, average=False),
+        )
+    return None
+
+
+def next_load(
+    reading: EngineReading, earlier: EngineReading | None, shown: EngineLoad | None
+) -> EngineLoad:
+    """The load to show after `reading`, given the reading before it and what it showed.
+
+    vLLM's rate covers the prompts looked up between the two readings. With none looked up,
+    the rate shown stands (an idle engine's cache did not change); after a counter went
+    backwards (the engine restarted) or on the first reading, it is unknown until the next.
+    """
+    rate = reading.reported_hit_rate
+    if reading.prefix_queries is not None and reading.prefix_hits is not None:
+        rate = None
+        if (
+            earlier is not None
+            and earlier.prefix_queries is not None
+            and earlier.prefix_hits is not None
+        ):
+            queried = reading.prefix_queries - earlier.prefix_queries
+            hit = reading.prefix_hits - earlier.prefix_hits
+            if queried > 0 and 0 <= hit <= queried:
+                rate = hit / queried
+            elif queried == 0 and hit == 0 and shown is not None:
+                rate = shown.prefix_cache_hit_rate
+    return EngineLoad(
+        name=reading.engine,
+        running=reading.running,
+        waiting=reading.waiting,
+        kv_cache_usage=reading.kv_cache_usage,
+        prefix_cache_hit_rate=rate,
+    )

@@ -1,0 +1,165 @@
+"""Engines' own load figures end to end: one simulated backend per metrics style (vLLM, SGLang,
+llama.cpp server, TGI), the load scraper reading each over HTTP into the backend's state, the
+prefix hit rate over a scrape interval, a backend without engine metrics, and the dashboard's
+`/api/snapshot` carrying each backend's `engine` block."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any, get_args
+
+import httpx
+import pytest
+import trio
+
+from app.asgi import Receive, Scope, Send, answer_lifespan, send_bytes
+from app.routing.backends import BackendPool
+from app.routing.load_scraper import LoadScraper
+from app.sim.server import SimServer, create_sim_app, serve_sim
+from app.sim.settings import MetricsStyle, SimSettings
+from tests.conftest import StartASGI, StartSim, StartSluice, wait_until
+
+SLOW = SimSettings(
+    port=0,
+    max_num_seqs=1,
+    prefill_overhead=0.001,
+    prefill_per_token=0.0,
+    inter_token_latency=0.05,
+)
+FAST = dataclasses.replace(SLOW, inter_token_latency=0.001, max_num_seqs=8)
+STYLES: tuple[MetricsStyle, ...] = get_args(MetricsStyle)
+LONG_CHAT = {"messages": [{"role": "user", "content": "Keep talking."}], "max_tokens": 1000}
+SYSTEM = {"role": "system", "content": "Answer in haiku. " * 30}
+
+Launch = Callable[..., Awaitable[tuple[str, SimServer]]]
+
+
+@pytest.fixture
+async def launch(nursery: trio.Nursery) -> AsyncIterator[Launch]:
+    async def start(settings: SimSettings, **overrides: Any) -> tuple[str, SimServer]:
+        settings = dataclasses.replace(settings, **overrides)
+        app = create_sim_app(settings)
+        url: str = await nursery.start(partial(serve_sim, settings, app=app))
+        return url, app
+
+    yield start
+
+
+def healthy_pool(urls: list[str]) -> BackendPool:
+    pool = BackendPool(tuple(urls), failures_to_open=1, cooldown=1.0, probe_path="/health")
+    for backend in pool.backends:
+        pool.health_checked(backend, True)
+    return pool
+
+
+def scraper(pool: BackendPool, client: httpx.AsyncClient) -> LoadScraper:
+    return LoadScraper(pool, client, timeout=5.0, traffic=lambda: 0)
+
+
+async def ask(client: httpx.AsyncClient, url: str, question: str) -> None:
+    request = {"messages": [SYSTEM, {"role": "user", "content": question}], "max_tokens": 2}
+    (await client.post(url + "/v1/chat/completions", json=request)).raise_for_status()
+
+
+async def test_the_scraper_reads_every_engines_queue_and_kv_use(
+    launch: Launch, client: httpx.AsyncClient
+) -> None:
+    sims = [await launch(SLOW, metrics_style=style) for style in STYLES]
+    pool = healthy_pool([url for url, _ in sims])
+    async with trio.open_nursery() as nursery:
+        for url, _ in sims:
+            for _ in range(2):
+                nursery.start_soon(
+                    partial(client.post, url + "/v1/chat/completions", json=LONG_CHAT)
+                )
+        with trio.fail_after(5):
+            for _, app in sims:
+                await app.engine.wait_until(lambda app=app: (app.running, app.waiting) == (1, 1))
+        await scraper(pool, client).scrape_all()
+        nursery.cancel_scope.cancel()
+
+    for style, backend, (_, app) in zip(STYLES, pool.backends, sims, strict=True):
+        engine = backend.engine
+        assert engine is not None, style
+        assert (engine.name, engine.running, engine.waiting) == (style, 1, 1)
+        assert backend.reported_waiting == 1
+        if style == "tgi":
+            assert engine.kv_cache_usage is None
+        else:
+            assert engine.kv_cache_usage == pytest.approx(app.engine.kv_cache.usage, rel=1e-5)
+        assert backend.reported_kv_usage == engine.kv_cache_usage
+
+
+async def test_vllm_hit_rate_covers_the_prompts_between_two_scrapes(
+    launch: Launch, client: httpx.AsyncClient
+) -> None:
+    url, app = await launch(FAST, metrics_style="vllm")
+    pool = healthy_pool([url])
+    (backend,) = pool.backends
+    scrapes = scraper(pool, client)
+    await ask(client, url, "warm up")
+    await scrapes.scrape_all()
+    assert backend.engine is not None and backend.engine.prefix_cache_hit_rate is None
+
+    kv_cache = app.engine.kv_cache
+    queries, hits = kv_cache.query_tokens, kv_cache.hit_tokens
+    await ask(client, url, "first question")
+    await ask(client, url, "second question")
+    await scrapes.scrape_all()
+    expected = (kv_cache.hit_tokens - hits) / (kv_cache.query_tokens - queries)
+    assert 0 < expected < 1
+    assert backend.engine.prefix_cache_hit_rate == pytest.approx(expected)
+
+    await scrapes.scrape_all()  # nothing asked since: the rate stands
+    assert backend.engine.prefix_cache_hit_rate == pytest.approx(expected)
+
+
+async def test_a_backend_without_engine_metrics_counts_no_queue(
+    start_asgi: StartASGI, client: httpx.AsyncClient
+) -> None:
+    async def no_metrics(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+        else:
+            await send_bytes(send, 404, b"not here", b"text/plain")
+
+    pool = healthy_pool([await start_asgi(no_metrics)])
+    (backend,) = pool.backends
+    backend.reported_waiting = 3
+    await scraper(pool, client).scrape_all()
+    assert (backend.engine, backend.reported_waiting, backend.reported_kv_usage) == (None, 0, None)
+
+
+async def test_the_snapshot_carries_each_backends_engine_block(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sims = {style: await start_sim(metrics_style=style) for style in ("sglang", "tgi")}
+    running = await start_sluice([sim.url for sim in sims.values()])
+    for sim in sims.values():
+        await ask(client, sim.url, "warm up")  # SGLang's hit rate is that of its last prefill
+
+    async def engines() -> dict[str, Any]:
+        response = await client.get(running.dashboard_url + "/api/snapshot")
+        return {b["url"]: b["engine"] for b in response.json()["backends"]}
+
+    async def all_scraped() -> bool:
+        return all(engine is not None for engine in (await engines()).values())
+
+    await wait_until(all_scraped)
+    found = await engines()
+    assert found[sims["sglang"].url] == {
+        "name": "sglang",
+        "running": 0,
+        "waiting": 0,
+        "kv_cache_usage": 0.0,
+        "prefix_cache_hit_rate": 0.0,
+    }
+    assert found[sims["tgi"].url] == {
+        "name": "tgi",
+        "running": 0,
+        "waiting": 0,
+        "kv_cache_usage": None,
+        "prefix_cache_hit_rate": None,
+    }
