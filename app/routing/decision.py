@@ -1,0 +1,57 @@
+"""What a routing policy is given and what it answers. Pure.
+
+The policies (policies.py, cache_aware.py, hashing.py) build on these types, the registry
+(`make_policy`) on the policies, and the router and the proxy on both: no module imports back.
+Every policy answers a `Decision`; its reason ends up in the `x-sluice-route` header and in
+`sluice_route_decisions_total{policy,reason}`, so reasons are a small fixed vocabulary:
+prefix-hit, spread, least-load, hash, session (cache_aware and consistent_hash), rotation,
+random, tie, less_loaded, only_candidate (the simple policies), retry (set by the proxy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.routing.backends import Backend
+from app.routing.block_index import BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may look at. `token_ids` is None when tokenization was skipped; `text` is
+    the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
+    client's `x-session-id` header or the body's `user` field."""
+
+    token_ids: Sequence[int] | None = None
+    text: str | None = None
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What cache_aware believed the chosen backend held, to check against its answer."""
+
+    prompt_tokens: int
+    blocks: int  # leading blocks of the prompt the backend was believed to hold
+    stamps: tuple[int, ...]  # their last-use stamps in the index before this request
+
+    @property
+    def cached_tokens(self) -> int:
+        # A backend always recomputes the prompt's last token, so at most this much can hit.
+        return min(self.blocks, max(self.prompt_tokens - 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: Backend
+    reason: str
+    prediction: Prediction | None = None
+    pending_tokens: int = 0  # prompt tokens left to prefill, reserved on the backend's load
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision: ...
