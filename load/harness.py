@@ -29,6 +29,7 @@ from load.processes import Stack, tree_cpu
 from load.stats import Ranged
 
 REPO = Path(__file__).resolve().parent.parent
+CODE = (":(glob)app/**/*.py", ":(glob)load/**/*.py")  # what a measurement depends on
 
 
 def default_out_dir() -> Path:
@@ -293,7 +294,8 @@ def table_text(table: Table) -> str:
 
 
 def provenance() -> dict[str, Any]:
-    """When, at which commit (with `+changes` if app/ or load/ differ from it) and where."""
+    """When, at which commit (`+changes` if the code of app/ or load/ differs from it), and
+    on what machine (its load average: others' work on it shows there)."""
     commit = None
     head = subprocess.run(
         ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
@@ -303,7 +305,7 @@ def provenance() -> dict[str, Any]:
     )
     if head.returncode == 0:
         changes = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "app", "load"],
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", *CODE],
             capture_output=True,
             text=True,
             check=False,

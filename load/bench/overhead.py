@@ -84,8 +84,8 @@ class Samples:
 
 
 async def measure(bench: Bench) -> dict[str, Any]:
-    rates = bench.pick((25.0, 100.0), (25.0, 100.0, 200.0))
-    rounds, seconds = bench.rounds(2, 4), bench.pick(4.0, 8.0)
+    rates = bench.pick((100.0,), (25.0, 100.0, 200.0))
+    rounds, seconds, idle_s = bench.rounds(2, 4), bench.pick(2.5, 8.0), bench.pick(2.0, 5.0)
     targets = await start_targets(bench)
     pools = {name: rawhttp.Pool(t.url, t.headers) for name, t in targets.items()}
     for pool in pools.values():
@@ -125,8 +125,8 @@ async def measure(bench: Bench) -> dict[str, Any]:
         if target.pid and not name.startswith("floor-"):
             harness.progress(f"overhead: {name} idle")
             cpu0 = tree_cpu(target.pid)
-            await trio.sleep(5.0)
-            idle[name] = (tree_cpu(target.pid) - cpu0) / 5.0 * 1e3
+            await trio.sleep(idle_s)
+            idle[name] = (tree_cpu(target.pid) - cpu0) / idle_s * 1e3
     return {
         "fixed_rates": fixed,
         "closed_loop_32_req_per_s": {n: statistics.median(v) for n, v in closed.items()},

@@ -216,6 +216,12 @@ async def measure(bench: Bench) -> dict[str, Any]:
     return {"duration_s": duration, "runs": results, "targets": targets(results)}
 
 
+def _num(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.3f}" if value < 10 else f"{value:,.0f}"
+
+
 def targets(results: list[dict[str, Any]]) -> list[str]:
     """The issue's targets, checked on the mean of the rounds."""
 
@@ -234,17 +240,17 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
     if rag is not None:
         check(f"rag hit rate {rag:.3f} >= 0.88", rag >= 0.88)
         check(
-            f"rag hit rate >= round_robin {rag_rr} + 0.15",
+            f"rag hit rate >= round_robin {_num(rag_rr)} + 0.15",
             None if rag_rr is None else rag >= rag_rr + 0.15,
         )
         check(
-            f"rag hit rate >= smg {rag_smg} - 0.01",
+            f"rag hit rate >= smg {_num(rag_smg)} - 0.01",
             None if rag_smg is None else rag >= rag_smg - 0.01,
         )
     hot, hot_rr = mean("hot", "cache_aware", "hit_rate"), mean("hot", "round_robin", "hit_rate")
     if hot is not None:
         check(
-            f"hot hit rate {hot:.3f} >= round_robin {hot_rr} + 0.05",
+            f"hot hit rate {hot:.3f} >= round_robin {_num(hot_rr)} + 0.05",
             None if hot_rr is None else hot >= hot_rr + 0.05,
         )
         p99, p99_rr, p99_smg = (
@@ -252,10 +258,13 @@ def targets(results: list[dict[str, Any]]) -> list[str]:
         )
         assert p99 is not None
         check(
-            f"hot p99 TTFT {p99:.0f} ms <= round_robin {p99_rr}",
+            f"hot p99 TTFT {p99:.0f} ms <= round_robin {_num(p99_rr)}",
             None if p99_rr is None else p99 <= p99_rr,
         )
-        check(f"hot p99 TTFT <= smg {p99_smg} / 2", None if p99_smg is None else 2 * p99 <= p99_smg)
+        check(
+            f"hot p99 TTFT <= smg {_num(p99_smg)} / 2",
+            None if p99_smg is None else 2 * p99 <= p99_smg,
+        )
         busiest = mean("hot", "cache_aware", "busiest_vs_mean")
         assert busiest is not None
         check(f"hot busiest backend {busiest:.2f}x the mean <= 1.5x", busiest <= 1.5)
@@ -275,7 +284,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
         index = f"{r['index_blocks']}/{r['index_max_blocks']}" if "index_blocks" in r else "-"
         rows.append(
             [r["workload"], r["variant"], r["answered"], r["errors"] + r["censored"],
-             r["hit_rate"], r["ttft_mean_ms"], r["ttft_p99_ms"],
+             r["hit_rate"], round(r["ttft_mean_ms"]), round(r["ttft_p99_ms"]),
              f"{r['busiest_share']:.2f} ({r['busiest_vs_mean']:.2f}x)",
              "-" if predicted is None else f"{predicted[0]:.3f}/{predicted[1]:.3f}", index]
         )  # fmt: skip
