@@ -26,10 +26,13 @@ import trio
 
 from load import rawhttp
 from load.processes import Stack, tree_cpu
-from load.stats import Ranged
+from load.stats import Ranged, by_group, paired_change, with_range
 
 REPO = Path(__file__).resolve().parent.parent
 CODE = (":(glob)app/**/*.py", ":(glob)load/**/*.py")  # what a measurement depends on
+
+
+BUSY_COLUMNS = ("requests_per_s", "cpu_us_per_request")
 
 
 def default_out_dir() -> Path:
@@ -228,6 +231,31 @@ async def busy_round(pool: rawhttp.Pool, pid: int, clients: int, seconds: float)
         "cpu_us_per_request": cpu / max(done, 1) * 1e6,
         "errors": errors,
     }
+
+
+def busy_summary(rows: list[dict[str, Any]], variant: str, baseline: str) -> dict[str, Any]:
+    """Rounds of `busy_round`: per variant medians with ranges, and `variant` against
+    `baseline` in the same round (CPU per request and throughput, percent)."""
+    return {
+        "summary": by_group(rows, "variant", BUSY_COLUMNS),
+        "cpu_change_pct": list(paired_change(rows, "cpu_us_per_request", variant, baseline)),
+        "throughput_change_pct": list(paired_change(rows, "requests_per_s", variant, baseline)),
+        "rounds": rows,
+    }
+
+
+def busy_table(blob: dict[str, Any], what: str, clients: int, target: str) -> Table:
+    cpu, throughput = Ranged(*blob["cpu_change_pct"]), Ranged(*blob["throughput_change_pct"])
+    summary = blob["summary"]
+    rounds = next(iter(summary.values()))["rounds"]
+    return Table(
+        f"{clients} clients, medians of {rounds} alternating rounds (range); {what} in the same "
+        f"round: CPU per request {cpu.value:+.1f}% ({cpu.low:+.1f} to {cpu.high:+.1f}), "
+        f"throughput {throughput.value:+.1f}% ({throughput.low:+.1f} to {throughput.high:+.1f}); "
+        f"target: {target}",
+        ["variant", "req/s", "CPU us/request", "errors"],
+        [[v, *(with_range(r, c) for c in BUSY_COLUMNS), r["errors"]] for v, r in summary.items()],
+    )
 
 
 @asynccontextmanager

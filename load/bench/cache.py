@@ -147,8 +147,8 @@ def timed(fn: Callable[[], object], repeat: int) -> list[float]:
 def l0_costs(repeat: int) -> dict[str, Any]:
     encode = gil_releasing_encoder(load_tokenizer(None).tokenizer)
     # 64 KiB of UTF-8 at most: the largest text L0 keeps (--l0-max-text-bytes).
-    text = Corpus.default().text(random.Random(1), 16 * 1024).encode()[: 64 * 1024]
-    text = text.decode(errors="ignore")
+    prose = Corpus.default().text(random.Random(1), 16 * 1024).encode()
+    text = prose[: 64 * 1024].decode(errors="ignore")
     cache = L0Cache(10_000, 256 * 2**20, 64 * 1024)
     cache.put(text, encode(text))
     fresh = iter([text.encode().decode() for _ in range(repeat)])  # equal strings, new hashes

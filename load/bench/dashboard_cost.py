@@ -18,10 +18,9 @@ import trio
 
 from load import harness, rawhttp
 from load.harness import Bench, Scenario, Table
-from load.stats import Ranged, by_group, paired_change, with_range
 
 CLIENTS = 16
-TARGET_PCT = 3.0
+TARGET = "five pages cost at most +3% CPU per request"
 
 
 class Pages:
@@ -74,33 +73,14 @@ async def measure(bench: Bench) -> dict[str, Any]:
     await pool.close()
     return {
         "pages": pages_open,
-        "summary": by_group(rows, "variant", ("requests_per_s", "cpu_us_per_request")),
-        "cpu_change_pct": list(paired_change(rows, "cpu_us_per_request", modes[1], modes[0])),
-        "throughput_change_pct": list(paired_change(rows, "requests_per_s", modes[1], modes[0])),
         "events_received": pages.events,
-        "rounds": rows,
+        **harness.busy_summary(rows, modes[1], modes[0]),
     }
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    cpu, throughput = Ranged(*result["cpu_change_pct"]), Ranged(*result["throughput_change_pct"])
-    summary = result["summary"]
-    rounds = next(iter(summary.values()))["rounds"]
-    return [
-        Table(
-            f"{CLIENTS} clients, medians of {rounds} alternating rounds (range); "
-            f"{result['pages']} pages vs none in the same round: CPU per request "
-            f"{cpu.value:+.1f}% ({cpu.low:+.1f} to {cpu.high:+.1f}), throughput "
-            f"{throughput.value:+.1f}%; {result['events_received']:,} events read "
-            f"(target: at most +{TARGET_PCT:g}% CPU per request)",
-            ["dashboard", "req/s", "CPU us/request", "errors"],
-            [
-                [mode, *(with_range(r, c) for c in ("requests_per_s", "cpu_us_per_request")),
-                 r["errors"]]
-                for mode, r in summary.items()
-            ],
-        )
-    ]  # fmt: skip
+    what = f"{result['pages']} pages vs none ({result['events_received']:,} events read)"
+    return [harness.busy_table(result, what, CLIENTS, TARGET)]
 
 
 def options(parser: argparse.ArgumentParser) -> None:

@@ -36,13 +36,12 @@ from app.observe.thread_clocks import ThreadClocks
 from app.observe.thread_timer import ThreadTimer
 from load import harness, rawhttp
 from load.harness import Bench, Scenario, Table
-from load.stats import Ranged, by_group, paired_change, with_range
 
 MODES = {"on": "--stall-instrument", "off": "--no-stall-instrument"}
 CLIENTS = 16
 THRESHOLD_MS = 10.0
 STEP_VARIANTS = ("no monitor", "probe only", "probe + instrument")
-TARGET_PCT = 3.0
+TARGET = "the instrument costs at most 3% of throughput"
 
 
 async def proxy_cost(bench: Bench) -> dict[str, Any]:
@@ -59,13 +58,7 @@ async def proxy_cost(bench: Bench) -> dict[str, Any]:
     rows = await bench.alternate(bench.rounds(4, 10), list(MODES), one)
     for pool in pools.values():
         await pool.close()
-    summary = by_group(rows, "variant", ("requests_per_s", "cpu_us_per_request"))
-    return {
-        "summary": summary,
-        "cpu_change_pct": list(paired_change(rows, "cpu_us_per_request", "on", "off")),
-        "throughput_change_pct": list(paired_change(rows, "requests_per_s", "on", "off")),
-        "rounds": rows,
-    }
+    return harness.busy_summary(rows, "on", "off")
 
 
 async def _take_steps(steps: int) -> None:
@@ -190,26 +183,12 @@ async def measure(bench: Bench) -> dict[str, Any]:
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
-    proxy = result["proxy"]
-    s = proxy["summary"]
-    cpu, throughput = Ranged(*proxy["cpu_change_pct"]), Ranged(*proxy["throughput_change_pct"])
     local = result["in_process"]
     steps = local["step_us"]
     bare = steps["no monitor"]
     interval_ms = PROBE_INTERVAL_S * 1e3
     return [
-        Table(
-            f"the proxy, {CLIENTS} clients, medians of {s['on']['rounds']} alternating rounds "
-            f"(range); instrument on vs off in the same round: CPU per request {cpu.value:+.1f}% "
-            f"({cpu.low:+.1f} to {cpu.high:+.1f}), throughput {throughput.value:+.1f}% "
-            f"(target: at most {TARGET_PCT:g}% of throughput)",
-            ["instrument", "req/s", "CPU us/request", "errors"],
-            [
-                [mode, *(with_range(r, c) for c in ("requests_per_s", "cpu_us_per_request")),
-                 r["errors"]]
-                for mode, r in s.items()
-            ],
-        ),
+        harness.busy_table(result["proxy"], "instrument on vs off", CLIENTS, TARGET),
         Table(
             "in process: a task step, 100 tasks",
             ["variant", "us/step", "vs bare"],

@@ -104,18 +104,29 @@ def per_message(repeat: int) -> dict[str, Any]:
     return {"rows": rows, "calibrated": calibrated, "budget_ms": RENDER_ON_LOOP_BUDGET * 1e3}
 
 
-def scaling(jobs: int, fn: Callable[[], object]) -> dict[str, float]:
-    """Speedup of `jobs` calls of `fn` on N threads over 1 thread (median of 3)."""
-    times: dict[int, float] = {}
-    for threads in THREADS:
-        with ThreadPoolExecutor(threads) as pool:
-
-            def run(pool: ThreadPoolExecutor = pool) -> None:
-                list(pool.map(lambda _: fn(), range(jobs)))
-
-            run()  # warm the threads
-            times[threads] = median_seconds(run, 3)
-    return {str(n): times[1] / t for n, t in times.items()}
+def scaling(jobs: int, work: dict[str, Callable[[], object]], repeats: int) -> dict[str, Any]:
+    """Speedup of `jobs` calls of each work on N threads over 1 thread, the thread counts
+    taking turns in a rotated order each repeat (drift falls on all alike); medians."""
+    times: dict[tuple[str, int], list[float]] = {(w, n): [] for w in work for n in THREADS}
+    pools = {n: ThreadPoolExecutor(n) for n in THREADS}
+    try:
+        for repeat in range(repeats + 1):  # the first only starts the threads
+            for n in THREADS[repeat % len(THREADS) :] + THREADS[: repeat % len(THREADS)]:
+                for name, fn in work.items():
+                    started = time.perf_counter()
+                    list(pools[n].map(lambda _, fn=fn: fn(), range(jobs)))
+                    if repeat:
+                        times[(name, n)].append(time.perf_counter() - started)
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    return {
+        name: {
+            str(n): statistics.median(times[(name, 1)]) / statistics.median(times[(name, n)])
+            for n in THREADS
+        }
+        for name in work
+    }
 
 
 def in_process(bench: Bench) -> dict[str, Any]:
@@ -130,10 +141,11 @@ def in_process(bench: Bench) -> dict[str, Any]:
     encode = gil_releasing_encoder(load_tokenizer(None).tokenizer)
     text = Corpus.default().text(rng, 4000)
     jobs = bench.pick(16, 48)
-    speedups = {
-        "jinja2": scaling(jobs, lambda: compiled.render(messages, add_generation_prompt=True)),
-        "tokenizer": scaling(jobs, lambda: encode(text)),
+    work: dict[str, Callable[[], object]] = {
+        "jinja2": lambda: compiled.render(messages, add_generation_prompt=True),
+        "tokenizer": lambda: encode(text),
     }
+    speedups = scaling(jobs, work, bench.pick(3, 7))
     return {"tokens": tokens, "render_ms": tax, "per_message": costs, "speedup": speedups}
 
 
