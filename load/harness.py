@@ -30,8 +30,6 @@ from load.stats import Ranged, by_group, paired_change, with_range
 
 REPO = Path(__file__).resolve().parent.parent
 CODE = (":(glob)app/**/*.py", ":(glob)load/**/*.py")  # what a measurement depends on
-
-
 BUSY_COLUMNS = ("requests_per_s", "cpu_us_per_request")
 
 
@@ -363,6 +361,8 @@ def report(scenario: Scenario, blob: dict[str, Any]) -> str:
     """The tables of a result, with its provenance and the figures to read them against."""
     head = f"== {scenario.name} ({blob['date']}, {blob['commit']}; {scenario.reproduces}) =="
     tables = "\n\n".join(table_text(t) for t in scenario.tables(blob["result"]))
+    for death in blob["result"].get("processes_died", []):
+        tables += f"\n!! died during the run: {death}"
     return f"{head}\n{tables}\n\n{scenario.reference}"
 
 
@@ -374,7 +374,12 @@ def run(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     async def measure() -> dict[str, Any]:
         assert scenario.measure is not None
         async with bench.stack:
-            return await scenario.measure(bench)
+            result = await scenario.measure(bench)
+            died = bench.stack.died()
+            if died:  # a crash is a finding, not a slow variant: say so beside the figures
+                result["processes_died"] = died
+                print("\n".join(["!! processes died during the run:", *died]), file=sys.stderr)
+            return result
 
     started = time.perf_counter()
     result: dict[str, Any] = {}

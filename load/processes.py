@@ -160,6 +160,15 @@ class Stack:
                     )
                 await trio.sleep(0.05)
 
+    def died(self) -> list[str]:
+        """The processes that exited while they were meant to serve, with where their log is."""
+        return [
+            f"pid {p.pid} exited {p.returncode}; its log: "
+            f"{log_path(p) if log_path(p).exists() else 'none (a foreign process)'}"
+            for p in self.processes
+            if p.poll() is not None
+        ]
+
     def forget(self, process: subprocess.Popen[bytes]) -> None:
         """A process that died or was killed on purpose: no longer stopped at the end."""
         self.processes.remove(process)
