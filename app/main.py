@@ -36,6 +36,7 @@ from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
 from app.proxy.http_server import HttpServer
+from app.proxy.relay_hub import RelayHub
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
 from app.routing.health import HealthChecker
@@ -144,8 +145,16 @@ class Sluice:
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
             )
+            relay_hub = RelayHub()
+            await nursery.start(relay_hub.run)
             proxy = ProxyApp(
-                settings, self.pool, self.router, upstream, self.preprocessor, self.metrics
+                settings,
+                self.pool,
+                self.router,
+                upstream,
+                self.preprocessor,
+                self.metrics,
+                relay_hub,
             )
             feed = self.dashboard_feed = DashboardFeed(
                 self.snapshot,
