@@ -4,9 +4,12 @@ vLLM, with fields newer engines add), every truncation and a pile of garbage ref
 `BadMessage`, the replay socket's frames; then the events applied to the prefix index: an
 engine's chain mapped onto Sluice's block hashes for engine blocks of 16, 1 (SGLang's pages),
 32 and 24 tokens, removals (counted per engine block), clears, stores Sluice's hash cannot
-stand for, the bound on the engine-block map, sequence gaps and restarts, and silence."""
+stand for, the bound on the engine-block map, sequence gaps and restarts, and silence; and
+the simulated backend's cache as a publisher, against an index fed by nothing else."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -23,6 +26,7 @@ from app.routing.kv_event_wire import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    KVEvent,
     OtherEvent,
     decode_batch,
     encode_batch,
@@ -31,6 +35,7 @@ from app.routing.kv_event_wire import (
     split_frames,
     split_replay_frames,
 )
+from app.sim.kv_cache import PrefixKVCache, chained_block_hashes
 
 # --- the wire ---------------------------------------------------------------------------------
 
@@ -319,3 +324,40 @@ def test_silence_while_requests_flow_falls_back_to_prediction() -> None:
     assert events.source(SILENT_AFTER_SECONDS) == "events"
     events.request_sent(0.0)
     assert events.source(1000.0) == "events"  # one quiet request proves nothing
+
+
+# --- the simulated backend's cache as a publisher ---------------------------------------------
+
+
+def test_the_sims_cache_tells_what_it_holds_and_an_index_fed_by_it_agrees_at_every_step() -> None:
+    """Random prompts sharing prefixes, released or not, through a small cache that must
+    evict: after each step the index built from the events alone matches, for every prompt,
+    the prefix the cache would serve."""
+    cache = PrefixKVCache(num_blocks=24, block_size=16)
+    index = BlockIndex(10_000)
+    events = BackendKvEvents(index, "gpu", 10_000)
+    seq = 0
+
+    def tell(told: list[KVEvent]) -> None:
+        nonlocal seq
+        events.apply(seq, EventBatch(1.0, tuple(told)), 0.0, 1.0)
+        seq += 1
+
+    cache.on_events = tell
+    rng = random.Random(7)
+    prompts = [tokens(16 * rng.randrange(1, 6), start=100 * rng.randrange(4)) for _ in range(12)]
+    held = []
+    for step in range(300):
+        if step % 97 == 96:
+            for allocation in held:
+                cache.release(allocation)
+            held = []
+            cache.evict_all()
+        else:
+            held.append(cache.allocate(rng.choice(prompts) + tokens(rng.randrange(40), 9000), 4))
+            if len(held) > 2:
+                cache.release(held.pop(0))
+        for prompt in prompts:
+            served = len(cache._cached_prefix_blocks(chained_block_hashes(prompt, 16)))
+            assert index.match("gpu", block_hashes(prompt)) == served, step
+    assert events.events["removed"] and events.events["cleared"] and events.events["stored"]
