@@ -2,8 +2,9 @@
 
 Every policy answers a `Decision`; the reason ends up in the `x-sluice-route` header and in
 `sluice_route_decisions_total{policy,reason}`, so reasons are a small fixed vocabulary:
-prefix-hit, spread, least-load, hash, session (cache_aware and consistent_hash), rotation,
-random, tie, less_loaded, only_candidate (the simple policies), retry (set by the proxy).
+prefix-hit, spread, new-prefix, least-load, hash, session (cache_aware and consistent_hash),
+rotation, random, tie, less_loaded, only_candidate (the simple policies), retry (set by the
+proxy).
 """
 
 from __future__ import annotations
