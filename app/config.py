@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.routing.kv_event_wire import endpoint_problem
+
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
@@ -175,8 +177,9 @@ def _endpoints_by_backend(
         url, endpoint = url.strip().rstrip("/"), endpoint.strip()
         if not equals or not url or not endpoint:
             raise ValueError(f"{flag} {entry!r}: expected BACKEND_URL=tcp://HOST:PORT")
-        if not endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"{flag} {entry!r}: the endpoint must be tcp://HOST:PORT or ipc://")
+        problem = endpoint_problem(endpoint)
+        if problem:
+            raise ValueError(f"{flag} {entry!r}: the endpoint {problem}")
         if url not in known:
             raise ValueError(f"{flag} {entry!r}: {url} is not one of the --backend URLs")
         if url in endpoints:

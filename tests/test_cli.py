@@ -159,6 +159,8 @@ def test_kv_events_from_flags_env_and_file(tmp_path: Path, monkeypatch: pytest.M
     [
         (["--kv-events", "tcp://a:5557"], "expected BACKEND_URL=tcp://HOST:PORT"),
         (["--kv-events", "http://a:1=http://a:5557"], "must be tcp://HOST:PORT"),
+        (["--kv-events", "http://a:1=tcp://a"], "with a port from 1 to 65535"),
+        (["--kv-events", "http://a:1=tcp://a:99999"], "with a port from 1 to 65535"),
         (["--kv-events", "http://z:9=tcp://z:5557"], "not one of the --backend URLs"),
         (["--kv-events", "http://a:1=tcp://a:1", "--kv-events", "http://a:1=tcp://a:2"], "twice"),
         (["--kv-events-replay", "http://a:1=tcp://a:5558"], "give its --kv-events too"),

@@ -35,6 +35,7 @@ from app.routing.kv_event_wire import (
     split_frames,
     split_replay_frames,
 )
+from app.routing.policies import Prediction
 from app.sim.kv_cache import PrefixKVCache, chained_block_hashes
 
 # --- the wire ---------------------------------------------------------------------------------
@@ -361,3 +362,9 @@ def test_the_sims_cache_tells_what_it_holds_and_an_index_fed_by_it_agrees_at_eve
             served = len(cache._cached_prefix_blocks(chained_block_hashes(prompt, 16)))
             assert index.match("gpu", block_hashes(prompt)) == served, step
     assert events.events["removed"] and events.events["cleared"] and events.events["stored"]
+
+
+def test_only_requests_that_make_the_engine_store_blocks_count_towards_silence() -> None:
+    assert Prediction(100, 5, ()).stores_blocks  # 6 full blocks, 5 held: one to store
+    assert not Prediction(100, 6, ()).stores_blocks  # all held: maybe no event at all
+    assert not Prediction(15, 0, ()).stores_blocks  # no full block

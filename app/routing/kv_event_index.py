@@ -38,9 +38,9 @@ from app.routing.kv_event_wire import (
     EventBatch,
 )
 
-# Silent: at least this many requests sent to the backend and this long since the first of
-# them, without one event. (A request whose prompt was all cached and whose answer ends
-# within its last block stores nothing, so one quiet request proves nothing.)
+# Silent: at least this many requests sent to the backend that make it store blocks (the
+# router counts only those whose prompt has full blocks it did not hold), and this long
+# since the first of them, without one event.
 SILENT_AFTER_REQUESTS = 4
 SILENT_AFTER_SECONDS = 10.0
 FULL_ATTENTION = "full_attention"

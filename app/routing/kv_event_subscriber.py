@@ -62,7 +62,7 @@ class KvEventSubscriber:
         self.replay_endpoint = replay_endpoint
         self.events = events
         self.wanted = wanted
-        self._silence: str | None = None
+        self._source = "predicted"  # what the log last said
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sub = open_socket(zmq.SUB)
@@ -170,14 +170,16 @@ class KvEventSubscriber:
             log.warning("backend %s: bad KV event message (%d so far): %s", self.url, count, exc)
 
     def _check_silence(self) -> None:
-        silence = self.events.silence(trio.current_time())
-        if silence == self._silence:
+        now = trio.current_time()
+        source = self.events.source(now)
+        if source == self._source:
             return
-        if silence is not None and silence.startswith("silent"):
-            log.warning("backend %s: KV events %s: routing on prediction", self.url, silence)
-        elif silence is None and self._silence is not None:
+        if source == "events":
             log.info("backend %s: KV events flowing: the index follows them", self.url)
-        self._silence = silence
+        else:
+            silence = self.events.silence(now)
+            log.warning("backend %s: KV events %s: routing on prediction", self.url, silence)
+        self._source = source
 
 
 def subscribers_for(

@@ -42,6 +42,12 @@ class Prediction:
         # A backend always recomputes the prompt's last token, so at most this much can hit.
         return min(self.blocks, max(self.prompt_tokens - 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
 
+    @property
+    def stores_blocks(self) -> bool:
+        """Whether the backend will cache prompt blocks it did not hold, and so tell of
+        them in its KV events (a prompt it held whole may be answered without a new block)."""
+        return self.blocks < self.prompt_tokens // BLOCK_SIZE
+
 
 @dataclass(frozen=True)
 class Decision:

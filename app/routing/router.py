@@ -72,7 +72,8 @@ class Router:
         )
         self.rejected: dict[str, int] = {}
         # By backend URL, for backends whose engine's KV events feed the index: they are
-        # told when requests go there (silence while requests flow is a publisher gone).
+        # told when a request goes there that will make the engine store blocks (silence
+        # while such requests flow is a publisher gone).
         self.kv_events: dict[str, BackendKvEvents] = {}
         metrics.admission_waiting.set_function(lambda: self.queue.waiting)
         if isinstance(self.policy, CacheAware):
@@ -133,7 +134,7 @@ class Router:
         backend.pending_tokens += pending
         self.reservations += 1
         events = self.kv_events.get(backend.url)
-        if events is not None:
+        if events is not None and prediction is not None and prediction.stores_blocks:
             events.request_sent(trio.current_time())
         self.metrics.backend_inflight.labels(backend=backend.url).inc()
         return dataclasses.replace(decision, pending_tokens=pending)

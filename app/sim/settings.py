@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from app.routing.kv_event_wire import endpoint_problem
+
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
 # Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
@@ -76,8 +78,9 @@ class SimSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
-            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"--{name.replace('_', '-')} must be tcp://HOST:PORT or ipc://")
+            problem = None if endpoint is None else endpoint_problem(endpoint, any_port=True)
+            if problem:
+                raise ValueError(f"--{name.replace('_', '-')} {problem}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.time_factor_under_load < 1.0:
