@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, BlockIndex, chain_hashes
@@ -49,11 +48,27 @@ Continuity = Literal["first", "next", "gap", "restart"]
 Source = Literal["events", "predicted"]
 
 
-@dataclass(frozen=True, slots=True)
-class _Mapped:
-    tail: int  # the Sluice hash of the last complete 16-token block up to this block's end
-    leftover: tuple[int, ...]  # the tokens after it, fewer than 16
-    completed: tuple[int, ...]  # the Sluice blocks whose last token is in this block
+# One engine block, followed: (tail, leftover, completed). `tail`: the Sluice hash of the
+# last complete 16-token block up to this block's end; `leftover`: the tokens after it,
+# fewer than 16; `completed`: the Sluice blocks whose last token is in this block. An
+# engine block of 16 tokens that completes one Sluice block, the usual case, is stored as
+# that block's hash alone: a map of ints is nothing the garbage collector walks into, and
+# hundreds of thousands of tuples would lengthen its full collections (DESIGN.md).
+_Mapped = tuple[int, tuple[int, ...], tuple[int, ...]]
+_Key = EngineHash | tuple[int | None, EngineHash]
+
+
+def _packed(tail: int, leftover: tuple[int, ...], completed: tuple[int, ...]) -> int | _Mapped:
+    return tail if not leftover and completed == (tail,) else (tail, leftover, completed)
+
+
+def _unpacked(value: int | _Mapped) -> _Mapped:
+    return (value, (), (value,)) if isinstance(value, int) else value
+
+
+def _key(group: int | None, engine_hash: EngineHash) -> _Key:
+    """Engine hashes of the first (often only) KV-cache group stand for themselves."""
+    return engine_hash if not group else (group, engine_hash)
 
 
 class BackendKvEvents:
@@ -65,7 +80,7 @@ class BackendKvEvents:
         self.index = index
         self.backend = backend
         self.max_mapped = max_mapped
-        self._mapped: OrderedDict[tuple[int | None, EngineHash], _Mapped] = OrderedDict()
+        self._mapped: OrderedDict[_Key, int | _Mapped] = OrderedDict()  # oldest first
         self._holders: dict[int, int] = {}  # Sluice block -> engine blocks completing it
         self.last_seq: int | None = None
         # Counted for metrics and the dashboard.
@@ -148,11 +163,11 @@ class BackendKvEvents:
         if event.parent_block_hash is None:
             tail, leftover = ROOT_HASH, ()
         else:
-            parent = self._mapped.get((group, event.parent_block_hash))
+            parent = self._mapped.get(_key(group, event.parent_block_hash))
             if parent is None:  # stored before we listened, or beyond the bound
                 self.blocks["unmapped"] += count
                 return
-            tail, leftover = parent.tail, parent.leftover
+            tail, leftover, _ = _unpacked(parent)
         size = event.block_size
         added: list[int] = []
         for i, engine_hash in enumerate(event.block_hashes):
@@ -163,9 +178,9 @@ class BackendKvEvents:
                 leftover = run[len(completed) * BLOCK_SIZE :]
             else:
                 leftover = run
-            key = (group, engine_hash)
+            key = _key(group, engine_hash)
             self._release(self._mapped.pop(key, None))
-            self._mapped[key] = _Mapped(tail, leftover, completed)
+            self._mapped[key] = _packed(tail, leftover, completed)
             for block in completed:
                 self._holders[block] = self._holders.get(block, 0) + 1
             added.extend(completed)
@@ -185,20 +200,20 @@ class BackendKvEvents:
             self.blocks["skipped"] += len(event.block_hashes)
             return
         for engine_hash in event.block_hashes:
-            mapped = self._mapped.pop((event.group_idx, engine_hash), None)
+            mapped = self._mapped.pop(_key(event.group_idx, engine_hash), None)
             if mapped is None:
                 self.blocks["unknown"] += 1
             else:
                 self.blocks["removed"] += 1
                 self._release(mapped)
 
-    def _release(self, mapped: _Mapped | None) -> None:
+    def _release(self, mapped: int | _Mapped | None) -> None:
         """An engine block is gone (or no longer followed): the Sluice blocks nothing else
         completes leave the index."""
         if mapped is None:
             return
         gone = []
-        for block in mapped.completed:
+        for block in _unpacked(mapped)[2]:
             left = self._holders[block] - 1
             if left:
                 self._holders[block] = left
