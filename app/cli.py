@@ -30,8 +30,8 @@ HELP: dict[str, str] = {
     "loses a request it has the prefix for (default: 16)",
     "balance_rel_threshold": "how many times the least-loaded one's load it may carry too: "
     "affinity goes only past both thresholds (default: 1.5)",
-    "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries "
-    "(default: 262144)",
+    "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries, "
+    "and of the engine blocks followed from --kv-events, shared by them (default: 262144)",
     "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
     "the admission queue (default: 128)",
     "admission_queue": "requests that may wait for a backend slot before 429 (default: 1024)",
