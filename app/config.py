@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.routing.kv_event_wire import endpoint_problem
+
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
@@ -46,6 +48,10 @@ class Settings:
     admission_queue: int = 1024
     admission_timeout: float = 30.0
     tokens_per_minute: int = 0  # per API key; 0: no limit
+    # The engines' own KV-cache events (vLLM, SGLang): "BACKEND_URL=tcp://HOST:PORT" each, and
+    # the replay sockets that fill sequence gaps, in the same form.
+    kv_events: tuple[str, ...] = ()
+    kv_events_replay: tuple[str, ...] = ()
 
     # Forwarding.
     connect_timeout: float = 3.0
@@ -138,6 +144,17 @@ class Settings:
             )
         if self.demo_burst_interval < 0:
             raise ValueError("--demo-burst-interval must not be negative")
+        if self.kv_events and self.policy != "cache_aware":
+            raise ValueError("--kv-events feeds the prefix index: it needs --policy cache_aware")
+        self.kv_event_endpoints()  # every entry checked
+
+    def kv_event_endpoints(self) -> dict[str, tuple[str, str | None]]:
+        """Backend URL -> (publisher endpoint, replay endpoint or None)."""
+        publishers = _endpoints_by_backend("--kv-events", self.kv_events, self.backends)
+        replays = _endpoints_by_backend("--kv-events-replay", self.kv_events_replay, self.backends)
+        for url in replays.keys() - publishers.keys():
+            raise ValueError(f"--kv-events-replay {url}: give its --kv-events too")
+        return {url: (endpoint, replays.get(url)) for url, endpoint in publishers.items()}
 
 
 def is_loopback_host(host: str) -> bool:
@@ -148,3 +165,24 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _endpoints_by_backend(
+    flag: str, entries: tuple[str, ...], backends: tuple[str, ...]
+) -> dict[str, str]:
+    known = {url.rstrip("/") for url in backends}
+    endpoints: dict[str, str] = {}
+    for entry in entries:
+        url, equals, endpoint = entry.partition("=")
+        url, endpoint = url.strip().rstrip("/"), endpoint.strip()
+        if not equals or not url or not endpoint:
+            raise ValueError(f"{flag} {entry!r}: expected BACKEND_URL=tcp://HOST:PORT")
+        problem = endpoint_problem(endpoint)
+        if problem:
+            raise ValueError(f"{flag} {entry!r}: the endpoint {problem}")
+        if url not in known:
+            raise ValueError(f"{flag} {entry!r}: {url} is not one of the --backend URLs")
+        if url in endpoints:
+            raise ValueError(f"{flag}: {url} is given twice (one publisher per backend)")
+        endpoints[url] = endpoint
+    return endpoints

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -28,6 +29,7 @@ from app.dashboard.app import create_dashboard
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.observe.backend_stats import backend_rows
+from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
@@ -40,10 +42,11 @@ from app.proxy.relay_hub import RelayHub
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
 from app.routing.health import HealthChecker
+from app.routing.kv_event_subscriber import subscribers_for
 from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
 from app.routing.tokenizer_check import check_tokenizers_at_startup
-from app.sim.server import serve_sim
+from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
 from app.sim.traffic import DemoTraffic
 
@@ -72,6 +75,9 @@ class Sluice:
         )
         self.router = Router(settings, self.pool, self.metrics)
         self.policy = self.router.policy
+        self.kv_subscribers = subscribers_for(settings, self.pool, self.policy)
+        self.router.kv_events = {url: s.events for url, s in self.kv_subscribers.items()}
+        self.metrics.registry.register(KvEventCollector(self.kv_event_snapshots))
         self.checker: HealthChecker | None = None  # set once running (backends added later)
         self.monitor = LoopMonitor(
             self.metrics, settings.stall_threshold_ms, settings.stall_instrument
@@ -94,6 +100,9 @@ class Sluice:
         backends = self.pool.snapshot(now)
         codes = counts_by_two_labels(self.metrics.backend_requests, "backend", "code")
         backend_rows(backends, codes, traffic.backends.snapshot(time.perf_counter()))
+        kv_events = self.kv_event_snapshots()
+        for backend in backends:
+            backend["kv_events"] = kv_events.get(backend["url"])
         return {
             "time": now,
             "wall_time": time.time(),
@@ -105,6 +114,10 @@ class Sluice:
             "tokenize": tokenize_summary(self.metrics),
             "requests": traffic.snapshot(),
         }
+
+    def kv_event_snapshots(self) -> dict[str, dict[str, Any]]:
+        now = trio.current_time()
+        return {url: s.snapshot(now) for url, s in self.kv_subscribers.items()}
 
     def occupancy(self) -> dict[str, float]:
         """The tokenizer's busiest moments since the last call, which the dashboard reads once
@@ -135,6 +148,8 @@ class Sluice:
             self.checker = checker
             await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
+            for subscriber in self.kv_subscribers.values():
+                await nursery.start(subscriber.run)
             scraper = LoadScraper(
                 self.pool,
                 client,
@@ -323,8 +338,13 @@ def run_sim_backend(settings: SimSettings) -> int:
         async with trio.open_nursery() as nursery:
             shutdown = trio.Event()
             await nursery.start(_stop_on_signal, shutdown, nursery.cancel_scope)
-            url = await nursery.start(serve_sim, settings)
+            app = create_sim_app(settings)
+            url = await nursery.start(partial(serve_sim, settings, app=app))
             print(f"Simulated backend: {url}", flush=True)
+            if app.kv_publisher is not None:
+                print(f"KV events: {app.kv_publisher.endpoint}", flush=True)
+                if app.kv_publisher.replay_endpoint:
+                    print(f"KV events replay: {app.kv_publisher.replay_endpoint}", flush=True)
             await shutdown.wait()
             nursery.cancel_scope.cancel()
 

@@ -385,7 +385,14 @@ async def test_error_rate_answers_500_in_a_seeded_pattern(launch: Any) -> None:
 
 async def test_faults_reject_unknown_keys_and_bad_values(launch: Any) -> None:
     sim = await launch()
-    for change in ({"explode": True}, {"error_rate": 2}, {"hang": "yes"}):
+    changes = (
+        {"explode": True},
+        {"error_rate": 2},
+        {"hang": "yes"},
+        {"drop_kv_events": -1},
+        {"drop_kv_events": True},
+    )
+    for change in changes:
         response = await sim.http.post(sim.url + "/sim/faults", json=change)
         assert response.status_code == 400
     assert (await sim.http.get(sim.url + "/sim/state")).json()["faults"] == {
@@ -393,6 +400,7 @@ async def test_faults_reject_unknown_keys_and_bad_values(launch: Any) -> None:
         "hang": False,
         "close_mid_stream": False,
         "unhealthy": False,
+        "drop_kv_events": 0,
     }
 
 

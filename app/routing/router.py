@@ -25,6 +25,7 @@ from app.observe.metrics import Metrics
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
 from app.routing.backends import Backend, BackendPool
 from app.routing.cache_aware import CacheAware
+from app.routing.kv_event_index import BackendKvEvents
 from app.routing.policies import Decision, Policy, RouteRequest, RoutingParams, make_policy
 from app.routing.usage import Usage
 
@@ -70,6 +71,10 @@ class Router:
             TokenBuckets(settings.tokens_per_minute) if settings.tokens_per_minute else None
         )
         self.rejected: dict[str, int] = {}
+        # By backend URL, for backends whose engine's KV events feed the index: they are
+        # told when a request goes there that will make the engine store blocks (silence
+        # while such requests flow is a publisher gone).
+        self.kv_events: dict[str, BackendKvEvents] = {}
         metrics.admission_waiting.set_function(lambda: self.queue.waiting)
         if isinstance(self.policy, CacheAware):
             index = self.policy.index
@@ -128,6 +133,9 @@ class Router:
         backend.inflight += 1
         backend.pending_tokens += pending
         self.reservations += 1
+        events = self.kv_events.get(backend.url)
+        if events is not None and prediction is not None and prediction.stores_blocks:
+            events.request_sent(trio.current_time())
         self.metrics.backend_inflight.labels(backend=backend.url).inc()
         return dataclasses.replace(decision, pending_tokens=pending)
 
@@ -176,6 +184,9 @@ class Router:
         self.pool.remove(backend)
         if isinstance(self.policy, CacheAware):
             self.policy.forget(backend)
+        events = self.kv_events.get(backend.url)
+        if events is not None:
+            events.clear()
         self.metrics.forget_backend(backend.url)
 
     def _refuse(self, exc: Overloaded) -> None:

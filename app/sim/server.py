@@ -3,9 +3,11 @@
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /health`, `GET /metrics`, `POST /tokenize`, `GET /version` (as vLLM answers them), and
 three of its own: `POST /sim/faults` to change the faults at run time, `POST /sim/evict` to
-empty the prefix cache (as memory pressure would), `GET /sim/state` for the engine's numbers
-as JSON, plus what tests of a proxy need to see: how many /tokenize
-calls came and in which form the prompts arrived (messages, text or token ids).
+empty the prefix cache (as memory pressure would; told as `AllBlocksCleared` to KV event
+subscribers), `GET /sim/state` for the engine's numbers as JSON, plus what tests of a proxy
+need to see: how many /tokenize calls came and in which form the prompts arrived (messages,
+text or token ids). With `--kv-events-endpoint` it publishes vLLM's KV-cache events
+(`kv_publisher.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from app.preprocess.request_bodies import parse_json_object
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole, cancelled_on_disconnect
+from app.sim.kv_publisher import SimKvPublisher
 from app.sim.metrics import SimMetrics
 from app.sim.openai_format import (
     Kind,
@@ -67,6 +70,12 @@ class SimServer:
         self.engine = SimEngine(settings)
         self.metrics = SimMetrics(self.engine, settings)
         self.faults = SimFaults.from_settings(settings)
+        self.kv_publisher: SimKvPublisher | None = None
+        if settings.kv_events_endpoint:
+            self.kv_publisher = SimKvPublisher(
+                settings.kv_events_endpoint, settings.kv_events_replay_endpoint, self.faults
+            )
+            self.engine.kv_cache.on_events = self.kv_publisher.publish
         self.created = int(time.time())
         self.preprocessing = trio.Lock()
         self._routes: dict[str, dict[str, Handler]] = {
@@ -228,6 +237,13 @@ class SimServer:
             "tokenize_requests": self.tokenize_requests,
             "prompts_by_form": dict(self.prompts_by_form),
             "faults": self.faults.as_dict(),
+            "kv_events": None
+            if self.kv_publisher is None
+            else {
+                "endpoint": self.kv_publisher.endpoint,
+                "replay_endpoint": self.kv_publisher.replay_endpoint,
+                "published": self.kv_publisher.published,
+            },
         }
 
 
@@ -249,6 +265,8 @@ async def serve_sim(
     asgi_app: Any = app or create_sim_app(settings)
     config = server_config(settings.host, settings.port, backlog=settings.backlog)
     async with trio.open_nursery() as nursery:
+        if asgi_app.kv_publisher is not None:
+            await nursery.start(asgi_app.kv_publisher.run)
         await nursery.start(asgi_app.engine.run)
         urls: list[str] = await nursery.start(partial(serve, asgi_app, config, mode="asgi"))
         task_status.started(urls[0])
