@@ -43,10 +43,12 @@ from app.proxy.http_server import HttpServer
 from app.proxy.relay_hub import RelayHub
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
+from app.routing.budget_sync import BudgetCollector, BudgetSync
 from app.routing.health import HealthChecker
 from app.routing.kv_event_subscriber import subscribers_for
 from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
+from app.routing.shared_budgets import SharedBudgets
 from app.routing.tokenizer_check import check_tokenizers_at_startup
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
@@ -90,6 +92,10 @@ class Sluice:
         )
         self.router = Router(settings, self.pool, self.metrics)
         self.policy = self.router.policy
+        self.budget_sync: BudgetSync | None = None
+        if isinstance(self.router.buckets, SharedBudgets) and settings.redis_url:
+            self.budget_sync = BudgetSync(self.router.buckets, settings.redis_url)
+            self.metrics.registry.register(BudgetCollector(self.budget_sync))
         self.kv_subscribers = subscribers_for(settings, self.pool, self.policy)
         self.router.kv_events = {url: s.events for url, s in self.kv_subscribers.items()}
         self.metrics.registry.register(KvEventCollector(self.kv_event_snapshots))
@@ -128,7 +134,15 @@ class Sluice:
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics),
             "requests": traffic.snapshot(),
+            "budgets": self.budgets_snapshot(),
+            "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
+
+    def budgets_snapshot(self) -> dict[str, Any] | None:
+        if self.budget_sync is not None:
+            return self.budget_sync.snapshot()
+        buckets = self.router.buckets
+        return buckets.snapshot(trio.current_time()) if isinstance(buckets, SharedBudgets) else None
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -168,6 +182,8 @@ class Sluice:
             await nursery.start(checker.run)
             for subscriber in self.kv_subscribers.values():
                 await nursery.start(subscriber.run)
+            if self.budget_sync is not None:
+                await nursery.start(self.budget_sync.run)
             scraper = LoadScraper(
                 self.pool,
                 client,
@@ -285,6 +301,13 @@ async def serve_main(settings: Settings) -> None:
 async def supervised_main(settings: Settings) -> None:
     """`--workers N`: the supervisor, its workers and the one dashboard that shows them."""
     supervisor = Supervisor(settings)
+    if settings.tokens_per_minute and settings.redis_url is None:
+        log.warning(
+            "--workers %d without --redis-url: each worker admits 1/%d of every key's "
+            "--tokens-per-minute (a client on one connection gets that share)",
+            settings.workers,
+            settings.workers,
+        )
     async with trio.open_nursery() as nursery:
         await nursery.start(_forward_signals, supervisor)
         client = await trio.to_thread.run_sync(make_health_client, settings)

@@ -127,10 +127,10 @@ class Supervisor:
         self._workers_stopped = trio.Event()
 
     def worker_settings(self) -> Settings:
-        """A worker's settings: the shared port, a private dashboard, the policy in force."""
+        """A worker's settings: the shared port, a private dashboard, the policy in force
+        (`workers` stays N: each worker's budgets hold their share)."""
         return replace(
             self.settings,
-            workers=1,
             port=self.port,
             dashboard_host="127.0.0.1",
             dashboard_port=0,
