@@ -38,6 +38,12 @@ HELP: dict[str, str] = {
     "admission_timeout": "seconds a request may wait for a backend slot before 429 (default: 30)",
     "tokens_per_minute": "prompt + completion tokens per minute per API key, 429 beyond "
     "(default: 0, no limit)",
+    "redis_url": "redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS): share each API key's "
+    "--tokens-per-minute with every worker and replica using this Redis",
+    "budget_sync_interval": "seconds between two syncs of the shared budgets with Redis; "
+    "over-admission is bounded by what one interval admits (default: 0.2)",
+    "workers": "proxy processes sharing --port (SO_REUSEPORT), one dashboard for all; a worker "
+    "that dies is restarted (default: 1, a single process and no supervisor)",
     "tokenizer": "tokenizer.json path, model directory or hub id (default: bundled DeepSeek-V4)",
     "chat_template": "Jinja2 chat template file (default: discovered next to the tokenizer)",
     "tokenize_mode": "offload (threads, fallback, saturation policy) or inline (naive baseline)",
@@ -228,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="simulated backends + proxy + dashboard + light traffic")
     demo.add_argument("--config", help="TOML file with any of the flags below")
-    _add_dataclass_flags(demo, Settings, skip=("backends",))
+    _add_dataclass_flags(demo, Settings, skip=("backends", "workers"))
 
     sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
     sim.add_argument("--model", dest="models", action="append", metavar="NAME", help=HELP["model"])

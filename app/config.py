@@ -17,6 +17,9 @@ TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
 
+MAX_WORKERS = 64
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -48,6 +51,11 @@ class Settings:
     admission_queue: int = 1024
     admission_timeout: float = 30.0
     tokens_per_minute: int = 0  # per API key; 0: no limit
+    # Per-key budgets shared by every worker and replica through this Redis, synced in the
+    # background every budget_sync_interval seconds (over-admission is bounded by what one
+    # interval admits); without it, each process holds its share of the budget alone.
+    redis_url: str | None = None
+    budget_sync_interval: float = 0.2
     # The engines' own KV-cache events (vLLM, SGLang): "BACKEND_URL=tcp://HOST:PORT" each, and
     # the replay sockets that fill sequence gaps, in the same form.
     kv_events: tuple[str, ...] = ()
@@ -61,6 +69,8 @@ class Settings:
     max_connections: int = 1024  # requests in flight; past it a fast 503
     backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
     shutdown_grace: float = 10.0
+    # Proxy processes sharing the port (SO_REUSEPORT), one dashboard for all; 1: no supervisor.
+    workers: int = 1
 
     # Preprocessing.
     tokenizer: str | None = None
@@ -116,6 +126,7 @@ class Settings:
             "idle_timeout",
             "stall_threshold_ms",
             "admission_timeout",
+            "budget_sync_interval",
         )
         for name in positive_seconds:
             if getattr(self, name) <= 0:
@@ -141,6 +152,12 @@ class Settings:
             raise ValueError(
                 f"--dashboard-host {self.dashboard_host!r} is reachable from other machines: "
                 "set --admin-token too, or the saturation switch would be anyone's"
+            )
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be between 1 and {MAX_WORKERS}")
+        if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"--redis-url {self.redis_url!r}: expected redis://, rediss:// or unix://"
             )
         if self.demo_burst_interval < 0:
             raise ValueError("--demo-burst-interval must not be negative")

@@ -27,6 +27,7 @@ from app.routing.backends import Backend, BackendPool
 from app.routing.cache_aware import CacheAware
 from app.routing.kv_event_index import BackendKvEvents
 from app.routing.policies import Decision, Policy, RouteRequest, RoutingParams, make_policy
+from app.routing.shared_budgets import SharedBudgets
 from app.routing.usage import Usage
 
 log = logging.getLogger("sluice.router")
@@ -52,6 +53,21 @@ def estimated_tokens(request: RouteRequest) -> int:
     return len(request.text or "") // CHARS_PER_TOKEN
 
 
+def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets | None:
+    """A process's own buckets, as ever; the shared layer with --redis-url, or with
+    --workers N alone (each worker then holds 1/N of every budget)."""
+    if not settings.tokens_per_minute:
+        return None
+    if settings.redis_url is None and settings.workers == 1:
+        return TokenBuckets(settings.tokens_per_minute)
+    return SharedBudgets(
+        settings.tokens_per_minute,
+        local_replicas=settings.workers,
+        shared=settings.redis_url is not None,
+        sync_interval=settings.budget_sync_interval,
+    )
+
+
 class Router:
     def __init__(
         self,
@@ -67,9 +83,7 @@ class Router:
         self.reservations = 0  # requests sent to a backend so far: whether traffic flows
         self.queue = SlotQueue(settings.admission_queue, settings.admission_timeout)
         self.tokens_per_minute = settings.tokens_per_minute
-        self.buckets = (
-            TokenBuckets(settings.tokens_per_minute) if settings.tokens_per_minute else None
-        )
+        self.buckets = budgets_for(settings)
         self.rejected: dict[str, int] = {}
         # By backend URL, for backends whose engine's KV events feed the index: they are
         # told when a request goes there that will make the engine store blocks (silence
