@@ -22,7 +22,7 @@ import trio
 
 from app.config import Settings
 from app.main import Sluice, _run_then_cancel, _stop_on_signal, run_until_stopped
-from app.proxy.shared_port import SharedPortServer
+from app.proxy.http_server import HttpServer
 from app.supervisor import ORDER_HEADER, WorkerOrder
 
 log = logging.getLogger("sluice.worker")
@@ -46,7 +46,7 @@ def _receive_order(channel: socket.socket) -> WorkerOrder:
 
 
 async def serve_worker(channel: socket.socket, index: int, settings: Settings) -> None:
-    sluice = Sluice(settings, server_factory=SharedPortServer, worker=index)
+    sluice = Sluice(settings, server_factory=partial(HttpServer, reuse_port=True), worker=index)
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(channel))
     async with stream, trio.open_nursery() as nursery:
         await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)

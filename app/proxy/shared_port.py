@@ -4,7 +4,7 @@ Each worker binds its own listening socket to the same address with SO_REUSEPORT
 kernel spreads new connections over them by a hash of each connection's addresses: no
 process hands sockets to another, a worker that dies takes only its own connections with it
 and the others go on accepting. `trio.open_tcp_listeners` does not set the option, hence
-`SharedPortServer`, whose only difference from `HttpServer` is how it binds.
+`reuse_port_listeners`, which `HttpServer(reuse_port=True)` listens with.
 
 The supervisor holds the port with `reserve_port` for as long as it runs: a socket bound with
 SO_REUSEPORT but never listening takes no connection, yet no other program can take the port
@@ -19,8 +19,6 @@ import socket
 from typing import Any
 
 import trio
-
-from app.proxy.http_server import HttpServer
 
 
 def _addresses(host: str, port: int) -> list[tuple[int, tuple[Any, ...]]]:
@@ -74,20 +72,3 @@ def reuse_port_listeners(host: str, port: int, backlog: int) -> list[trio.Socket
             sock.close()
         raise
     return [trio.SocketListener(trio.socket.from_stdlib_socket(sock)) for sock in sockets]
-
-
-class SharedPortServer(HttpServer):
-    """`HttpServer` on a port that other worker processes listen on too."""
-
-    async def serve(
-        self,
-        host: str,
-        port: int,
-        backlog: int,
-        *,
-        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        listeners = reuse_port_listeners(host, port, backlog)
-        async with trio.open_nursery() as connections:
-            connections.start_soon(self._accept, listeners, connections)
-            task_status.started(f"http://{host}:{port}")
