@@ -1,5 +1,5 @@
 """The processes a benchmark runs, each known by its PID: `sluice serve`, `sluice sim-backend`,
-the floors, the peers (SMG, LiteLLM where installed) and the /health probe. `async with
+the floors, the peers (SMG, LiteLLM where installed, Redis) and the /health probe. `async with
 Stack() as stack:` stops them all, whatever happens.
 
 Each of ours binds port 0 and prints its URL; we read the URL from its log, so benchmarks never
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -173,6 +174,13 @@ class Stack:
         """A process that died or was killed on purpose: no longer stopped at the end."""
         self.processes.remove(process)
 
+    def kill(self, url: str) -> None:
+        """SIGKILL the process serving at `url` mid-run (a fault injected on purpose)."""
+        process = next(p for p in self.processes if p.pid == self.pids[url])
+        process.kill()
+        process.wait()
+        self.forget(process)
+
     async def command(
         self,
         argv: Sequence[str],
@@ -200,6 +208,29 @@ class Stack:
                     except httpx.HTTPError:
                         pass
                     await trio.sleep(0.2)
+
+    async def redis(self) -> str:
+        """A redis-server of our own (Debian's) on a free port, nothing saved to disk; its
+        redis:// URL once it accepts connections (10 s at most)."""
+        port = free_port()
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes.append(process)
+        url = f"redis://127.0.0.1:{port}/0"
+        self.pids[url] = process.pid
+        with trio.fail_after(10):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited ({process.returncode})")
+                try:
+                    await (await trio.open_tcp_stream("127.0.0.1", port)).aclose()
+                    return url
+                except OSError:
+                    await trio.sleep(0.05)
 
     async def floor(self, kind: str) -> str:
         """load/floors.py: a server that answers without a backend ("hypercorn" or "h11")."""

@@ -4,8 +4,9 @@ changing numbers and draws its charts, nothing is logged to the console as an er
 from the page's button makes the loop stall and a stall row opens its stack, the switch
 changes the policy that `/api/snapshot` reports and a second open page shows it, and the page
 says so when Sluice goes away and reconnects by itself when it is back. In front of one
-simulated backend per engine metrics style, the backends table shows each engine's name and
-every number the snapshot has from it.
+simulated backend per engine metrics style, each publishing KV events, the backends table
+shows each engine's name, every number the snapshot has from it, and that each backend's
+index follows its events.
 
 With SLUICE_UPDATE_SCREENSHOT=1 the screenshot is also written to static/dashboard.png (the
 one the README shows); otherwise it only goes to pytest's temporary directory.
@@ -254,10 +255,11 @@ ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
 
 
 def ask(proxy_url: str, question: int) -> None:
+    # The question first: each is a new prefix, placed by its hash on any of the backends.
     body = {
         "model": "sim",
         "messages": [
-            {"role": "system", "content": "Answer in haiku. " * 30},
+            {"role": "system", "content": f"Question {question}. " + "Answer in haiku. " * 30},
             {"role": "user", "content": f"Question {question}?"},
         ],
         "max_tokens": 2,
@@ -282,8 +284,13 @@ def engine_numbers_known(snapshot: dict[str, Any]) -> bool:
     return all(value is not None for value in reported)
 
 
+def events_flowing(snapshot: dict[str, Any]) -> bool:
+    return all((b["kv_events"] or {}).get("source") == "events" for b in snapshot["backends"])
+
+
 def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
-    """Cells that show "—" where the snapshot has a number, or a number where it has none."""
+    """Cells that show "—" where the snapshot has a number, or a number where it has none,
+    and KV index cells that do not say the backend's index follows its events."""
     table = page.evaluate(
         "() => ({"
         " heads: [...document.querySelectorAll('#panel-backends table.backends th')]"
@@ -299,6 +306,9 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
             known = engines[url].get(field) is not None
             if known == ("—" in cell) or (field == "name" and cell != engines[url]["name"]):
                 mismatched.append(f"{url} {head}: {cell!r}, snapshot {engines[url]}")
+        kv_index = cells[table["heads"].index("KV index")]
+        if not kv_index.startswith("events"):
+            mismatched.append(f"{url} KV index: {kv_index!r}")
     return mismatched or ([] if table["rows"] else ["no rows"])
 
 
@@ -307,17 +317,27 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
     try:
         for style in ENGINE_STYLES:
             arguments = ["sim-backend", "--port", "0", "--metrics-style", style]
-            started.append(Sluice(arguments, "Simulated backend:"))
-        backends = [f"--backend={sim.urls['Simulated backend:']}" for sim in started]
-        arguments = ["serve", "--port", "0", "--dashboard-port", "0", "--policy", "round_robin"]
+            events = ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+            started.append(Sluice([*arguments, *events], "Simulated backend:", "KV events:"))
+        backends = []
+        for sim in started:
+            url = sim.urls["Simulated backend:"]
+            backends += [f"--backend={url}", f"--kv-events={url}={sim.urls['KV events:']}"]
+        arguments = ["serve", "--port", "0", "--dashboard-port", "0"]
         sluice = Sluice([*arguments, *backends], "Sluice proxy:", "Sluice dashboard:")
         started.append(sluice)
         proxy_url, dashboard_url = sluice.urls["Sluice proxy:"], sluice.urls["Sluice dashboard:"]
 
-        # Prompts for every backend, over several scrapes, until each engine's numbers are in.
+        # Prompts for every backend, over several scrapes, until each engine's numbers are in
+        # and each backend's events flow.
         deadline = time.monotonic() + WAIT_MS / 1000
         question = 0
-        while not engine_numbers_known(fetch_snapshot(dashboard_url)):
+
+        def all_known() -> bool:
+            snapshot = fetch_snapshot(dashboard_url)
+            return engine_numbers_known(snapshot) and events_flowing(snapshot)
+
+        while not all_known():
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["backends"]
             ask(proxy_url, question)
             question += 1

@@ -6,13 +6,16 @@ as it was; `python -m load run` drives a proxy it did not start, writing its JSO
 `bench routing` starts simulated GPUs and a Sluice in front of them and reports the
 backends' own prefix-cache hits beside Sluice's predictions; the overhead scenario's two
 floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would;
-`python -m load compare REV` exports a revision that runs as `python -m app`."""
+the replicas scenario's TCP round robin hands each new connection to the next replica, and a
+benchmark's own Redis answers until the stack kills it; `python -m load compare REV` exports
+a revision that runs as `python -m app`."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +28,7 @@ from hypercorn.trio import serve
 
 from app.asgi import server_config
 from load import compare, floors
-from load.bench import NAMES
+from load.bench import NAMES, replicas
 from load.harness import wait_healthy
 from load.processes import Stack
 
@@ -177,6 +180,49 @@ async def test_floor_servers_answer_keep_alive_chat_requests(kind: str) -> None:
                 assert response.status_code == 200
                 assert response.json()["object"] == "chat.completion"
         nursery.cancel_scope.cancel()
+
+
+async def test_the_round_robin_hands_each_connection_to_the_next_replica() -> None:
+    async def answer(name: bytes, stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.send_all(name + await stream.receive_some(100))
+
+    async with trio.open_nursery() as nursery:
+        targets = []
+        for name in (b"a", b"b", b"c"):
+            [listener] = await nursery.start(
+                functools.partial(
+                    trio.serve_tcp, functools.partial(answer, name), 0, host="127.0.0.1"
+                )
+            )
+            targets.append(f"http://127.0.0.1:{listener.socket.getsockname()[1]}")
+        async with replicas.round_robin(targets) as url:
+            port = int(url.rsplit(":", 1)[1])
+            heard = []
+            for number in range(6):
+                async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                    await stream.send_all(str(number).encode())
+                    heard.append(await stream.receive_some(100))
+        nursery.cancel_scope.cancel()
+    assert heard == [b"a0", b"b1", b"c2", b"a3", b"b4", b"c5"]
+
+
+@pytest.mark.skipif(
+    not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists())
+    and not os.environ.get("CI"),
+    reason="needs redis-server (apt-get install -y redis-server)",
+)
+async def test_a_benchmarks_redis_answers_until_the_stack_kills_it() -> None:
+    async with Stack() as stack:
+        url = await stack.redis()
+        host, port = url.removeprefix("redis://").split("/")[0].split(":")
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            await stream.send_all(b"PING\r\n")
+            assert await stream.receive_some(100) == b"+PONG\r\n"
+        stack.kill(url)
+        assert stack.died() == []  # killed on purpose: not reported as a death
+        with pytest.raises(OSError):
+            await trio.open_tcp_stream(host, int(port))
 
 
 def test_compare_exports_a_revision_that_runs(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import h11
 import trio
 
 from app.errors import ClientError, error_body
+from app.proxy.body_framing import LAST_CHUNK, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
 
 Headers = list[tuple[bytes, bytes]]
@@ -42,54 +43,80 @@ class ClientGone(Exception):
 
 
 class ClientConnection:
-    """h11's server side of one connection, fed by the reader task."""
+    """h11's server side of one connection, shared by its two tasks (http_server.py).
+
+    One task reads: it feeds every byte to h11 (`read_some`), and when the client closes
+    while an answer is being made, it cancels that answer, so a client that gives up stops
+    its backend's work too. The other task answers, or waits to read again (`idle`).
+    """
 
     def __init__(self, stream: ByteStream, max_head_bytes: int) -> None:
         self.stream = stream
+        self._max_head_bytes = max_head_bytes
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
-        self.received = 0  # bytes read so far: tells a head that has started from none
         self.peer_gone = False
         # The request being answered: cancelled when the client leaves.
         self.answering: trio.CancelScope | None = None
-        self._arrived = trio.lowlevel.ParkingLot()
-        self._resume_reading = trio.lowlevel.ParkingLot()
+        # The reader's wait. Its deadline is the keep-alive or head timeout while nothing is
+        # being answered, none while something is; the answer that ends sets it.
+        self.reading: trio.CancelScope | None = None
+        self.head_started: float | None = None  # when the next request's first byte came
+        self._idle = trio.lowlevel.ParkingLot()  # the task that neither reads nor answers
+        self._reading_handed_over = False
+        self._arrived = trio.lowlevel.ParkingLot()  # an answer waiting for body bytes
+        self._resume_reading = trio.lowlevel.ParkingLot()  # read-ahead used up
         self._read_ahead = 0
 
-    async def read(self) -> None:
-        """The reader task: runs until the client closes or the connection is torn down."""
-        while True:
-            while self._read_ahead > PIPELINE_READ_AHEAD:
-                await self._resume_reading.park()
-            try:
-                data = await self.stream.receive()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            self.received += len(data)
-            if self.answering is not None and self.h11.their_state is h11.DONE:
-                self._read_ahead += len(data)  # the next request's, read while answering
-            self.h11.receive_data(data)
-            self._arrived.unpark_all()
-            if not data:
-                self.peer_gone = True
-                if self.answering is not None:
-                    self.answering.cancel()
-                return
+    async def read_some(self) -> None:
+        """Feed h11 what has arrived, or the end of input, which cancels an answer in
+        progress. While an answer is made, at most PIPELINE_READ_AHEAD bytes are read."""
+        while self.answering is not None and self._read_ahead > PIPELINE_READ_AHEAD:
+            await self._resume_reading.park()
+        try:
+            data = await self.stream.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        if self.answering is not None and self.h11.their_state is h11.DONE:
+            self._read_ahead += len(data)  # the next request's, read while answering
+        self.h11.receive_data(data)
+        self._arrived.unpark_all()
+        if not data:
+            self.peer_gone = True
+            if self.answering is not None:
+                self.answering.cancel()
+
+    def hand_over_reading(self) -> None:
+        """The task that read a request answers it: the other one reads meanwhile."""
+        self._reading_handed_over = True
+        self._idle.unpark_all()
+
+    async def wait_to_read(self) -> None:
+        """Until reading is handed over to this task, the idle one."""
+        while not self._reading_handed_over:
+            await self._idle.park()
+        self._reading_handed_over = False
 
     async def next_event(
         self, deadline: float
     ) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
-        """h11's next event, waiting for bytes until `deadline` (trio.TooSlowError after)."""
+        """h11's next event for the answer, waiting for the reader to feed it bytes until
+        `deadline` (trio.TooSlowError after)."""
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            await self.wait_for_bytes(deadline)
+            with trio.fail_at(deadline):
+                await self._arrived.park()
 
-    async def wait_for_bytes(self, deadline: float) -> None:
-        """Until the reader has fed h11 more bytes (or the end), or `deadline`
-        (trio.TooSlowError)."""
-        with trio.fail_at(deadline):
-            await self._arrived.park()
+    def next_cycle(self) -> None:
+        """The request was read and answered whole: parse the next one from what is left.
+        (A fresh parser: h11 reads requests here, the answers are written by `Exchange`.)"""
+        rest, closed = self.h11.trailing_data
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head_bytes)
+        if rest:
+            self.h11.receive_data(rest)
+        if closed:
+            self.h11.receive_data(b"")
 
     async def refuse(self, status: int, message: str, code: str) -> None:
         """An error answer to a request h11 could not read; the connection then closes."""
@@ -99,21 +126,22 @@ class ClientConnection:
             (b"content-length", b"%d" % len(body)),
             CLOSE,
         ]
-        protocol = self.h11
-        response = h11.Response(status_code=status, headers=headers, reason=_reason(status))
-        payload = (protocol.send(response) or b"") + body
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.stream.send(payload)
+            await self.stream.send(response_head(status, headers) + body)
 
     def begin_answering(self, scope: trio.CancelScope) -> None:
         self.answering = scope
         if self.peer_gone:
             scope.cancel()
 
-    def end_answering(self) -> None:
+    def end_answering(self, reading_deadline: float) -> None:
+        """Nothing is being answered now: the reader may take the next request, and waits
+        for it until `reading_deadline`."""
         self.answering = None
         self._read_ahead = 0
         self._resume_reading.unpark_all()
+        if self.reading is not None:
+            self.reading.deadline = reading_deadline
 
 
 # Framings of an answer's body (Exchange._framing).
@@ -132,6 +160,7 @@ class Exchange:
         "complete",
         "first_byte_at",
         "headers",
+        "keep_alive",
         "method",
         "path",
         "status",
@@ -155,6 +184,11 @@ class Exchange:
         self.status: int | None = None  # once the answer's head went out
         self.first_byte_at: float | None = None  # perf_counter at the first body byte
         self.complete = False  # the answer's last byte went out
+        # Whether the connection may carry another request after this one: HTTP/1.1 and no
+        # `Connection: close` from the client (RFC 9112 §9.3), until the answer says otherwise.
+        self.keep_alive = request.http_version == b"1.1" and not any(
+            name == b"connection" and b"close" in value.lower() for name, value in self.headers
+        )
         # Told when a write waits for a slow client (the relay's idle timeout pauses).
         self.client_wait: SendWait | None = None
 
@@ -178,12 +212,7 @@ class Exchange:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
         if protocol.they_are_waiting_for_100_continue:
-            await self._send(
-                protocol.send(
-                    h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
-                )
-                or b""
-            )
+            await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         pieces: list[bytes] = []
         size = 0
         while True:
@@ -210,30 +239,38 @@ class Exchange:
             else:  # ConnectionClosed
                 raise ClientGone
 
-    def _head(self, status: int, headers: Headers) -> bytes:
+    def _head(self, status: int, headers: Headers, framing: int) -> bytes:
         protocol = self._connection.h11
         if protocol.their_state is h11.SEND_BODY:
             # Answered without reading the body: an empty one ends here and the connection
             # stays open; data is dropped, and the connection closes.
             protocol.next_event()
-        if (self._closing() or protocol.their_state is not h11.DONE) and CLOSE not in headers:
-            # Shutting down, or the body was left unread: this connection ends here.
-            headers = [*headers, CLOSE]
-        response = h11.Response(status_code=status, headers=headers, reason=_reason(status))
-        head = protocol.send(response) or b""
+        if (
+            not self.keep_alive
+            or framing == _UNTIL_CLOSE
+            or self._closing()
+            or protocol.their_state is not h11.DONE
+            or CLOSE in headers
+        ):
+            # The client asked, the body runs until close, the server is shutting down or
+            # the request's body was left unread: this connection ends with this answer.
+            self.keep_alive = False
+            if CLOSE not in headers:
+                headers = [*headers, CLOSE]
+        if framing == _CHUNKED:
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+        self._framing = framing
         self.status = status
-        return head
+        return response_head(status, headers)
 
     async def respond(
         self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes
     ) -> None:
         """A whole answer in one write; `headers` should not frame it (Content-Length is set)."""
-        protocol = self._connection.h11
         framed = [*headers, (b"content-length", b"%d" % len(body))]
-        payload = self._head(status, framed)
-        if self.method != "HEAD" and body:
-            payload += protocol.send(h11.Data(data=body)) or b""
-        payload += protocol.send(h11.EndOfMessage()) or b""
+        payload = self._head(status, framed, _COUNTED)
+        if self.method != "HEAD":
+            payload += body
         self.first_byte_at = time.perf_counter()
         await self._send(payload)
         self.complete = True
@@ -262,30 +299,45 @@ class Exchange:
         self, status: int, headers: Headers, first: bytes = b"", *, complete: bool
     ) -> None:
         """The head of an answer and `first` of its body in one write; the rest follows
-        by `write` and `end`, unless `complete`: then `first` was all of it."""
-        counted = any(name == b"content-length" for name, _ in headers)
-        head = self._head(status, headers)
-        if counted:
-            self._framing = _COUNTED
+        by `write` and `end`, unless `complete`: then `first` was all of it. `headers`
+        frame the body with Content-Length, or else it is chunked (until close for an
+        HTTP/1.0 client)."""
+        if self.method == "HEAD":
+            framing = _NONE
+        elif any(name == b"content-length" for name, _ in headers):
+            framing = _COUNTED
         elif self._connection.h11.their_http_version == b"1.1":
-            self._framing = _CHUNKED
+            framing = _CHUNKED
         else:
-            self._framing = _UNTIL_CLOSE
+            framing = _UNTIL_CLOSE
+        head = self._head(status, headers, framing)
         if first:
             head += self._frame(first)
             self.first_byte_at = time.perf_counter()
         if complete:
-            head += self._connection.h11.send(h11.EndOfMessage()) or b""
+            head += self._ending()
         await self._send(head)
         self.complete = complete
 
+    def relay_target(self) -> tuple[int, Callable[[bytes], bytes]] | None:
+        """For the relay hub, which writes the body itself: the client socket's descriptor
+        and how a piece of the body is framed; None where writes must go through `write`
+        (not a socket; an answer to HEAD, which has no body)."""
+        fd = self._connection.stream.socket_fd()
+        if fd is None or self._framing == _NONE:
+            return None
+        return fd, (chunk if self._framing == _CHUNKED else _as_is)
+
+    def mark_first_byte(self) -> None:
+        self.first_byte_at = time.perf_counter()
+
     def _frame(self, data: bytes) -> bytes:
-        framing = self._framing
-        if framing == _CHUNKED:
-            return b"%x\r\n%b\r\n" % (len(data), data)
-        if framing == _COUNTED:
-            return self._connection.h11.send(h11.Data(data=data)) or b""
-        return data
+        if self._framing == _CHUNKED:
+            return chunk(data)
+        return data if self._framing != _NONE else b""
+
+    def _ending(self) -> bytes:
+        return LAST_CHUNK if self._framing == _CHUNKED else b""
 
     async def write(self, data: bytes) -> None:
         """More of the body; `data` must not be empty. The relay's per-token call."""
@@ -301,7 +353,7 @@ class Exchange:
         payload = self._frame(last) if last else b""
         if last and self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
-        payload += self._connection.h11.send(h11.EndOfMessage()) or b""
+        payload += self._ending()
         if payload:
             await self._send(payload)
         self.complete = True
@@ -313,11 +365,21 @@ class Exchange:
             raise ClientGone from None
 
 
+def _as_is(data: bytes) -> bytes:
+    return data
+
+
+def response_head(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """Status line and header lines; names and values are the proxy's own or came through a
+    parser that validated them (h11's for the client's, upstream_protocol.py's for a
+    backend's)."""
+    lines = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b""))]
+    lines.extend(b"%b: %b\r\n" % pair for pair in headers)
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
-
-
-def _reason(status: int) -> bytes:
-    return _REASONS.get(status, b"")
 
 
 def _too_large(limit: int) -> ClientError:

@@ -11,9 +11,15 @@ For a request with token ids (SMG's parameter names, Sluice's own defaults):
    rendezvous hashing with bounded load on the held prefix's tokens, so replicas pick the
    same one and a hot prefix grows over two, three... backends instead of pinning one or
    losing affinity altogether.
-4. Least load: no holder (a new prefix, or too short a match): the least-loaded backend, ties
-   by rendezvous on the prompt so new prefixes spread evenly.
-Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`).
+4. New prefix: no holder (or too short a match): its first holder is chosen by rendezvous
+   hashing with bounded load on its first `PLACEMENT_BLOCKS` blocks, not by which backend
+   looks least loaded from here. Replicas see different loads (each its own requests in
+   flight) but hash alike: without sharing anything, not even the engines' KV events,
+   they place a new prefix on the same backend while its load is within the balance
+   thresholds, and the next request for it finds it there whichever replica routes it.
+   Distinct prefixes spread evenly, as their hashes do.
+Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`);
+prompts shorter than one block: the least-loaded backend.
 
 Checked against reality (`feedback`): backends report how many prompt tokens their cache
 served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
@@ -22,7 +28,6 @@ it held, and under LRU it also evicted everything it used before them: those ent
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections import Counter
 from collections.abc import Sequence
@@ -37,6 +42,10 @@ from app.routing.rendezvous import first_fit
 
 # A reported hit this much (as a share of the prompt) below the prediction means an eviction.
 CORRECTION_MARGIN = 0.1
+# A new prefix is placed by its first 128 tokens (as `hashing.py` keys on ~128 tokens of
+# text): a chat template's preamble and the start of the system prompt, which is what
+# requests that can share a KV-cache prefix have in common.
+PLACEMENT_BLOCKS = 8
 OUTCOMES = ("hit", "miss", "false-hit", "surprise-hit", "unreported")
 
 
@@ -45,9 +54,13 @@ def _backend_id(backend: Backend) -> str:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    if isinstance(token_ids, array):
+    """The same bytes for the same ids in every replica, whatever sequence type holds them."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
         return token_ids.tobytes()
-    return b",".join(str(token).encode() for token in token_ids)
+    try:
+        return array("I", token_ids).tobytes()
+    except OverflowError:
+        return b",".join(str(token).encode() for token in token_ids)
 
 
 class CacheAware:
@@ -102,10 +115,15 @@ class CacheAware:
             blocks = self.index.match(backend.id, hashes)
             reason = "spread"
         else:
-            key_digest = hashlib.blake2b(_token_bytes(tokens), digest_size=16).digest()
-            backend = least_loaded(candidates, key_digest)
+            key = _token_bytes(tokens[: min(len(hashes), PLACEMENT_BLOCKS) * BLOCK_SIZE])
+            backend, _ = first_fit(
+                key,
+                candidates,
+                _backend_id,
+                lambda b: not self.balance.overloaded(b.load, min_load),
+            )
             blocks = self.index.match(backend.id, hashes)
-            reason = "least-load"
+            reason = "new-prefix"
         stamps = tuple(self.index.stamps(backend.id, hashes[:blocks]))
         self.index.record(backend.id, hashes)
         return Decision(backend, reason, Prediction(len(tokens), blocks, stamps))

@@ -1,7 +1,8 @@
 """Routing policies: given the backends that take traffic, pick one and say why. Pure.
 
 The simple policies live here, cache_aware and consistent_hash in their own modules, and
-`make_policy` builds any of them by name; what they all take and answer is in decision.py.
+`make_policy` builds any of them by name; what they all take and answer, and the reasons
+they give, are in decision.py.
 """
 
 from __future__ import annotations

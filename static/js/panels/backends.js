@@ -1,6 +1,7 @@
 // Backends: one row each — health, breaker, load, rate, time to first token, errors, why
-// the router picked it, and what its engine (vLLM, SGLang, llama.cpp, TGI) reports about
-// itself in its /metrics, when it does.
+// the router picked it, what its engine (vLLM, SGLang, llama.cpp, TGI) reports about
+// itself in its /metrics, when it does, and what the prefix index of it stands on: the
+// engine's KV events (with their lag), or Sluice's own predictions.
 
 import { COLORS, TimeChart } from "../charts.js";
 import { DASH, count, el, pct, rate, seconds } from "../format.js";
@@ -13,6 +14,25 @@ function reasons(traffic) {
     .sort((a, b) => b[1] - a[1])
     .map(([reason, n]) => `${reason} ${Math.round((100 * n) / total)}%`)
     .join(" · ");
+}
+
+// The KV index cell: its source, the last batch's lag, and the details in the tooltip.
+function kvIndex(events) {
+  if (!events) {
+    return el("td", { class: "muted", title: "no --kv-events: the index holds what Sluice routed there" }, "predicted");
+  }
+  const blocks = events.blocks || {};
+  const gaps = events.gaps || {};
+  const details = [
+    events.silence || `following ${events.endpoint}`,
+    `${count(events.batches)} batches`,
+    `blocks learned ${count(blocks.learned || 0)}, confirmed ${count(blocks.confirmed || 0)}, removed ${count(blocks.removed || 0)}`,
+    `gaps replayed ${count(gaps.replayed || 0)}, rebuilt ${count(gaps.rebuilt || 0)}`,
+    `restarts ${count(events.restarts)}, bad messages ${count(events.bad_messages)}`,
+  ].join("\n");
+  const lag = events.last_lag_s === null || events.last_lag_s === undefined ? "" : ` · ${seconds(events.last_lag_s)}`;
+  const live = events.source === "events";
+  return el("td", { class: live ? "up" : "down", title: details }, live ? `events${lag}` : "predicted");
 }
 
 function fraction(value) {
@@ -51,6 +71,7 @@ export function createBackendsPanel(root) {
         el("td", { class: "num" }, engine.running === undefined ? DASH : `${count(engine.running)} / ${count(engine.waiting)}`),
         el("td", { class: "num" }, fraction(engine.kv_cache_usage)),
         el("td", { class: "num" }, fraction(engine.prefix_cache_hit_rate)),
+        kvIndex(b.kv_events),
       ]);
     });
     table.replaceChildren(...rows);
