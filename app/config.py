@@ -10,10 +10,70 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.models import MAX_MODELS
+
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
+
+
+class ConfigError(Exception):
+    """A configuration that cannot work (a bad value, an unreadable file): `sluice` says why
+    and exits with status 2, as for a bad flag."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model of the fleet (a `[[models]]` table of `--config`): the name its backends
+    serve it under, those backends, and how Sluice prepares its prompts. What a table leaves
+    out comes from the single-model flags (`--tokenizer`, `--chat-template`, `--max-model-len`)
+    or, for the window, from the backends' own `max_model_len`."""
+
+    name: str
+    backends: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    max_model_len: int | None = None
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("name must not be empty")
+        for alias in self.aliases:
+            if not alias.strip():
+                raise ValueError("an alias must not be empty")
+        if self.name in self.aliases or len(set(self.aliases)) != len(self.aliases):
+            raise ValueError("aliases must differ from each other and from the name")
+        for url in self.backends:
+            check_backend_url(url)
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError("backends lists a URL twice")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        for name in ("tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} must not be empty")
+
+
+def check_backend_url(url: str) -> None:
+    if not url.startswith("http://"):
+        raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+
+
+def check_fleet(models: tuple[ModelConfig, ...]) -> None:
+    """Names and aliases are one namespace: each may mean one model only."""
+    if len(models) > MAX_MODELS:
+        raise ValueError(f"at most {MAX_MODELS} models may be configured")
+    owner: dict[str, str] = {}
+    for model in models:
+        for name in (model.name, *model.aliases):
+            if name in owner:
+                first = owner[name]
+                where = "twice" if first == model.name else f"by model {first!r} already"
+                raise ValueError(f"model {model.name!r}: the name {name!r} is used {where}")
+            owner[name] = model.name
 
 
 @dataclass(frozen=True)
@@ -24,8 +84,10 @@ class Settings:
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8001
 
-    # Backends and routing.
+    # Backends and routing. `backends` serve the models their /v1/models lists; `models`
+    # (the fleet's tables) name their own backends.
     backends: tuple[str, ...] = ()
+    models: tuple[ModelConfig, ...] = ()
     policy: Policy = "cache_aware"
     health_check_path: str = "/health"
     health_check_interval: float = 3.0
@@ -45,7 +107,10 @@ class Settings:
     # queues beyond its batch) instead of being refused; memory stays bounded by that flag.
     admission_queue: int = 1024
     admission_timeout: float = 30.0
-    tokens_per_minute: int = 0  # per API key; 0: no limit
+    tokens_per_minute: int = 0  # per API key and model; 0: no limit
+    # A TOML file of API keys, the models each may call and its tokens per minute; without
+    # one the proxy is open to anyone who reaches it.
+    api_keys: str | None = None
 
     # Forwarding.
     connect_timeout: float = 3.0
@@ -86,6 +151,12 @@ class Settings:
     # Seconds between two bursts of large unique prompts (0: none; the page can still ask).
     demo_burst_interval: float = 30.0
 
+    @property
+    def all_backends(self) -> tuple[str, ...]:
+        """Every backend URL, those of the model tables included, each once."""
+        urls = [*self.backends, *(url for model in self.models for url in model.backends)]
+        return tuple(dict.fromkeys(url.rstrip("/") for url in urls))
+
     def __post_init__(self) -> None:
         at_least_one = (
             "tokenize_threads",
@@ -115,8 +186,8 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         for url in self.backends:
-            if not url.startswith("http://"):
-                raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+            check_backend_url(url)
+        check_fleet(self.models)
         for name in ("max_index_blocks", "max_inflight_per_backend"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

@@ -23,7 +23,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from app.asgi import server_config
-from app.config import Saturation, Settings
+from app.config import ConfigError, Saturation, Settings
 from app.dashboard.app import create_dashboard
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
@@ -32,18 +32,20 @@ from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
 from app.preprocess.chat_template import TemplateLoadError
+from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
 from app.proxy.http_server import HttpServer
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
+from app.routing.catalog import ModelCatalog, configured_backends
 from app.routing.health import HealthChecker
 from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
 from app.routing.tokenizer_check import check_tokenizers_at_startup
 from app.sim.server import serve_sim
-from app.sim.settings import SimSettings
+from app.sim.settings import DEFAULT_MODEL, SimSettings
 from app.sim.traffic import DemoTraffic
 
 log = logging.getLogger("sluice")
@@ -64,11 +66,13 @@ class Sluice:
         self.settings = settings
         self.metrics = Metrics()
         self.pool = BackendPool(
-            settings.backends,
+            settings.all_backends,
             failures_to_open=settings.breaker_failures,
             cooldown=settings.breaker_cooldown,
             probe_path=settings.health_check_path,
+            configured=configured_backends(settings.models),
         )
+        self.catalog = ModelCatalog(settings.models, settings.max_model_len)
         self.router = Router(settings, self.pool, self.metrics)
         self.policy = self.router.policy
         self.checker: HealthChecker | None = None  # set once running (backends added later)
@@ -78,6 +82,8 @@ class Sluice:
         self.preprocessor = Preprocessor(
             settings, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
         )
+        if settings.forward == "tokens":
+            check_one_tokenizer(self.preprocessor.preps)
         self.shutdown = trio.Event()
         # `sluice demo` sets this: the dashboard's "send a burst" button calls it.
         self.request_burst: Callable[[], bool] | None = None
@@ -145,7 +151,13 @@ class Sluice:
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
             )
             proxy = ProxyApp(
-                settings, self.pool, self.router, upstream, self.preprocessor, self.metrics
+                settings,
+                self.pool,
+                self.router,
+                upstream,
+                self.preprocessor,
+                self.metrics,
+                self.catalog,
             )
             feed = self.dashboard_feed = DashboardFeed(
                 self.snapshot,
@@ -247,7 +259,7 @@ async def demo_main(settings: Settings) -> None:
             for i in range(settings.demo_backends)
         ]
         sluice = Sluice(_demo_settings(settings, tuple(backend_urls)))
-        traffic = DemoTraffic(settings.demo_rps, settings.demo_burst_interval)
+        traffic = DemoTraffic(settings.demo_rps, settings.demo_burst_interval, (DEFAULT_MODEL,))
         sluice.request_burst = traffic.request_burst
         await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
         proxy_url, dashboard_url = await nursery.start(
@@ -279,7 +291,8 @@ def _configure_logging(level: str) -> None:
 
 
 def run_until_stopped(main: Callable[[Settings], Awaitable[None]], settings: Settings) -> int:
-    """Run until stopped; a tokenizer or template that cannot load is a clear exit 2."""
+    """Run until stopped; a tokenizer or template that cannot load, or a configuration that
+    cannot work, is a clear exit 2."""
     _configure_logging(settings.log_level)
     # Should the process ever die of a fatal signal (a C extension's bug), its log says where.
     faulthandler.enable()
@@ -292,7 +305,7 @@ def run_until_stopped(main: Callable[[Settings], Awaitable[None]], settings: Set
     failed = False
     try:
         trio.run(main, settings)
-    except* (TokenizerLoadError, TemplateLoadError) as group:
+    except* (TokenizerLoadError, TemplateLoadError, ConfigError) as group:
         for exc in group.exceptions:
             print(f"sluice: {exc}", file=sys.stderr)
         failed = True

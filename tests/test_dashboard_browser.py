@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from app.sim.settings import DEFAULT_MODEL
+
 sync_api = pytest.importorskip("playwright.sync_api")
 
 CHROMIUM = "/usr/bin/chromium"
@@ -255,7 +257,7 @@ ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
 
 def ask(proxy_url: str, question: int) -> None:
     body = {
-        "model": "sim",
+        "model": DEFAULT_MODEL,
         "messages": [
             {"role": "system", "content": "Answer in haiku. " * 30},
             {"role": "user", "content": f"Question {question}?"},
