@@ -224,6 +224,12 @@ class Client:
                 return status, b"".join(body)
 
 
+async def keep_reading(connection: ClientConnection) -> None:
+    """The reader's role (http_server.py), without a server: feed h11 until the end."""
+    while not connection.peer_gone:
+        await connection.read_some()
+
+
 @contextlib.asynccontextmanager
 async def client_exchange(
     lockstep: bool = False, delay: float = 0.0
@@ -234,7 +240,7 @@ async def client_exchange(
     proxy_bytes = CountingBytes(proxy_end)
     connection = ClientConnection(proxy_bytes, 16384)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(connection.read)
+        nursery.start_soon(keep_reading, connection)
         request = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
         nursery.start_soon(client_end.send_all, request)
         event = await connection.next_event(trio.current_time() + 1)

@@ -60,9 +60,16 @@ def decoder_for(status: int, headers: list[tuple[bytes, bytes]], method: bytes) 
     length = None
     for name, value in headers:
         if name == b"transfer-encoding":
+            if transfer_coding is not None:
+                raise FramingError("more than one Transfer-Encoding header")
             transfer_coding = value.strip().lower()
         elif name == b"content-length":
-            length = value.strip()
+            # Repeated or listed lengths must agree (RFC 9112 §6.3), or the body's end, and
+            # so the next response's start on a kept-alive connection, is ambiguous.
+            for listed in value.split(b","):
+                if length is not None and listed.strip() != length:
+                    raise FramingError("conflicting Content-Length values")
+                length = listed.strip()
     if transfer_coding is not None:
         if transfer_coding != b"chunked":
             raise FramingError(f"unsupported transfer coding {transfer_coding!r}")

@@ -42,54 +42,69 @@ class ClientGone(Exception):
 
 
 class ClientConnection:
-    """h11's server side of one connection, fed by the reader task."""
+    """h11's server side of one connection, shared by its two tasks (http_server.py).
+
+    One task reads: it feeds every byte to h11 (`read_some`), and when the client closes
+    while an answer is being made, it cancels that answer, so a client that gives up stops
+    its backend's work too. The other task answers, or waits to read again (`idle`).
+    """
 
     def __init__(self, stream: ByteStream, max_head_bytes: int) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
-        self.received = 0  # bytes read so far: tells a head that has started from none
         self.peer_gone = False
         # The request being answered: cancelled when the client leaves.
         self.answering: trio.CancelScope | None = None
-        self._arrived = trio.lowlevel.ParkingLot()
-        self._resume_reading = trio.lowlevel.ParkingLot()
+        # The reader's wait. Its deadline is the keep-alive or head timeout while nothing is
+        # being answered, none while something is; the answer that ends sets it.
+        self.reading: trio.CancelScope | None = None
+        self.head_started: float | None = None  # when the next request's first byte came
+        self._idle = trio.lowlevel.ParkingLot()  # the task that neither reads nor answers
+        self._reading_handed_over = False
+        self._arrived = trio.lowlevel.ParkingLot()  # an answer waiting for body bytes
+        self._resume_reading = trio.lowlevel.ParkingLot()  # read-ahead used up
         self._read_ahead = 0
 
-    async def read(self) -> None:
-        """The reader task: runs until the client closes or the connection is torn down."""
-        while True:
-            while self._read_ahead > PIPELINE_READ_AHEAD:
-                await self._resume_reading.park()
-            try:
-                data = await self.stream.receive()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            self.received += len(data)
-            if self.answering is not None and self.h11.their_state is h11.DONE:
-                self._read_ahead += len(data)  # the next request's, read while answering
-            self.h11.receive_data(data)
-            self._arrived.unpark_all()
-            if not data:
-                self.peer_gone = True
-                if self.answering is not None:
-                    self.answering.cancel()
-                return
+    async def read_some(self) -> None:
+        """Feed h11 what has arrived, or the end of input, which cancels an answer in
+        progress. While an answer is made, at most PIPELINE_READ_AHEAD bytes are read."""
+        while self.answering is not None and self._read_ahead > PIPELINE_READ_AHEAD:
+            await self._resume_reading.park()
+        try:
+            data = await self.stream.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        if self.answering is not None and self.h11.their_state is h11.DONE:
+            self._read_ahead += len(data)  # the next request's, read while answering
+        self.h11.receive_data(data)
+        self._arrived.unpark_all()
+        if not data:
+            self.peer_gone = True
+            if self.answering is not None:
+                self.answering.cancel()
+
+    def hand_over_reading(self) -> None:
+        """The task that read a request answers it: the other one reads meanwhile."""
+        self._reading_handed_over = True
+        self._idle.unpark_all()
+
+    async def wait_to_read(self) -> None:
+        """Until reading is handed over to this task, the idle one."""
+        while not self._reading_handed_over:
+            await self._idle.park()
+        self._reading_handed_over = False
 
     async def next_event(
         self, deadline: float
     ) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
-        """h11's next event, waiting for bytes until `deadline` (trio.TooSlowError after)."""
+        """h11's next event for the answer, waiting for the reader to feed it bytes until
+        `deadline` (trio.TooSlowError after)."""
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            await self.wait_for_bytes(deadline)
-
-    async def wait_for_bytes(self, deadline: float) -> None:
-        """Until the reader has fed h11 more bytes (or the end), or `deadline`
-        (trio.TooSlowError)."""
-        with trio.fail_at(deadline):
-            await self._arrived.park()
+            with trio.fail_at(deadline):
+                await self._arrived.park()
 
     async def refuse(self, status: int, message: str, code: str) -> None:
         """An error answer to a request h11 could not read; the connection then closes."""
@@ -110,10 +125,14 @@ class ClientConnection:
         if self.peer_gone:
             scope.cancel()
 
-    def end_answering(self) -> None:
+    def end_answering(self, reading_deadline: float) -> None:
+        """Nothing is being answered now: the reader may take the next request, and waits
+        for it until `reading_deadline`."""
         self.answering = None
         self._read_ahead = 0
         self._resume_reading.unpark_all()
+        if self.reading is not None:
+            self.reading.deadline = reading_deadline
 
 
 # Framings of an answer's body (Exchange._framing).

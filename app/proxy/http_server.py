@@ -1,4 +1,4 @@
-"""The proxy port's HTTP/1.1 server: h11 on Trio streams, one task per connection.
+"""The proxy port's HTTP/1.1 server: h11 on Trio streams, two tasks per connection.
 
 Why not hypercorn, which still serves the dashboard: measured here (`python -m load bench
 overhead`, its floors), hypercorn's Trio worker costs 1.1-1.4 ms of CPU to answer a request
@@ -55,7 +55,7 @@ class HttpServer:
         self._max_head_bytes = max_head_bytes
         self.closing = False
         self._listening = trio.CancelScope()
-        self._between_requests: set[trio.CancelScope] = set()
+        self._connections: set[ClientConnection] = set()
         self.answering = 0  # requests being answered now
         self._idle = trio.Event()
 
@@ -87,8 +87,9 @@ class HttpServer:
         """Stop accepting and close idle connections; answers in flight go on."""
         self.closing = True
         self._listening.cancel()
-        for waiting in self._between_requests:
-            waiting.cancel()
+        for connection in self._connections:
+            if connection.answering is None and connection.reading is not None:
+                connection.reading.cancel()
 
     def _is_closing(self) -> bool:
         return self.closing
@@ -100,65 +101,98 @@ class HttpServer:
             await self._idle.wait()
 
     async def serve_connection(self, stream: ByteStream) -> None:
-        """Answer the requests of one connection until it ends, then close it."""
+        """Answer the requests of one connection until it ends, then close it.
+
+        Two tasks serve a connection and take turns: the one that reads a request's head
+        answers it, in the same task step, while the other takes over reading (the client
+        leaving, the next pipelined request); an answer that ends leaves its task idle
+        until reading comes back to it. A request costs no hand-off between tasks."""
         connection = ClientConnection(stream, self._max_head_bytes)
+        self._connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(connection.read)
-                await self._answer_requests(connection)
-                nursery.cancel_scope.cancel()
+                nursery.start_soon(self._take_turns, connection, nursery.cancel_scope, False)
+                await self._take_turns(connection, nursery.cancel_scope, True)
         finally:
+            self._connections.discard(connection)
             await stream.aclose()
 
-    async def _answer_requests(self, connection: ClientConnection) -> None:
-        protocol = connection.h11
-        while not self.closing:
-            request = await self._next_request(connection)
-            if request is None:
+    async def _take_turns(
+        self, connection: ClientConnection, ended: trio.CancelScope, reading: bool
+    ) -> None:
+        while True:
+            if not reading:
+                await connection.wait_to_read()
+            request = await self._read_request(connection)
+            if request is None or not await self._answer_requests(connection, request):
+                ended.cancel()
                 return
+            reading = False
+
+    async def _read_request(self, connection: ClientConnection) -> h11.Request | None:
+        """Read until a request's head is whole and nothing is being answered (then the
+        caller answers it), or None when the connection should end."""
+        protocol = connection.h11
+        while True:
+            if connection.answering is None:
+                try:
+                    event = protocol.next_event()
+                except h11.RemoteProtocolError as exc:
+                    await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
+                    return None
+                if isinstance(event, h11.Request):
+                    connection.hand_over_reading()
+                    return event
+                if event is not h11.NEED_DATA or connection.peer_gone or self.closing:
+                    return None
+            with trio.CancelScope() as waiting:
+                connection.reading = waiting
+                if connection.answering is None:
+                    waiting.deadline = self._reading_deadline(connection)
+                try:
+                    await connection.read_some()
+                finally:
+                    connection.reading = None
+            if waiting.cancelled_caught and connection.answering is None and not self.closing:
+                if protocol.trailing_data[0]:
+                    message = f"The request head did not arrive within {self._read_timeout:g}s."
+                    await connection.refuse(408, message, "request_timeout")
+                return None
+
+    def _reading_deadline(self, connection: ClientConnection) -> float:
+        """While nothing is being answered: the keep-alive timeout from now, or the read
+        timeout from the first byte of a head."""
+        if not connection.h11.trailing_data[0]:
+            connection.head_started = None
+            return trio.current_time() + self._keep_alive_timeout
+        if connection.head_started is None:
+            connection.head_started = trio.current_time()
+        return connection.head_started + self._read_timeout
+
+    async def _answer_requests(self, connection: ClientConnection, request: h11.Request) -> bool:
+        """Answer `request` and any whole request read behind it; whether the connection
+        goes on."""
+        protocol = connection.h11
+        while True:
             exchange = Exchange(
                 connection, request, read_timeout=self._read_timeout, closing=self._is_closing
             )
             if not await self._answer(connection, exchange):
-                return
+                return False
             if protocol.our_state is not h11.DONE or protocol.their_state is not h11.DONE:
-                return
+                return False
             protocol.start_next_cycle()
-
-    async def _next_request(self, connection: ClientConnection) -> h11.Request | None:
-        """The next request's head; None when the connection should end instead."""
-        protocol = connection.h11
-        received = connection.received
-        deadline = trio.current_time() + self._keep_alive_timeout
-        head_started = False
-        with trio.CancelScope() as waiting:
-            self._between_requests.add(waiting)
+            if self.closing:
+                return False
             try:
-                while True:
-                    try:
-                        event = protocol.next_event()
-                    except h11.RemoteProtocolError as exc:
-                        await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
-                        return None
-                    if isinstance(event, h11.Request):
-                        return event
-                    if event is not h11.NEED_DATA:
-                        return None  # ConnectionClosed
-                    if not head_started and connection.received != received:
-                        head_started = True
-                        deadline = trio.current_time() + self._read_timeout
-                    try:
-                        await connection.wait_for_bytes(deadline)
-                    except trio.TooSlowError:
-                        if head_started:
-                            message = (
-                                f"The request head did not arrive within {self._read_timeout:g}s."
-                            )
-                            await connection.refuse(408, message, "request_timeout")
-                        return None
-            finally:
-                self._between_requests.discard(waiting)
-        return None  # the server is closing
+                event = protocol.next_event()
+            except h11.RemoteProtocolError as exc:
+                await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
+                return False
+            if not isinstance(event, h11.Request):
+                connection.end_answering(self._reading_deadline(connection))
+                return event is h11.NEED_DATA
+            request = event
 
     async def _answer(self, connection: ClientConnection, exchange: Exchange) -> bool:
         """Run the handler; whether the connection may carry another request."""
@@ -181,7 +215,6 @@ class HttpServer:
                             await respond_internal_error(exchange)
                     return False
         finally:
-            connection.end_answering()
             self.answering -= 1
             if not self.answering:
                 self._idle.set()

@@ -1,0 +1,93 @@
+"""HTTP/1.1 as the upstream pool speaks it to backends (RFC 9112). Pure: no I/O.
+
+The pool sends one kind of request (a POST whose headers came through h11's parser on the
+client side, or are the proxy's own) and reads one response head per request; bodies are
+body_framing.py's. h11 did both with a state machine and an event per step, ~45 µs of CPU a
+request here (`load/README.md`, the relay's profile); formatting the request and parsing the
+head directly costs a fraction, and the connection's state is the pool's anyway: a
+connection is reused only after a body read to its end.
+
+`ResponseHead.parse` is fed the bytes read so far and answers None until the head is whole;
+it refuses what h11 would refuse (a malformed status line or header line, a head over
+`MAX_HEAD_BYTES`, a 101 nobody asked for) with `ProtocolError`. Lines may end in CRLF or,
+leniently as h11 reads them, LF.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+Headers = list[tuple[bytes, bytes]]
+
+MAX_HEAD_BYTES = 65536
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
+# RFC 9110 §5.1 token; a value of visible characters, spaces and tabs (obs-text allowed).
+_HEADER_LINE = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*"
+)
+
+
+class ProtocolError(ValueError):
+    """The backend's response head is not HTTP/1.1."""
+
+
+def request_bytes(host: bytes, path: bytes, headers: Headers, body: bytes) -> bytes:
+    """A POST of `body` with `headers` (valid names and values, lower case, without Host,
+    Content-Length or hop-by-hop ones), in one buffer for one write."""
+    lines = [b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n" % (path, host, len(body))]
+    lines.extend(b"%b: %b\r\n" % pair for pair in headers)
+    lines.append(b"\r\n")
+    lines.append(body)
+    return b"".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHead:
+    status: int
+    headers: Headers  # names in lower case
+    keep_alive: bool  # HTTP/1.1 and no `Connection: close`
+    rest: bytes  # what came after the head: the body's first bytes
+
+    @staticmethod
+    def parse(buffer: bytes) -> ResponseHead | None:
+        """The head `buffer` starts with, or None while it is incomplete. Interim (1xx)
+        responses are skipped: the head returned is the final one."""
+        while True:
+            end = buffer.find(b"\n\r\n")
+            bare = buffer.find(b"\n\n")
+            if bare >= 0 and (end < 0 or bare < end):
+                end, separator = bare, 2
+            else:
+                separator = 3
+            if end < 0:
+                if len(buffer) > MAX_HEAD_BYTES:
+                    raise ProtocolError(f"a response head longer than {MAX_HEAD_BYTES} bytes")
+                return None
+            head = _head(buffer[:end])
+            buffer = buffer[end + separator :]
+            if head.status >= 200:
+                return ResponseHead(head.status, head.headers, head.keep_alive, buffer)
+            if head.status == 101:
+                raise ProtocolError("the backend switched protocols, which was not asked")
+
+
+def _head(text: bytes) -> ResponseHead:
+    lines = text.split(b"\n")
+    status_line = lines[0].rstrip(b"\r")
+    match = _STATUS_LINE.fullmatch(status_line)
+    if match is None:
+        raise ProtocolError(f"invalid status line {status_line[:60]!r}")
+    keep_alive = match.group(1) == b"1"
+    headers: Headers = []
+    for raw in lines[1:]:
+        line = raw.rstrip(b"\r")
+        field = _HEADER_LINE.fullmatch(line)
+        if field is None:
+            raise ProtocolError(f"invalid header line {line[:60]!r}")
+        name = field.group(1).lower()
+        value = field.group(2)
+        if name == b"connection" and b"close" in value.lower():
+            keep_alive = False
+        headers.append((name, value))
+    return ResponseHead(int(match.group(2)), headers, keep_alive, b"")
