@@ -29,8 +29,9 @@ from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.observe.backend_stats import backend_rows
 from app.observe.loop_monitor import LoopMonitor
-from app.observe.metric_summaries import counts_by_two_labels, tokenize_summary
+from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
+from app.observe.model_stats import model_rows
 from app.preprocess.chat_template import TemplateLoadError
 from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
@@ -97,18 +98,34 @@ class Sluice:
         now = trio.current_time()
         traffic = self.metrics.traffic
         backends = self.pool.snapshot(now)
-        codes = counts_by_two_labels(self.metrics.backend_requests, "backend", "code")
+        metrics = self.metrics
+        codes = counts_by_two_labels(metrics.backend_requests, "backend", "code")
         backend_rows(backends, codes, traffic.backends.snapshot(time.perf_counter()))
+        requests = traffic.snapshot()
+        preps = self.preprocessor.preps
+        models = model_rows(
+            self.catalog.directory(self.pool.backends),
+            backends,
+            preps.describe(),
+            preps.default.describe(),
+            counts_by_two_labels(metrics.requests, "model", "code"),
+            {
+                name: counts_by_label(getattr(metrics, name), "model")
+                for name in ("l0_hits", "l0_misses", "l1_hits", "l1_misses")
+            },
+            requests["recent"],
+        )
         return {
             "time": now,
             "wall_time": time.time(),
             "policy": self.policy.name,
+            "models": models,
             "backends": backends,
             "routing": self.router.snapshot(),
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics),
-            "requests": traffic.snapshot(),
+            "requests": requests,
         }
 
     def occupancy(self) -> dict[str, float]:
