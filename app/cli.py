@@ -277,11 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(command: str, settings: Settings | SimSettings) -> int:
     # Imported here so that `--help` and argument errors answer without loading the stack.
-    from app.main import run_demo, run_serve, run_sim_backend
+    from app.main import run_serve, run_sim_backend
 
     if isinstance(settings, SimSettings):
         return run_sim_backend(settings)
     if command == "demo":
+        from app.demo import run_demo
+
         return run_demo(settings)
     return run_serve(settings)
 

@@ -1,5 +1,5 @@
 """One `trio.run`, one nursery: proxy server, dashboard server, stall monitor, health checker
-(and, for `sluice demo`, the simulated backends and their traffic).
+(`sluice demo` adds its simulated backends and traffic as child processes: app/demo.py).
 
 SIGINT/SIGTERM: stop accepting, let in-flight responses finish within the grace period,
 then cancel everything and exit 0. A second signal cancels at once.
@@ -7,7 +7,6 @@ then cancel everything and exit 0. A second signal cancels at once.
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import gc
 import logging
@@ -46,8 +45,7 @@ from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
 from app.routing.tokenizer_check import check_tokenizers_at_startup
 from app.sim.server import serve_sim
-from app.sim.settings import DEFAULT_MODEL, SimSettings
-from app.sim.traffic import DemoTraffic
+from app.sim.settings import SimSettings
 
 log = logging.getLogger("sluice")
 
@@ -231,7 +229,7 @@ async def _serve(
     await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
-async def _stop_on_signal(
+async def stop_on_signal(
     shutdown: trio.Event, cancel: trio.CancelScope, *, task_status: trio.TaskStatus[None]
 ) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -245,7 +243,7 @@ async def _stop_on_signal(
             shutdown.set()
 
 
-async def _run_then_cancel(
+async def run_then_cancel(
     sluice: Sluice, cancel: trio.CancelScope, *, task_status: trio.TaskStatus[tuple[str, str]]
 ) -> None:
     """Once the servers have drained, nothing else in the process may outlive them."""
@@ -253,7 +251,7 @@ async def _run_then_cancel(
     cancel.cancel()
 
 
-def _print_urls(proxy_url: str, dashboard_url: str) -> None:
+def print_urls(proxy_url: str, dashboard_url: str) -> None:
     print(f"Sluice proxy:     {proxy_url}", flush=True)
     print(f"Sluice dashboard: {dashboard_url}", flush=True)
 
@@ -261,40 +259,8 @@ def _print_urls(proxy_url: str, dashboard_url: str) -> None:
 async def serve_main(settings: Settings) -> None:
     sluice = Sluice(settings)
     async with trio.open_nursery() as nursery:
-        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
-        _print_urls(*await nursery.start(_run_then_cancel, sluice, nursery.cancel_scope))
-
-
-async def demo_main(settings: Settings) -> None:
-    async with trio.open_nursery() as nursery:
-        # Token forwarding needs backends that tokenize exactly as the proxy does.
-        tokenize_with = (
-            (settings.tokenizer or "default") if settings.forward == "tokens" else "words"
-        )
-        backend_urls = [
-            await nursery.start(serve_sim, SimSettings(port=0, seed=i, tokenize_with=tokenize_with))
-            for i in range(settings.demo_backends)
-        ]
-        sluice = Sluice(_demo_settings(settings, tuple(backend_urls)))
-        traffic = DemoTraffic(settings.demo_rps, settings.demo_burst_interval, (DEFAULT_MODEL,))
-        sluice.request_burst = traffic.request_burst
-        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
-        proxy_url, dashboard_url = await nursery.start(
-            _run_then_cancel, sluice, nursery.cancel_scope
-        )
-        print("Sluice demo: simulated backends " + ", ".join(backend_urls), flush=True)
-        _print_urls(proxy_url, dashboard_url)
-        print("Press Ctrl-C to stop.", flush=True)
-        async with trio.open_nursery() as clients:
-            clients.start_soon(traffic.run, proxy_url)
-            await sluice.shutdown.wait()
-            clients.cancel_scope.cancel()
-
-
-def _demo_settings(settings: Settings, backends: tuple[str, ...]) -> Settings:
-    return dataclasses.replace(
-        settings, backends=backends, shutdown_grace=min(settings.shutdown_grace, 1.0)
-    )
+        await nursery.start(stop_on_signal, sluice.shutdown, nursery.cancel_scope)
+        print_urls(*await nursery.start(run_then_cancel, sluice, nursery.cancel_scope))
 
 
 def _configure_logging(level: str) -> None:
@@ -333,17 +299,13 @@ def run_serve(settings: Settings) -> int:
     return run_until_stopped(serve_main, settings)
 
 
-def run_demo(settings: Settings) -> int:
-    return run_until_stopped(demo_main, settings)
-
-
 def run_sim_backend(settings: SimSettings) -> int:
     _configure_logging("info")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             shutdown = trio.Event()
-            await nursery.start(_stop_on_signal, shutdown, nursery.cancel_scope)
+            await nursery.start(stop_on_signal, shutdown, nursery.cancel_scope)
             url = await nursery.start(serve_sim, settings)
             print(f"Simulated backend: {url}", flush=True)
             await shutdown.wait()

@@ -258,24 +258,6 @@ ENGINE_COLUMNS = {
 ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
 
 
-def ask(proxy_url: str, question: int) -> None:
-    body = {
-        "model": DEFAULT_MODEL,
-        "messages": [
-            {"role": "system", "content": "Answer in haiku. " * 30},
-            {"role": "user", "content": f"Question {question}?"},
-        ],
-        "max_tokens": 2,
-    }
-    request = urllib.request.Request(
-        proxy_url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
-
-
 def engine_numbers_known(snapshot: dict[str, Any]) -> bool:
     """Every engine named, and every number its style reports known (a vLLM hit rate needs
     prompts between two scrapes)."""
@@ -324,7 +306,7 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
         question = 0
         while not engine_numbers_known(fetch_snapshot(dashboard_url)):
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["backends"]
-            ask(proxy_url, question)
+            assert ask_model(proxy_url, DEFAULT_MODEL, question) == 200
             question += 1
 
         page = open_page(browser, dashboard_url, [])
@@ -366,6 +348,7 @@ POOL_FIELDS = {
 
 
 def ask_model(proxy_url: str, model: str, question: int) -> int:
+    """A chat for `model` sharing a long system prompt; the answer's status."""
     body = {
         "model": model,
         "messages": [
