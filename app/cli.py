@@ -31,8 +31,8 @@ HELP: dict[str, str] = {
     "loses a request it has the prefix for (default: 16)",
     "balance_rel_threshold": "how many times the least-loaded one's load it may carry too: "
     "affinity goes only past both thresholds (default: 1.5)",
-    "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries "
-    "(default: 262144)",
+    "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries, "
+    "and of the engine blocks followed from --kv-events, shared by them (default: 262144)",
     "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
     "the admission queue (default: 128)",
     "admission_queue": "requests that may wait for a backend slot before 429 (default: 1024)",
@@ -41,6 +41,12 @@ HELP: dict[str, str] = {
     "beyond (default: 0, no limit; a key's own limit in --api-keys wins)",
     "api_keys": "TOML file of API keys: the models each may call, its tokens per minute "
     "(default: none, the proxy is open)",
+    "redis_url": "redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS): share each API key's "
+    "--tokens-per-minute with every worker and replica using this Redis",
+    "budget_sync_interval": "seconds between two syncs of the shared budgets with Redis; "
+    "over-admission is bounded by what one interval admits (default: 0.2)",
+    "workers": "proxy processes sharing --port (SO_REUSEPORT), one dashboard for all; a worker "
+    "that dies is restarted (default: 1, a single process and no supervisor)",
     "tokenizer": "tokenizer.json path, model directory or hub id (default: bundled DeepSeek-V4)",
     "chat_template": "Jinja2 chat template file (default: discovered next to the tokenizer)",
     "tokenize_mode": "offload (threads, fallback, saturation policy) or inline (naive baseline)",
@@ -63,6 +69,13 @@ HELP: dict[str, str] = {
     "model": "a model name this backend serves (repeatable; any other name gets vLLM's 404; "
     "default: answers to any name as deepseek-ai/DeepSeek-V4-sim)",
     "metrics_style": "whose /metrics to expose: vllm, sglang, llamacpp or tgi (default: vllm)",
+    "kv_events": "BACKEND_URL=tcp://HOST:PORT: follow that engine's KV-cache events (vLLM's "
+    "--kv-events-config endpoint, SGLang's too; repeatable)",
+    "kv_events_replay": "BACKEND_URL=tcp://HOST:PORT: that engine's replay endpoint, which "
+    "fills lost events (repeatable)",
+    "kv_events_endpoint": "publish KV-cache events as vLLM does, on this PUB endpoint "
+    "(tcp://HOST:PORT, port 0: any free one)",
+    "kv_events_replay_endpoint": "answer replay requests for lost KV events on this endpoint",
 }
 
 
@@ -75,6 +88,10 @@ class ConfigExit(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+# `--backend`: SLUICE_BACKENDS and a file's `backends` too.
+BACKEND_KEYS = ("backends", "backend")
 
 
 def _field_types(cls: type[Any]) -> dict[str, Any]:
@@ -189,17 +206,22 @@ def _convert(where: str, tp: Any, raw: Any) -> Any:
     return value
 
 
-def _backends(args: argparse.Namespace, file_values: dict[str, Any]) -> tuple[str, ...]:
-    if args.backend:
-        return tuple(args.backend)
-    env = os.environ.get("SLUICE_BACKEND") or os.environ.get("SLUICE_BACKENDS")
-    if env:
-        return tuple(url.strip() for url in env.split(",") if url.strip())
-    listed = file_values.get("backends", file_values.get("backend", []))
+def _listed(
+    from_flags: list[str] | None, names: tuple[str, ...], file_values: dict[str, Any], what: str
+) -> tuple[str, ...]:
+    """A repeatable flag: every use of it, else the first `SLUICE_<NAME>` set (split at
+    commas), else the file's first key of `names` (a list of strings, or one string)."""
+    if from_flags:
+        return tuple(from_flags)
+    for name in names:
+        env = os.environ.get("SLUICE_" + name.upper())
+        if env:
+            return tuple(item.strip() for item in env.split(",") if item.strip())
+    listed: Any = next((file_values[name] for name in names if name in file_values), [])
     if isinstance(listed, str):
         listed = [listed]
-    if not isinstance(listed, list) or not all(isinstance(url, str) for url in listed):
-        raise ConfigExit("sluice: --config key backends must be a list of URLs")
+    if not isinstance(listed, list) or not all(isinstance(item, str) for item in listed):
+        raise ConfigExit(f"sluice: --config key {names[0]} must be a list of {what}")
     return tuple(listed)
 
 
@@ -210,11 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy in front of OpenAI-compatible backends")
     serve.add_argument("--config", help="TOML file with any of the flags below")
     serve.add_argument("--backend", action="append", help=HELP["backend"])
+    for name in ("kv_events", "kv_events_replay"):
+        serve.add_argument(
+            "--" + name.replace("_", "-"), action="append", metavar="URL=ENDPOINT", help=HELP[name]
+        )
     _add_dataclass_flags(serve, Settings, skip=("demo_backends", "demo_rps", "demo_burst_interval"))
 
     demo = sub.add_parser("demo", help="simulated backends + proxy + dashboard + light traffic")
     demo.add_argument("--config", help="TOML file with any of the flags below")
-    _add_dataclass_flags(demo, Settings, skip=("backends",))
+    _add_dataclass_flags(demo, Settings, skip=("backends", "workers"))
 
     sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
     sim.add_argument("--model", dest="models", action="append", metavar="NAME", help=HELP["model"])
@@ -236,12 +262,14 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSetting
             "sluice demo: the demo makes its own models; give [[models]] to `sluice serve`"
         )
     if args.command == "serve":
-        known["backends"] = _backends(args, file_values)
+        known["backends"] = _listed(args.backend, BACKEND_KEYS, file_values, "URLs")
         if not known["backends"] and not any(m.backends for m in known["models"]):
             raise ConfigExit(
                 "sluice serve: give at least one --backend URL, or [[models]] tables with "
                 "backends in --config"
             )
+        for name in ("kv_events", "kv_events_replay"):
+            known[name] = _listed(getattr(args, name), (name,), file_values, "URL=ENDPOINT")
     settings: Settings = _resolve(Settings, args, file_values, known)
     _check_files(settings)
     return args.command, settings

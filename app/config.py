@@ -11,11 +11,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from app.models import MAX_MODELS
+from app.routing.kv_event_wire import endpoint_problem
 
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
+
+MAX_WORKERS = 64
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 class ConfigError(Exception):
@@ -111,6 +115,15 @@ class Settings:
     # A TOML file of API keys, the models each may call and its tokens per minute; without
     # one the proxy is open to anyone who reaches it.
     api_keys: str | None = None
+    # Per-key budgets shared by every worker and replica through this Redis, synced in the
+    # background every budget_sync_interval seconds (over-admission is bounded by what one
+    # interval admits); without it, each process holds its share of the budget alone.
+    redis_url: str | None = None
+    budget_sync_interval: float = 0.2
+    # The engines' own KV-cache events (vLLM, SGLang): "BACKEND_URL=tcp://HOST:PORT" each, and
+    # the replay sockets that fill sequence gaps, in the same form.
+    kv_events: tuple[str, ...] = ()
+    kv_events_replay: tuple[str, ...] = ()
 
     # Forwarding.
     connect_timeout: float = 3.0
@@ -120,6 +133,8 @@ class Settings:
     max_connections: int = 1024  # requests in flight; past it a fast 503
     backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
     shutdown_grace: float = 10.0
+    # Proxy processes sharing the port (SO_REUSEPORT), one dashboard for all; 1: no supervisor.
+    workers: int = 1
 
     # Preprocessing.
     tokenizer: str | None = None
@@ -181,6 +196,7 @@ class Settings:
             "idle_timeout",
             "stall_threshold_ms",
             "admission_timeout",
+            "budget_sync_interval",
         )
         for name in positive_seconds:
             if getattr(self, name) <= 0:
@@ -207,8 +223,27 @@ class Settings:
                 f"--dashboard-host {self.dashboard_host!r} is reachable from other machines: "
                 "set --admin-token too, or the saturation switch would be anyone's"
             )
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be between 1 and {MAX_WORKERS}")
+        if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"--redis-url {self.redis_url!r}: expected redis://, rediss:// or unix://"
+            )
         if self.demo_burst_interval < 0:
             raise ValueError("--demo-burst-interval must not be negative")
+        if self.kv_events and self.policy != "cache_aware":
+            raise ValueError("--kv-events feeds the prefix index: it needs --policy cache_aware")
+        self.kv_event_endpoints()  # every entry checked
+
+    def kv_event_endpoints(self) -> dict[str, tuple[str, str | None]]:
+        """Backend URL -> (publisher endpoint, replay endpoint or None)."""
+        publishers = _endpoints_by_backend("--kv-events", self.kv_events, self.all_backends)
+        replays = _endpoints_by_backend(
+            "--kv-events-replay", self.kv_events_replay, self.all_backends
+        )
+        for url in replays.keys() - publishers.keys():
+            raise ValueError(f"--kv-events-replay {url}: give its --kv-events too")
+        return {url: (endpoint, replays.get(url)) for url, endpoint in publishers.items()}
 
 
 def is_loopback_host(host: str) -> bool:
@@ -219,3 +254,24 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def _endpoints_by_backend(
+    flag: str, entries: tuple[str, ...], backends: tuple[str, ...]
+) -> dict[str, str]:
+    known = {url.rstrip("/") for url in backends}
+    endpoints: dict[str, str] = {}
+    for entry in entries:
+        url, equals, endpoint = entry.partition("=")
+        url, endpoint = url.strip().rstrip("/"), endpoint.strip()
+        if not equals or not url or not endpoint:
+            raise ValueError(f"{flag} {entry!r}: expected BACKEND_URL=tcp://HOST:PORT")
+        problem = endpoint_problem(endpoint)
+        if problem:
+            raise ValueError(f"{flag} {entry!r}: the endpoint {problem}")
+        if url not in known:
+            raise ValueError(f"{flag} {entry!r}: {url} is not one of the --backend URLs")
+        if url in endpoints:
+            raise ValueError(f"{flag}: {url} is given twice (one publisher per backend)")
+        endpoints[url] = endpoint
+    return endpoints

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -26,26 +27,34 @@ from app.config import ConfigError, Saturation, Settings
 from app.dashboard.app import create_dashboard
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
+from app.dashboard.workers_view import WorkersView
 from app.observe.backend_stats import backend_rows
+from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
 from app.observe.model_stats import model_rows
+from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.chat_template import TemplateLoadError
 from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
 from app.proxy.http_server import HttpServer
+from app.proxy.relay_hub import RelayHub
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
+from app.routing.budget_sync import BudgetCollector, BudgetSync
 from app.routing.catalog import ModelCatalog, configured_backends
 from app.routing.health import HealthChecker
+from app.routing.kv_event_subscriber import subscribers_for
 from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
+from app.routing.shared_budgets import SharedBudgets
 from app.routing.tokenizer_check import check_tokenizers_at_startup
-from app.sim.server import serve_sim
+from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
+from app.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 
 log = logging.getLogger("sluice")
 
@@ -60,10 +69,22 @@ def make_health_client(settings: Settings) -> httpx.AsyncClient:
 class Sluice:
     """The proxy, its dashboard and its watchers, ready to run in a nursery."""
 
-    def __init__(self, settings: Settings, *, tokenizer: TokenizerLike | None = None) -> None:
-        """`tokenizer` replaces the one `settings` names (tests inject slow or gated ones)."""
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        tokenizer: TokenizerLike | None = None,
+        server_factory: Callable[[ProxyApp], HttpServer] = HttpServer,
+        worker: int | None = None,
+    ) -> None:
+        """`tokenizer` replaces the one `settings` names (tests inject slow or gated ones);
+        `server_factory` and `worker`: how a worker of `--workers N` listens, and which."""
         self.settings = settings
+        self.server_factory = server_factory
+        self.worker = worker
         self.metrics = Metrics()
+        if worker is not None:
+            self.metrics.registry.register(WorkerInfo(worker))
         self.pool = BackendPool(
             settings.all_backends,
             failures_to_open=settings.breaker_failures,
@@ -74,6 +95,13 @@ class Sluice:
         self.catalog = ModelCatalog(settings.models, settings.max_model_len)
         self.router = Router(settings, self.pool, self.metrics)
         self.policy = self.router.policy
+        self.budget_sync: BudgetSync | None = None
+        if isinstance(self.router.buckets, SharedBudgets) and settings.redis_url:
+            self.budget_sync = BudgetSync(self.router.buckets, settings.redis_url)
+            self.metrics.registry.register(BudgetCollector(self.budget_sync))
+        self.kv_subscribers = subscribers_for(settings, self.pool, self.policy)
+        self.router.kv_events = {url: s.events for url, s in self.kv_subscribers.items()}
+        self.metrics.registry.register(KvEventCollector(self.kv_event_snapshots))
         self.checker: HealthChecker | None = None  # set once running (backends added later)
         self.monitor = LoopMonitor(
             self.metrics, settings.stall_threshold_ms, settings.stall_instrument
@@ -113,6 +141,9 @@ class Sluice:
             },
             requests["recent"],
         )
+        kv_events = self.kv_event_snapshots()
+        for backend in backends:
+            backend["kv_events"] = kv_events.get(backend["url"])
         return {
             "time": now,
             "wall_time": time.time(),
@@ -124,7 +155,22 @@ class Sluice:
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics),
             "requests": requests,
+            "budgets": self.budgets_snapshot(),
+            "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
+
+    def budgets_snapshot(self) -> dict[str, Any] | None:
+        if self.budget_sync is not None:
+            return self.budget_sync.snapshot()
+        buckets = self.router.buckets
+        return buckets.snapshot(trio.current_time()) if isinstance(buckets, SharedBudgets) else None
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    def kv_event_snapshots(self) -> dict[str, dict[str, Any]]:
+        now = trio.current_time()
+        return {url: s.snapshot(now) for url, s in self.kv_subscribers.items()}
 
     def occupancy(self) -> dict[str, float]:
         """The tokenizer's busiest moments since the last call, which the dashboard reads once
@@ -155,6 +201,10 @@ class Sluice:
             self.checker = checker
             await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
+            for subscriber in self.kv_subscribers.values():
+                await nursery.start(subscriber.run)
+            if self.budget_sync is not None:
+                await nursery.start(self.budget_sync.run)
             scraper = LoadScraper(
                 self.pool,
                 client,
@@ -165,6 +215,8 @@ class Sluice:
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
             )
+            relay_hub = RelayHub()
+            await nursery.start(relay_hub.run)
             proxy = ProxyApp(
                 settings,
                 self.pool,
@@ -173,6 +225,7 @@ class Sluice:
                 self.preprocessor,
                 self.metrics,
                 self.catalog,
+                relay_hub,
             )
             feed = self.dashboard_feed = DashboardFeed(
                 self.snapshot,
@@ -187,6 +240,7 @@ class Sluice:
                 settings.admin_token,
                 bound_host=settings.dashboard_host,
                 request_burst=self.request_burst,
+                metrics_text=self.metrics_text,
             )
             dashboard.config[CONTROL_KEY] = BackendControl(
                 self.router, checker.check, settings.health_check_timeout
@@ -194,7 +248,7 @@ class Sluice:
             # Tokens mode: no backend takes traffic before its tokenizer was compared, so
             # compare before listening.
             await check_tokenizers_at_startup(self.pool, settings.health_check_timeout)
-            server = HttpServer(proxy)
+            server = self.server_factory(proxy)
             async with trio.open_nursery() as servers:
                 proxy_url = await servers.start(
                     server.serve, settings.host, settings.port, settings.backlog
@@ -257,26 +311,98 @@ def print_urls(proxy_url: str, dashboard_url: str) -> None:
 
 
 async def serve_main(settings: Settings) -> None:
+    if settings.workers > 1:
+        await supervised_main(settings)
+        return
     sluice = Sluice(settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(stop_on_signal, sluice.shutdown, nursery.cancel_scope)
         print_urls(*await nursery.start(run_then_cancel, sluice, nursery.cancel_scope))
 
 
-def _configure_logging(level: str) -> None:
+async def supervised_main(settings: Settings) -> None:
+    """`--workers N`: the supervisor, its workers and the one dashboard that shows them."""
+    supervisor = Supervisor(settings)
+    if settings.tokens_per_minute and settings.redis_url is None:
+        log.warning(
+            "--workers %d without --redis-url: each worker admits 1/%d of every key's "
+            "--tokens-per-minute (a client on one connection gets that share)",
+            settings.workers,
+            settings.workers,
+        )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_forward_signals, supervisor)
+        client = await trio.to_thread.run_sync(make_health_client, settings)
+        async with client:
+            view = WorkersView(
+                supervisor.workers, client, supervisor.worker_token, supervisor.saturation
+            )
+            feed = DashboardFeed(
+                view.snapshot,
+                view.occupancy,
+                demo=False,
+                write_needs_token=settings.admin_token is not None,
+            )
+            dashboard = create_dashboard(
+                feed,
+                view.set_saturation,
+                settings.admin_token,
+                bound_host=settings.dashboard_host,
+                metrics_text=view.metrics_text,
+            )
+            dashboard.config[CONTROL_KEY] = None  # backends are changed per worker, at start
+            port = await nursery.start(supervisor.run)
+            await nursery.start(view.run)
+            await nursery.start(feed.run)
+            dashboard_urls = await nursery.start(
+                _serve,
+                dashboard,
+                server_config(settings.dashboard_host, settings.dashboard_port, 1.0),
+                supervisor.shutdown.wait,
+            )
+            print(f"Sluice workers:   {settings.workers}", flush=True)
+            print_urls(f"http://{settings.host}:{port}", dashboard_urls[0])
+            await supervisor.stopped.wait()
+            nursery.cancel_scope.cancel()
+
+
+async def _forward_signals(
+    supervisor: Supervisor, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The first signal stops the workers gracefully; each later one is passed on too (a
+    worker's second signal stops it at once)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            if supervisor.shutdown.is_set():
+                log.info("second signal: stopping the workers now")
+                supervisor.signal_workers(signal.SIGTERM)
+                continue
+            log.info(
+                "%s: every worker finishes its in-flight requests, then stops",
+                signal.Signals(signum).name,
+            )
+            supervisor.shutdown.set()
+
+
+def _configure_logging(level: str, worker: int | None = None) -> None:
+    who = "" if worker is None else f"[worker {worker}] "
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s",
         stream=sys.stderr,
     )
     # One line per forwarded request is the access log's job, not the client library's.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def run_until_stopped(main: Callable[[Settings], Awaitable[None]], settings: Settings) -> int:
+def run_until_stopped(
+    main: Callable[[Settings], Awaitable[None]], settings: Settings, worker: int | None = None
+) -> int:
     """Run until stopped; a tokenizer or template that cannot load, or a configuration that
-    cannot work, is a clear exit 2."""
-    _configure_logging(settings.log_level)
+    cannot work, is a clear exit 2, and so is a worker of `--workers N` that could not start
+    (with that worker's status)."""
+    _configure_logging(settings.log_level, worker)
     # Should the process ever die of a fatal signal (a C extension's bug), its log says where.
     faulthandler.enable()
     # A worker thread that holds the GIL (the tokenizer turning ids into Python objects) keeps
@@ -285,14 +411,26 @@ def run_until_stopped(main: Callable[[Settings], Awaitable[None]], settings: Set
     # and a third of the GIL-wait stalls; with no second thread wanting the GIL, it costs
     # nothing.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    failed = False
+    status = 0
     try:
         trio.run(main, settings)
     except* (TokenizerLoadError, TemplateLoadError, ConfigError) as group:
         for exc in group.exceptions:
             print(f"sluice: {exc}", file=sys.stderr)
-        failed = True
-    return 2 if failed else 0
+        status = 2
+    except* WorkerStartFailed as failed:
+        for failure in _leaves(failed):
+            print(f"sluice: {failure}", file=sys.stderr)
+            status = worker_exit_status(failure) or 2
+    return status
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    """The exceptions of a group and of the groups nested in it (nurseries in nurseries)."""
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves
 
 
 def run_serve(settings: Settings) -> int:
@@ -306,8 +444,13 @@ def run_sim_backend(settings: SimSettings) -> int:
         async with trio.open_nursery() as nursery:
             shutdown = trio.Event()
             await nursery.start(stop_on_signal, shutdown, nursery.cancel_scope)
-            url = await nursery.start(serve_sim, settings)
+            app = create_sim_app(settings)
+            url = await nursery.start(partial(serve_sim, settings, app=app))
             print(f"Simulated backend: {url}", flush=True)
+            if app.kv_publisher is not None:
+                print(f"KV events: {app.kv_publisher.endpoint}", flush=True)
+                if app.kv_publisher.replay_endpoint:
+                    print(f"KV events replay: {app.kv_publisher.replay_endpoint}", flush=True)
             await shutdown.wait()
             nursery.cancel_scope.cancel()
 

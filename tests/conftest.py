@@ -15,7 +15,7 @@ from app.asgi import server_config
 from app.config import Settings
 from app.main import Sluice
 from app.preprocess.tokenizer_loading import TokenizerLike
-from app.sim.server import serve_sim
+from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import SimSettings
 
 # The model the test backends serve (any other name gets vLLM's 404).
@@ -59,6 +59,7 @@ class RunningSluice:
 class SimHandle:
     url: str
     cancel_scope: trio.CancelScope
+    app: SimServer
 
     @property
     def port(self) -> int:
@@ -74,13 +75,14 @@ def start_sim(nursery: trio.Nursery) -> StartSim:
     async def start(**overrides: Any) -> SimHandle:
         settings = dataclasses.replace(FAST_SIM, **overrides)
         cancel_scope = trio.CancelScope()
+        app = create_sim_app(settings)
 
         async def run(*, task_status: trio.TaskStatus[str]) -> None:
             with cancel_scope:
-                await serve_sim(settings, task_status=task_status)
+                await serve_sim(settings, app=app, task_status=task_status)
 
         url: str = await nursery.start(run)
-        return SimHandle(url, cancel_scope)
+        return SimHandle(url, cancel_scope, app)
 
     return start
 

@@ -127,3 +127,54 @@ def test_typed_config_values_are_taken(tmp_path: Path) -> None:
     _, settings = parse(["serve", "--backend", "http://a", "--config", str(config)])
     assert isinstance(settings, Settings)
     assert (settings.port, settings.stall_instrument, settings.idle_timeout) == (8080, False, 5.0)
+
+
+def test_kv_events_from_flags_env_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    backends = ["--backend", "http://a:1", "--backend", "http://b:2/"]
+    flags = ["--kv-events", "http://a:1=tcp://a:5557", "--kv-events", "http://b:2=tcp://b:5557"]
+    _, settings = parse(
+        ["serve", *backends, *flags, "--kv-events-replay", "http://a:1=tcp://a:5558"]
+    )
+    assert isinstance(settings, Settings)
+    assert settings.kv_event_endpoints() == {
+        "http://a:1": ("tcp://a:5557", "tcp://a:5558"),
+        "http://b:2": ("tcp://b:5557", None),
+    }
+    monkeypatch.setenv("SLUICE_KV_EVENTS", "http://a:1=tcp://a:6000, http://b:2=tcp://b:6000")
+    _, settings = parse(["serve", *backends])
+    assert isinstance(settings, Settings) and len(settings.kv_event_endpoints()) == 2
+    monkeypatch.delenv("SLUICE_KV_EVENTS")
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        'backends = ["http://a:1"]\nkv_events = ["http://a:1=tcp://a:7000"]\n'
+        'kv-events-replay = "http://a:1=tcp://a:7001"\n'
+    )
+    _, settings = parse(["serve", "--config", str(config)])
+    assert isinstance(settings, Settings)
+    assert settings.kv_event_endpoints() == {"http://a:1": ("tcp://a:7000", "tcp://a:7001")}
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--kv-events", "tcp://a:5557"], "expected BACKEND_URL=tcp://HOST:PORT"),
+        (["--kv-events", "http://a:1=http://a:5557"], "must be tcp://HOST:PORT"),
+        (["--kv-events", "http://a:1=tcp://a"], "with a port from 1 to 65535"),
+        (["--kv-events", "http://a:1=tcp://a:99999"], "with a port from 1 to 65535"),
+        (["--kv-events", "http://z:9=tcp://z:5557"], "not one of the --backend URLs"),
+        (["--kv-events", "http://a:1=tcp://a:1", "--kv-events", "http://a:1=tcp://a:2"], "twice"),
+        (["--kv-events-replay", "http://a:1=tcp://a:5558"], "give its --kv-events too"),
+        (["--kv-events", "http://a:1=tcp://a:1", "--policy", "round_robin"], "cache_aware"),
+    ],
+)
+def test_bad_kv_events_are_refused_clearly(flags: list[str], words: str) -> None:
+    with pytest.raises(SystemExit, match=words):
+        parse(["serve", "--backend", "http://a:1", *flags])
+
+
+def test_the_sim_publishes_kv_events_on_request() -> None:
+    _, settings = parse(["sim-backend", "--kv-events-endpoint", "tcp://127.0.0.1:0"])
+    assert isinstance(settings, SimSettings)
+    assert settings.kv_events_endpoint == "tcp://127.0.0.1:0"
+    with pytest.raises(SystemExit, match="needs --kv-events-endpoint"):
+        parse(["sim-backend", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"])

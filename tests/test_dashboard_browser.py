@@ -4,10 +4,11 @@ changing numbers and draws its charts, nothing is logged to the console as an er
 from the page's button makes the loop stall and a stall row opens its stack, the switch
 changes the policy that `/api/snapshot` reports and a second open page shows it, and the page
 says so when Sluice goes away and reconnects by itself when it is back. In front of one
-simulated backend per engine metrics style, the backends table shows each engine's name and
-every number the snapshot has from it. In front of a fleet of two models on three engines
-(`sluice serve --config fleet.toml`), the backends are grouped by model under each pool's own
-row (health, engines' load, window), and the request log filters by model.
+simulated backend per engine metrics style, each publishing KV events, the backends table
+shows each engine's name, every number the snapshot has from it, and that each backend's
+index follows its events. In front of a fleet of two models on three engines (`sluice serve
+--config fleet.toml`), the backends are grouped by model under each pool's own row (health,
+engines' load, window), and the request log filters by model.
 
 With SLUICE_UPDATE_SCREENSHOT=1 the screenshot is also written to static/dashboard.png (the
 one the README shows); otherwise it only goes to pytest's temporary directory.
@@ -258,6 +259,29 @@ ENGINE_COLUMNS = {
 ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
 
 
+def ask(proxy_url: str, question: int, model: str = DEFAULT_MODEL) -> int:
+    """A chat for `model`; the answer's status. The question first: each is a new prefix,
+    placed by its hash on any of the backends."""
+    body = {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": f"Question {question}. " + "Answer in haiku. " * 30},
+            {"role": "user", "content": f"Question {question}?"},
+        ],
+        "max_tokens": 2,
+    }
+    request = urllib.request.Request(
+        proxy_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return int(refused.code)
+
+
 def engine_numbers_known(snapshot: dict[str, Any]) -> bool:
     """Every engine named, and every number its style reports known (a vLLM hit rate needs
     prompts between two scrapes)."""
@@ -269,8 +293,13 @@ def engine_numbers_known(snapshot: dict[str, Any]) -> bool:
     return all(value is not None for value in reported)
 
 
+def events_flowing(snapshot: dict[str, Any]) -> bool:
+    return all((b["kv_events"] or {}).get("source") == "events" for b in snapshot["backends"])
+
+
 def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
-    """Cells that show "—" where the snapshot has a number, or a number where it has none."""
+    """Cells that show "—" where the snapshot has a number, or a number where it has none,
+    and KV index cells that do not say the backend's index follows its events."""
     table = page.evaluate(
         "() => ({"
         " heads: [...document.querySelectorAll('#panel-backends table.backends th')]"
@@ -286,6 +315,9 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
             known = engines[url].get(field) is not None
             if known == ("—" in cell) or (field == "name" and cell != engines[url]["name"]):
                 mismatched.append(f"{url} {head}: {cell!r}, snapshot {engines[url]}")
+        kv_index = cells[table["heads"].index("KV index")]
+        if not kv_index.startswith("events"):
+            mismatched.append(f"{url} KV index: {kv_index!r}")
     return mismatched or ([] if table["rows"] else ["no rows"])
 
 
@@ -294,19 +326,29 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
     try:
         for style in ENGINE_STYLES:
             arguments = ["sim-backend", "--port", "0", "--metrics-style", style]
-            started.append(Sluice(arguments, "Simulated backend:"))
-        backends = [f"--backend={sim.urls['Simulated backend:']}" for sim in started]
-        arguments = ["serve", "--port", "0", "--dashboard-port", "0", "--policy", "round_robin"]
+            events = ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+            started.append(Sluice([*arguments, *events], "Simulated backend:", "KV events:"))
+        backends = []
+        for sim in started:
+            url = sim.urls["Simulated backend:"]
+            backends += [f"--backend={url}", f"--kv-events={url}={sim.urls['KV events:']}"]
+        arguments = ["serve", "--port", "0", "--dashboard-port", "0"]
         sluice = Sluice([*arguments, *backends], "Sluice proxy:", "Sluice dashboard:")
         started.append(sluice)
         proxy_url, dashboard_url = sluice.urls["Sluice proxy:"], sluice.urls["Sluice dashboard:"]
 
-        # Prompts for every backend, over several scrapes, until each engine's numbers are in.
+        # Prompts for every backend, over several scrapes, until each engine's numbers are in
+        # and each backend's events flow.
         deadline = time.monotonic() + WAIT_MS / 1000
         question = 0
-        while not engine_numbers_known(fetch_snapshot(dashboard_url)):
+
+        def all_known() -> bool:
+            snapshot = fetch_snapshot(dashboard_url)
+            return engine_numbers_known(snapshot) and events_flowing(snapshot)
+
+        while not all_known():
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["backends"]
-            assert ask_model(proxy_url, DEFAULT_MODEL, question) == 200
+            assert ask(proxy_url, question) == 200
             question += 1
 
         page = open_page(browser, dashboard_url, [])
@@ -340,32 +382,11 @@ max_model_len = 2000
 # Each pool stat on the page and what stands behind it in the snapshot's model row.
 POOL_FIELDS = {
     "engines": lambda m: m["pool"]["engines"] or None,
-    "queue": lambda m: m["pool"]["running"],
-    "kv": lambda m: m["pool"]["kv_cache_usage"],
-    "prefix": lambda m: m["pool"]["prefix_cache_hit_rate"],
+    "queue": lambda m: m["pool"]["engine_running"],
+    "kv": lambda m: m["pool"]["engine_kv_cache_usage"],
+    "prefix": lambda m: m["pool"]["engine_prefix_cache_hit_rate"],
     "window": lambda m: m["max_model_len"],
 }
-
-
-def ask_model(proxy_url: str, model: str, question: int) -> int:
-    """A chat for `model` sharing a long system prompt; the answer's status."""
-    body = {
-        "model": model,
-        "messages": [
-            {"role": "user", "content": f"Question {question}? " + "Answer in haiku. " * 30}
-        ],
-        "max_tokens": 2,
-    }
-    request = urllib.request.Request(
-        proxy_url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return int(answer.status)
-    except urllib.error.HTTPError as refused:
-        return int(refused.code)
 
 
 def pools_known(snapshot: dict[str, Any]) -> bool:
@@ -374,8 +395,8 @@ def pools_known(snapshot: dict[str, Any]) -> bool:
         return False
     return (
         pools["big"]["engines"] == ["sglang", "vllm"]
-        and pools["big"]["prefix_cache_hit_rate"] is not None
-        and pools["small"]["kv_cache_usage"] is not None
+        and pools["big"]["engine_prefix_cache_hit_rate"] is not None
+        and pools["small"]["engine_kv_cache_usage"] is not None
     )
 
 
@@ -426,9 +447,9 @@ def test_a_fleet_groups_its_backends_by_model_and_filters_its_log_by_model(
         while question < 3 or not pools_known(fetch_snapshot(dashboard_url)):
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["models"]
             for model in ("big", "small", "chat-default"):
-                assert ask_model(proxy_url, model, question) == 200
+                assert ask(proxy_url, question, model) == 200
             question += 1
-        assert ask_model(proxy_url, "no-such-model", 0) == 404
+        assert ask(proxy_url, 0, "no-such-model") == 404
 
         page = open_page(browser, dashboard_url, [])
         mismatched: list[str] = []

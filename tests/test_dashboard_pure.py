@@ -16,6 +16,7 @@ from app.config import Settings, is_loopback_host
 from app.dashboard.derive import decorate, derive_point, raw_sample
 from app.dashboard.feed import RecordCache, to_json_bytes
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
+from app.dashboard.worker_snapshots import merge_snapshots
 from app.models import ModelDirectory
 from app.observe.backend_stats import BackendStats, backend_rows, quantile
 from app.observe.metric_summaries import counts_by_two_labels, summarize_by_label
@@ -272,22 +273,22 @@ def test_model_rows_sum_each_pool_and_count_its_requests_and_caches() -> None:
     )
     assert big["pool"] == {
         "backends": ["a", "ab"],
-        "healthy": 2,
-        "takes_traffic": 2,
+        "healthy_backends": 2,
+        "serving_backends": 2,
         "breakers_open": 0,
         "inflight": 2,
         "engines": ["sglang", "vllm"],
-        "running": 5,
-        "waiting": 2,
-        "kv_cache_usage": 0.5,  # only vLLM's is known
-        "prefix_cache_hit_rate": pytest.approx(0.3),
+        "engine_running": 5,
+        "engine_waiting": 2,
+        "engine_kv_cache_usage": 0.5,  # only vLLM's is known
+        "engine_prefix_cache_hit_rate": pytest.approx(0.3),
     }
     assert big["requests"]["total"] == 6 and big["requests"]["errors"] == 1
     assert big["requests"]["ttft_p50_ms"] == 20.0
     assert big["caches"] == {"l0_hits": 2, "l0_misses": 1}
     assert (small["max_model_len"], small["tokenizer"]) == (64, "words")
     assert small["pool"]["backends"] == ["ab", "b"]  # a backend serving two is in both
-    assert (small["pool"]["takes_traffic"], small["pool"]["breakers_open"]) == (1, 1)
+    assert (small["pool"]["serving_backends"], small["pool"]["breakers_open"]) == (1, 1)
     assert small["requests"]["total"] == 0 and small["requests"]["ttft_p50_ms"] is None
 
 
@@ -393,3 +394,28 @@ def test_record_cache_serialises_each_record_once_and_splices_the_log_in() -> No
     assert [r["seq"] for r in second["requests"]["recent"]] == [3, 2]
     assert second["requests"]["recent"][0]["model"] == "a new one"
     assert json.loads(cache.serialise({"no": "log"})) == {"no": "log"}
+
+
+def test_workers_snapshots_merge_each_model_by_name() -> None:
+    def worker(total: int, inflight: int) -> dict[str, Any]:
+        pool = {
+            "backends": ["a"],
+            "healthy_backends": 1,
+            "serving_backends": 1,
+            "breakers_open": 0,
+            "inflight": inflight,
+            "engines": ["vllm"],
+            "engine_running": 3,
+            "engine_waiting": 1,
+            "engine_kv_cache_usage": 0.5,
+            "engine_prefix_cache_hit_rate": 0.25,
+        }
+        requests = {"total": total, "errors": 0, "ttft_p50_ms": 10.0 * total}
+        return {
+            "models": [{"name": "big", "max_model_len": 100, "pool": pool, "requests": requests}]
+        }
+
+    (big,) = merge_snapshots([worker(2, 1), worker(3, 4)])["models"]
+    assert (big["requests"]["total"], big["pool"]["inflight"]) == (5, 5)  # each worker's own
+    assert (big["pool"]["engine_running"], big["pool"]["serving_backends"]) == (3, 1)  # shared
+    assert (big["max_model_len"], big["requests"]["ttft_p50_ms"]) == (100, 30.0)

@@ -102,7 +102,7 @@ TABLES = (
 
 
 def test_the_catalog_serves_its_tables_and_what_other_backends_list() -> None:
-    configured = Backend("http://a1", healthy=True, configured=frozenset({"big"}))
+    configured = Backend("http://a1", healthy=True, configured=("big",))
     configured.set_models([{"id": "something-else", "max_model_len": 4096}])
     found = backend("http://c1", "coder", "big", length=8192)
     down = backend("http://c2", "coder", length=2048, healthy=False)
@@ -139,9 +139,9 @@ def test_a_backend_listing_thousands_of_names_is_bounded() -> None:
 
 def test_model_cards_for_the_caller_with_window_owner_and_root() -> None:
     catalog = ModelCatalog(TABLES, default_window=None)
-    a1 = Backend("http://a1", healthy=True, configured=frozenset({"big"}))
+    a1 = Backend("http://a1", healthy=True, configured=("big",))
     a1.set_models([{"id": "big", "owned_by": "acme", "created": 7, "max_model_len": 512}])
-    b1 = Backend("http://b1", healthy=False, configured=frozenset({"small"}))
+    b1 = Backend("http://b1", healthy=False, configured=("small",))
     directory = catalog.directory([a1, b1])
     cards = catalog.cards(directory, [a1, b1], now=0.0, allowed=None)
     # `small` has no backend taking traffic: not listed.
@@ -155,10 +155,7 @@ def test_model_cards_for_the_caller_with_window_owner_and_root() -> None:
 
 def test_a_backend_named_by_two_tables_serves_both() -> None:
     tables = (ModelConfig("a", ("http://x", "http://y/")), ModelConfig("b", ("http://x",)))
-    assert configured_backends(tables) == {
-        "http://x": frozenset({"a", "b"}),
-        "http://y": frozenset({"a"}),
-    }
+    assert configured_backends(tables) == {"http://x": ("a", "b"), "http://y": ("a",)}
 
 
 # --- rendering a body for its model -------------------------------------------------------------
@@ -203,7 +200,7 @@ def fleet() -> BackendPool:
         failures_to_open=2,
         cooldown=10.0,
         probe_path="/health",
-        configured={"http://a1": frozenset({"a"}), "http://b1": frozenset({"b"})},
+        configured={"http://a1": ("a",), "http://b1": ("b",)},
     )
     for b in pool.backends:
         pool.health_checked(b, True)
@@ -254,7 +251,8 @@ def test_the_prefix_index_is_kept_per_model_under_one_bound() -> None:
     # The same ids in another model's cache are not there.
     assert other.prediction is not None and other.prediction.blocks == 0
     index = policy.snapshot()["index"]
-    assert index["by_model"] == {"a": 20, "b": 20} and index["by_backend"] == {both.id: 40}
+    assert index["by_backend"] == {both.id: 40}  # its first model's under its bare id
+    assert policy.index.blocks(both.id) == 20 and policy.index.blocks(("b", both.id)) == 20
     policy.choose([both], RouteRequest(token_ids=array("I", range(1000, 1320)), model="a"))
     assert len(policy.index) == 40  # one bound for every model
     policy.forget(both)

@@ -77,7 +77,7 @@ async def test_cache_aware_follows_system_prompts_and_checks_its_predictions(
             homes.setdefault(system, set()).add(response.headers["x-sluice-backend"])
             routes[response.headers["x-sluice-route"]] += 1
     assert all(len(backends) == 1 for backends in homes.values())
-    assert routes == {"cache_aware:least-load": 3, "cache_aware:prefix-hit": 9}
+    assert routes == {"cache_aware:new-prefix": 3, "cache_aware:prefix-hit": 9}
 
     async def predictions_settled() -> bool:
         routing = (await snapshot(client, running.dashboard_url))["routing"]
@@ -124,7 +124,7 @@ async def test_a_simulated_eviction_corrects_the_index(
     assert prediction["outcomes"]["false-hit"] == 1 and prediction["corrected_blocks"] > 0
     # System prompt 1 was used before the evicted one: Sluice no longer believes it is there.
     response = await post(client, running.proxy_url, chat(1, 1))
-    assert response.headers["x-sluice-route"] == "cache_aware:least-load"
+    assert response.headers["x-sluice-route"] == "cache_aware:new-prefix"
     # System prompt 2 was just computed again: it is.
     response = await post(client, running.proxy_url, chat(2, 2))
     assert response.headers["x-sluice-route"] == "cache_aware:prefix-hit"

@@ -1,7 +1,8 @@
 """The routing policies alone, on hand-made backends and loads (no Trio, no HTTP): cache_aware's
-prefix hits, spreading a hot prefix, least-load for new prefixes, the hash route without
-tokens, prediction feedback correcting the index; consistent_hash's sessions and replica
-agreement; the per-backend balance test; runtime pool changes."""
+prefix hits, spreading a hot prefix, new prefixes placed by rendezvous on their first blocks
+(two replicas with different load views agree), the hash route without tokens, prediction
+feedback correcting the index; consistent_hash's sessions and replica agreement; the
+per-backend balance test; runtime pool changes."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_a_backend_is_overloaded_only_past_both_thresholds() -> None:
 def test_requests_sharing_a_system_prompt_follow_it() -> None:
     pool, ca = backends(), policy()
     first = ca.choose(pool, prompt(1, 0))
-    assert first.reason == "least-load" and first.prediction is not None
+    assert first.reason == "new-prefix" and first.prediction is not None
     assert first.prediction.blocks == 0
     for question in range(1, 6):
         decision = ca.choose(pool, prompt(1, question))
@@ -60,14 +61,42 @@ def test_requests_sharing_a_system_prompt_follow_it() -> None:
         assert decision.prediction is not None and decision.prediction.blocks == 16
 
 
-def test_new_prefixes_go_to_the_least_loaded_and_ties_spread_evenly() -> None:
+def test_new_prefixes_spread_evenly_and_skip_only_backends_past_the_balance_bound() -> None:
     pool, ca = backends(), policy()
-    pool[0].inflight = 3
-    assert ca.choose(pool, prompt(1, 0)).backend is not pool[0]
-    for backend in pool:
-        backend.inflight = 0
-    chosen = Counter(ca.choose(pool, prompt(system, 0)).backend.url for system in range(2, 42))
-    assert len(chosen) == 4 and min(chosen.values()) >= 5
+    chosen = Counter(ca.choose(pool, prompt(system, 0)).backend.url for system in range(400))
+    assert len(chosen) == 4 and min(chosen.values()) >= 70  # 100 each on average
+    # A new prefix whose first choice is overloaded goes to its next choice, and only then.
+    first_choice = policy().choose(pool, prompt(500, 0)).backend
+    first_choice.inflight = 4  # 4 above the others: within abs_threshold 4
+    assert policy().choose(pool, prompt(500, 1)).backend is first_choice
+    first_choice.inflight = 5  # past both thresholds
+    assert policy().choose(pool, prompt(500, 1)).backend is not first_choice
+
+
+def backends_like(pool: list[Backend]) -> list[Backend]:
+    """The same backends as another replica sees them: its own objects, no load."""
+    return [Backend(b.url, healthy=True) for b in pool]
+
+
+def test_two_replicas_with_different_loads_place_new_prefixes_alike() -> None:
+    """Two independent routers (replicas, no shared state, no events) whose load views
+    differ, within the balance bound: every new prefix lands on the same backend in both,
+    and the next request for it is a prefix hit on that backend from either replica."""
+    mine, theirs = backends(), backends_like(backends())
+    for backend, load in zip(mine, (0, 3, 1, 4), strict=True):
+        backend.inflight = load
+    for backend, load in zip(theirs, (4, 0, 2, 1), strict=True):
+        backend.inflight = load
+    first, second = policy(), policy()
+    for system in range(60):
+        here = first.choose(mine, prompt(system, 0))
+        there = second.choose(theirs, prompt(system, 1))
+        assert (here.reason, there.reason) == ("new-prefix", "new-prefix")
+        assert here.backend.url == there.backend.url, system
+    # Each replica now holds, from its own routing alone, what the other placed.
+    again = second.choose(theirs, prompt(7, 2))
+    assert again.reason == "prefix-hit"
+    assert again.backend.url == first.choose(mine, prompt(7, 3)).backend.url
 
 
 def test_the_longest_held_prefix_wins_while_its_load_allows() -> None:
@@ -107,7 +136,7 @@ def test_a_small_shared_part_is_not_a_prefix_hit() -> None:
     ca.choose(pool, prompt(3, 0, system_tokens=32, question_tokens=20))
     # 32 shared tokens of a 232-token prompt: under the 0.3 threshold.
     decision = ca.choose(pool, prompt(3, 1, system_tokens=32, question_tokens=200))
-    assert decision.reason == "least-load"
+    assert decision.reason == "new-prefix"
 
 
 def test_without_tokens_the_prompt_start_is_hashed_and_busy_backends_skipped() -> None:
@@ -140,7 +169,7 @@ def test_feedback_corrects_the_index_after_an_eviction() -> None:
     # What it just recomputed, it holds again.
     again = ca.choose(pool, prompt(2, 3)).prediction
     assert again is not None and again.blocks == 16
-    assert older.reason == "least-load"
+    assert older.reason == "new-prefix"
 
 
 def ca_hashes(request: RouteRequest) -> list[int]:

@@ -1,4 +1,4 @@
-"""The simulated backend over real HTTP (hypercorn on 127.0.0.1, port 0): the OpenAI endpoints
+"""The simulated backend over real HTTP (its server on 127.0.0.1, port 0): the OpenAI endpoints
 whole and streamed, with httpx and with the official `openai` client (sync in a thread and
 async under trio); vLLM's /v1/models, /tokenize, /health and /metrics; OpenAI-shaped errors;
 the faults and their runtime switch; and slots freed when a client disconnects.
@@ -19,7 +19,6 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.asgi import Message
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import DEFAULT_MODEL, SimSettings
 
@@ -385,7 +384,14 @@ async def test_error_rate_answers_500_in_a_seeded_pattern(launch: Any) -> None:
 
 async def test_faults_reject_unknown_keys_and_bad_values(launch: Any) -> None:
     sim = await launch()
-    for change in ({"explode": True}, {"error_rate": 2}, {"hang": "yes"}):
+    changes = (
+        {"explode": True},
+        {"error_rate": 2},
+        {"hang": "yes"},
+        {"drop_kv_events": -1},
+        {"drop_kv_events": True},
+    )
+    for change in changes:
         response = await sim.http.post(sim.url + "/sim/faults", json=change)
         assert response.status_code == 400
     assert (await sim.http.get(sim.url + "/sim/state")).json()["faults"] == {
@@ -393,6 +399,7 @@ async def test_faults_reject_unknown_keys_and_bad_values(launch: Any) -> None:
         "hang": False,
         "close_mid_stream": False,
         "unhealthy": False,
+        "drop_kv_events": 0,
     }
 
 
@@ -442,21 +449,3 @@ async def test_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(launch
         nursery.cancel_scope.cancel()
     with trio.fail_after(5):
         await sim.app.engine.wait_until(lambda: sim.app.running == 0)
-
-
-async def test_lifespan_startup_and_shutdown_complete() -> None:
-    app = create_sim_app(FAST)
-    incoming = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
-    sent: list[Message] = []
-
-    async def receive() -> Message:
-        return incoming.pop(0)
-
-    async def send(message: Message) -> None:
-        sent.append(message)
-
-    await app({"type": "lifespan"}, receive, send)
-    assert [message["type"] for message in sent] == [
-        "lifespan.startup.complete",
-        "lifespan.shutdown.complete",
-    ]

@@ -109,17 +109,18 @@ async def answer_then_close(stream: trio.abc.Stream, protocol: h11.Connection) -
 
 
 async def body_of(response: UpstreamResponse) -> bytes:
-    pieces = [await response.read_arrived()]
-    while (data := await response.read()) is not None:
-        pieces.append(data)
+    """The whole body, then the connection given back (closed if the body broke off)."""
+    try:
+        pieces = [response.take_arrived()]
+        while not response.complete:
+            pieces.append(response.decode(await response.receive()))
+    finally:
+        await response.release()
     return b"".join(pieces)
 
 
 async def read_all(pool: UpstreamPool) -> bytes:
-    response = await pool.request(BASE, "/v1/completions", [], b"{}")
-    body = await body_of(response)
-    await response.aclose()
-    return body
+    return await body_of(await pool.request(BASE, "/v1/completions", [], b"{}"))
 
 
 def new_pool(backend: FakeBackend, max_connections: int = 1) -> UpstreamPool:
@@ -177,7 +178,6 @@ async def test_an_exhausted_pool_fails_after_exactly_the_connect_timeout(
         assert trio.current_time() - started == 3
         release.set()
         assert await body_of(held) == b"{}"
-        await held.aclose()
         assert await read_all(pool) == b"{}"  # the freed connection serves the next request
         assert backend.connections == 1
         nursery.cancel_scope.cancel()
@@ -275,7 +275,7 @@ async def relayed_answer(
                     outcome = exc
                     await counted.aclose()  # as the server does with an unfinished answer
                 finally:
-                    await response.aclose()
+                    await response.release()
             sends = counted.sends
         nursery.cancel_scope.cancel()
     return outcome, answer[0], sends, backend
@@ -293,7 +293,7 @@ async def test_a_whole_answer_leaves_in_one_write_and_its_connection_is_reused()
                 response = await pool.request(BASE, "/v1/completions", [], b"{}")
                 relayed = await relay(response, exchange, [], idle=1.0)
                 # Given back before the client's write: nothing is left to close.
-                assert response.ended
+                assert response.complete and response.socket_fd() is None
                 assert relayed.broken is None and relayed.tail == b"{}"
                 assert await client.answer() == (200, b"{}")
                 assert counted.sends == 1

@@ -2,9 +2,13 @@
 the two writes an operator has: the saturation policy and, in the demo, a burst.
 
     GET  /                the page (templates/dashboard.html, static/)
-    GET  /api/snapshot    one JSON snapshot (schema in the README)
+    GET  /api/snapshot    one JSON snapshot (schema in the README); `?records_after=SEQ`
+                          leaves out the request log's records up to that one
     GET  /api/events      server-sent events: a snapshot a tick, the same bytes for every page
     PUT  /api/policy      {"saturation": "wait" | "bail-out"}
+    GET  /metrics         Prometheus text: this process's, or with --workers every worker's
+                          under a `worker` label (the proxy port's /metrics answers from
+                          whichever worker the kernel picked)
     POST /api/demo/burst  `sluice demo` only: send a burst of large unique prompts now
 
 Every error is OpenAI-shaped JSON. Who may do what: security.py.
@@ -12,7 +16,8 @@ Every error is OpenAI-shaped JSON. Who may do what: security.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -37,7 +42,10 @@ PAGE_HEADERS = {
     "referrer-policy": "no-referrer",
 }
 
-SetSaturation = Callable[[Saturation], None]
+# A supervisor's answers once every worker has taken the new policy.
+SetSaturation = Callable[[Saturation], Awaitable[None] | None]
+MetricsText = Callable[[], Awaitable[bytes]]
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RequestBurst = Callable[[], bool]
 Answer = tuple[dict[str, Any], int]
 
@@ -60,6 +68,7 @@ def create_dashboard(
     *,
     bound_host: str = "127.0.0.1",
     request_burst: RequestBurst | None = None,
+    metrics_text: MetricsText | None = None,
 ) -> QuartTrio:
     app = QuartTrio(
         __name__,
@@ -113,7 +122,14 @@ def create_dashboard(
 
     @app.get("/api/snapshot")
     async def api_snapshot() -> dict[str, Any]:
-        return feed.snapshot()
+        snapshot = feed.snapshot()
+        # `?records_after=SEQ`: only the request log's newer records (a supervisor polling
+        # its workers every second would otherwise read the same 200 records each time).
+        after = request.args.get("records_after", type=int)
+        requests = snapshot.get("requests")
+        if after is not None and isinstance(requests, dict) and "recent" in requests:
+            requests["recent"] = [r for r in requests["recent"] if r.get("seq", 0) > after]
+        return snapshot
 
     @app.get("/api/events")
     async def api_events() -> Response | Answer:
@@ -155,7 +171,9 @@ def create_dashboard(
                 "invalid_request_error",
                 "saturation",
             )
-        set_saturation(saturation)
+        applied = set_saturation(saturation)
+        if inspect.isawaitable(applied):
+            await applied
         feed.poke()
         return {"saturation": saturation}, 200
 
@@ -167,6 +185,12 @@ def create_dashboard(
         if refused is not None:
             return refused
         return {"queued": request_burst()}, 202
+
+    @app.get("/metrics")
+    async def metrics() -> Response | Answer:
+        if metrics_text is None:
+            return _error(404, "no metrics here", "invalid_request_error")
+        return Response(await metrics_text(), content_type=METRICS_CONTENT_TYPE)
 
     register_backends_api(app, refuse_write)
     return app

@@ -56,6 +56,10 @@ def check_backend_url(url: Any) -> str:
     return url.rstrip("/")
 
 
+class Unavailable(Exception):
+    """No pool to change here: the dashboard of `--workers N`, whose workers hold theirs."""
+
+
 class BackendControl:
     """What the endpoints change: the router's pool, and a health check on demand."""
 
@@ -86,8 +90,19 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
     """Add the endpoints; `app.config[CONTROL_KEY]` holds the `BackendControl` to use."""
 
     def control() -> BackendControl:
-        found: BackendControl = current_app.config[CONTROL_KEY]
+        found: BackendControl | None = current_app.config[CONTROL_KEY]
+        if found is None:
+            raise Unavailable()
         return found
+
+    @app.errorhandler(Unavailable)
+    async def unavailable(_: Unavailable) -> Answer:
+        return _error(
+            409,
+            "with --workers, each worker keeps the backends it was started with: change "
+            '--backend and restart (the snapshot\'s "backends" lists them)',
+            code="workers",
+        )
 
     @app.get("/api/backends")
     async def list_backends() -> Answer:

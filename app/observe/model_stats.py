@@ -36,8 +36,8 @@ def pool_summary(model: str, backends: Sequence[Mapping[str, Any]]) -> dict[str,
     breakers = [b["breakers"].get(model, "closed") for b in members]
     return {
         "backends": [b["id"] for b in members],
-        "healthy": sum(1 for b in members if b["healthy"]),
-        "takes_traffic": sum(
+        "healthy_backends": sum(1 for b in members if b["healthy"]),
+        "serving_backends": sum(
             1
             for b, state in zip(members, breakers, strict=True)
             if b["healthy"] and state != "open"
@@ -45,10 +45,10 @@ def pool_summary(model: str, backends: Sequence[Mapping[str, Any]]) -> dict[str,
         "breakers_open": breakers.count("open"),
         "inflight": sum(b["inflight"] for b in members),
         "engines": sorted({e["name"] for e in engines}),
-        "running": _sum([e["running"] for e in engines]),
-        "waiting": _sum([e["waiting"] for e in engines]),
-        "kv_cache_usage": _mean([e["kv_cache_usage"] for e in engines]),
-        "prefix_cache_hit_rate": _mean([e["prefix_cache_hit_rate"] for e in engines]),
+        "engine_running": _sum([e["running"] for e in engines]),
+        "engine_waiting": _sum([e["waiting"] for e in engines]),
+        "engine_kv_cache_usage": _mean([e["kv_cache_usage"] for e in engines]),
+        "engine_prefix_cache_hit_rate": _mean([e["prefix_cache_hit_rate"] for e in engines]),
     }
 
 

@@ -47,6 +47,7 @@ from app.proxy.forward import (
     upstream_headers,
 )
 from app.proxy.relay import Relayed, relay, relay_as_chat
+from app.proxy.relay_hub import RelayHub
 from app.proxy.token_forwarding import plan_forward
 from app.proxy.upstream import UpstreamPool
 from app.routing.admission import Overloaded
@@ -112,8 +113,10 @@ class ProxyApp:
         preprocessor: Preprocessor,
         metrics: Metrics,
         catalog: ModelCatalog,
+        relay_hub: RelayHub | None = None,
     ) -> None:
         self.settings = settings
+        self.relay_hub = relay_hub
         self.preprocessor = preprocessor
         self.key_labels = KeyLabels()
         self.keys: KeyTable | None = (
@@ -350,14 +353,16 @@ class ProxyApp:
             ]
             relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
-                relayed = await relay_answer(response, exchange, extra, self.timeouts.idle)
+                relayed = await relay_answer(
+                    response, exchange, extra, self.timeouts.idle, hub=self.relay_hub
+                )
                 if relayed.broken is not None:
                     broken = relayed.broken
             except (StreamBroken, UpstreamFailure) as exc:
                 broken = str(exc)
                 raise
             finally:
-                await response.aclose()
+                await response.release()
         finally:
             usage = usage_from_tail(relayed.tail) if relayed is not None else None
             self.router.release(decision, usage, outgoing.api_key, outgoing.tokens_per_minute)

@@ -51,6 +51,11 @@ class ByteStream:
         that cannot be asked without reading."""
         return False
 
+    def socket_fd(self) -> int | None:
+        """The socket's descriptor while open, for code that does its own waiting (the
+        relay hub); None for a stream that is not a socket."""
+        return None
+
     async def aclose(self) -> None:
         raise NotImplementedError
 
@@ -127,6 +132,9 @@ class SocketBytes(ByteStream):
             if waiting is not None:
                 waiting.resume()
             self._unyielded = 0
+
+    def socket_fd(self) -> int | None:
+        return None if self._closed else self._socket.fileno()
 
     def closed_by_peer(self) -> bool:
         if self._closed:

@@ -27,6 +27,7 @@ import h11
 import trio
 
 from app.errors import ClientError, error_body
+from app.proxy.body_framing import chunk
 from app.proxy.byte_stream import ByteStream, SendWait
 
 Headers = list[tuple[bytes, bytes]]
@@ -298,10 +299,22 @@ class Exchange:
         await self._send(head)
         self.complete = complete
 
+    def relay_target(self) -> tuple[int, Callable[[bytes], bytes]] | None:
+        """For the relay hub, which writes the body itself: the client socket's descriptor
+        and how a piece of the body is framed; None where writes must go through `write`
+        (not a socket; a counted body, whose length h11 keeps)."""
+        fd = self._connection.stream.socket_fd()
+        if fd is None or self._framing == _COUNTED:
+            return None
+        return fd, (chunk if self._framing == _CHUNKED else _as_is)
+
+    def mark_first_byte(self) -> None:
+        self.first_byte_at = time.perf_counter()
+
     def _frame(self, data: bytes) -> bytes:
         framing = self._framing
         if framing == _CHUNKED:
-            return b"%x\r\n%b\r\n" % (len(data), data)
+            return chunk(data)
         if framing == _COUNTED:
             return self._connection.h11.send(h11.Data(data=data)) or b""
         return data
@@ -330,6 +343,10 @@ class Exchange:
             await self._connection.stream.send(payload, self.client_wait)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise ClientGone from None
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
 
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}

@@ -30,6 +30,7 @@ import trio
 from app.proxy.byte_stream import ByteStream, byte_stream
 from app.proxy.errors import respond_internal_error
 from app.proxy.exchange import ClientConnection, ClientGone, Exchange
+from app.proxy.shared_port import reuse_port_listeners
 
 log = logging.getLogger("sluice.proxy")
 
@@ -48,8 +49,12 @@ class HttpServer:
         keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S,
         read_timeout: float = READ_TIMEOUT_S,
         max_head_bytes: int = MAX_HEAD_BYTES,
+        reuse_port: bool = False,
     ) -> None:
+        """`reuse_port`: join the port's SO_REUSEPORT group, shared by the processes of
+        `--workers N` (shared_port.py)."""
         self._handler = handler
+        self._reuse_port = reuse_port
         self._keep_alive_timeout = keep_alive_timeout
         self._read_timeout = read_timeout
         self._max_head_bytes = max_head_bytes
@@ -68,7 +73,10 @@ class HttpServer:
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen, report the URL, serve until `close` and every connection has ended."""
-        listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
+        if self._reuse_port:
+            listeners = reuse_port_listeners(host, port, backlog)
+        else:
+            listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
         bound_port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as connections:
             connections.start_soon(self._accept, listeners, connections)

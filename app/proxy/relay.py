@@ -1,17 +1,24 @@
 """Relaying a backend's answer to the client as it arrives: the proxy's per-token hot path.
 
-Per read of the backend's socket: decode its framing (body_framing.py), keep the answer's
-tail, write what arrived to the client in one frame and one `send`. Whatever arrived
+The request's task sends the head and whatever body came with it, then the body's rest
+moves by one of two pumps, both calling `_Passage.take` once per read of the backend's
+socket (decode the framing, body_framing.py; convert for `--forward tokens`; keep the
+tail) and writing what one read brought in one frame and one write: whatever arrived
 between two reads goes out together, so a busy proxy coalesces tokens and an idle one adds
-no delay. Nothing else runs per token: usage, `cached_tokens` and the finish reason are
-read from the tail once the answer has ended (routing/usage.py), the request's trace reads
-the exchange's first-byte time once, and there is no per-chunk metric.
+no delay. Where both ends are sockets and the client's body is chunked or runs until close,
+the relay hub (relay_hub.py) moves it, one task for every stream, without waking the
+request's task per token; otherwise (a counted body, whose length h11 keeps; streams that
+are not sockets, as in tests) the request's task pumps it itself. Nothing else runs per
+token: usage, `cached_tokens` and the finish reason are read from the tail once the answer
+has ended (routing/usage.py), the request's trace reads the exchange's first-byte time
+once, and there is no per-chunk metric.
 
-A backend silent for `idle` seconds ends the relay. The timeout is one cancel scope whose
-deadline moves forward only when it comes within `idle` of now (by `idle` and a tenth), so
-a stream pays a clock read per token, not a deadline change; it fires between `idle` and
-1.1 x `idle` after the last byte. A client slow to take the answer is back-pressure, not a
-silent backend: the deadline is lifted while a write waits for the client.
+A backend silent for `idle` seconds ends the relay. In the request's task the timeout is one
+cancel scope whose deadline moves forward only when it comes within `idle` of now (by
+`idle` and a tenth), so a stream pays a clock read per read, not a deadline change; it fires
+between `idle` and 1.1 x `idle` after the last byte. A client slow to take the answer is
+back-pressure, not a silent backend: the deadline is lifted while a write waits for the
+client. (The hub keeps its own, the same way.)
 
 On a failure mid-answer an event stream gets an error event and a clean end; any other body
 raises `StreamBroken`, so the server drops the connection rather than let a truncated JSON
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 import trio
 
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.exchange import Exchange, Headers
+from app.proxy.exchange import ClientGone, Exchange, Headers
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,
@@ -36,6 +43,7 @@ from app.proxy.forward import (
     is_event_stream,
     sse_error_event,
 )
+from app.proxy.relay_hub import Ended, HubStream, RelayHub
 from app.proxy.upstream import UpstreamError, UpstreamResponse
 from app.routing.usage import TAIL_BYTES
 
@@ -73,52 +81,115 @@ class IdleDeadline:
         self._scope.deadline = trio.current_time() + self._step
 
 
+class _Passage:
+    """An answer's body on its way: each read decoded (and converted), its tail kept."""
+
+    __slots__ = ("_converter", "_response", "tail")
+
+    def __init__(self, response: UpstreamResponse, converter: ChatStreamConverter | None) -> None:
+        self._response = response
+        self._converter = converter
+        self.tail = b""
+
+    def take(self, raw: bytes) -> bytes:
+        """The content of one read of the backend's socket."""
+        return self._keep(self._response.decode(raw))
+
+    def take_arrived(self) -> bytes:
+        """The content that came with the response's head."""
+        return self._keep(self._response.take_arrived())
+
+    def _keep(self, data: bytes) -> bytes:
+        if self._converter is not None:
+            data = self._converter.feed(data)
+        if data:
+            self.tail = (self.tail + data)[-TAIL_BYTES:]
+        return data
+
+    def complete(self) -> bool:
+        return self._response.complete
+
+    def last(self, data: bytes) -> bytes:
+        """The body's last content, and whatever the converter still held."""
+        return data if self._converter is None else data + self._converter.finish()
+
+
 async def relay(
     response: UpstreamResponse,
     exchange: Exchange,
     extra_headers: Headers,
     idle: float,
     converter: ChatStreamConverter | None = None,
+    hub: RelayHub | None = None,
 ) -> Relayed:
-    """Relay the response (through `converter` if given)."""
+    """Relay the response (through `converter` if given), its body by `hub` where both ends
+    are sockets. `UpstreamFailure` if the body is broken before anything was sent."""
     headers = downstream_headers(response, extra_headers)
-    tail = b""
+    passage = _Passage(response, converter)
+    try:
+        first = passage.take_arrived()
+    except UpstreamError as exc:
+        raise UpstreamFailure("protocol", str(exc)) from None
+    if response.complete:
+        await response.release()
+        await exchange.start(response.status_code, headers, passage.last(first), complete=True)
+        return Relayed(None, passage.tail)
+    await exchange.start(response.status_code, headers, first, complete=False)
+    stream = _hub_stream(hub, response, exchange, passage, idle)
+    if hub is not None and stream is not None:
+        ended = await hub.relay(stream)
+    else:
+        ended = await _pump(response, exchange, passage, idle)
+    if ended.client_gone:
+        raise ClientGone
+    if ended.broken is not None:
+        return await _broken_off(response, exchange, ended.broken, passage.tail)
+    await response.release()
+    await exchange.end(passage.last(ended.last))
+    return Relayed(None, passage.tail)
+
+
+def _hub_stream(
+    hub: RelayHub | None,
+    response: UpstreamResponse,
+    exchange: Exchange,
+    passage: _Passage,
+    idle: float,
+) -> HubStream | None:
+    """The stream for `hub`, if it can take it: both ends sockets, a body it may frame."""
+    if hub is None:
+        return None
+    upstream_fd = response.socket_fd()
+    target = exchange.relay_target()
+    if upstream_fd is None or target is None:
+        return None
+    client_fd, frame = target
+    first_write = exchange.mark_first_byte if exchange.first_byte_at is None else None
+    return HubStream(
+        upstream_fd, client_fd, passage.take, passage.complete, frame, idle, first_write
+    )
+
+
+async def _pump(
+    response: UpstreamResponse, exchange: Exchange, passage: _Passage, idle: float
+) -> Ended:
+    """The relay in the request's own task, for streams the hub cannot take."""
     with trio.CancelScope() as scope:
         deadline = IdleDeadline(scope, idle)
         exchange.client_wait = deadline
         try:
-            first = await response.read_arrived()
-            if converter is not None:
-                first = converter.feed(first)
-            tail = first[-TAIL_BYTES:]
-            if response.ended:
-                last = _last(first, converter)
-                await exchange.start(response.status_code, headers, last, complete=True)
-                return Relayed(None, tail)
-            await exchange.start(response.status_code, headers, first, complete=False)
-            while (data := await response.read()) is not None:
+            while True:
+                content = passage.take(await response.receive())
                 deadline.data_arrived()
-                if converter is not None:
-                    data = converter.feed(data)
-                tail = (tail + data)[-TAIL_BYTES:]
-                if response.ended:
-                    await exchange.end(_last(data, converter))
-                    return Relayed(None, tail)
-                if data:
-                    await exchange.write(data)
-            await exchange.end(_last(b"", converter))
-            return Relayed(None, tail)
+                if response.complete:
+                    return Ended(last=content)
+                if content:
+                    await exchange.write(content)
         except UpstreamError as exc:
-            broken = str(exc)
+            return Ended(broken=str(exc))
         finally:
             exchange.client_wait = None
-    if scope.cancelled_caught:
-        broken = f"no data from the backend for {idle:g}s"
-    return await _broken_off(response, exchange, broken, tail)
-
-
-def _last(data: bytes, converter: ChatStreamConverter | None) -> bytes:
-    return data if converter is None else data + converter.finish()
+    return Ended(broken=f"no data from the backend for {idle:g}s")
 
 
 async def _broken_off(
@@ -132,7 +203,11 @@ async def _broken_off(
 
 
 async def relay_as_chat(
-    response: UpstreamResponse, exchange: Exchange, extra_headers: Headers, idle: float
+    response: UpstreamResponse,
+    exchange: Exchange,
+    extra_headers: Headers,
+    idle: float,
+    hub: RelayHub | None = None,
 ) -> Relayed:
     """Relay a backend's completion as a chat completion; errors (4xx/5xx) pass unchanged.
 
@@ -141,21 +216,22 @@ async def relay_as_chat(
     request can still be retried elsewhere.
     """
     if response.status_code != 200:
-        return await relay(response, exchange, extra_headers, idle)
+        return await relay(response, exchange, extra_headers, idle, hub=hub)
     if is_event_stream(response):
-        return await relay(response, exchange, extra_headers, idle, ChatStreamConverter())
+        return await relay(response, exchange, extra_headers, idle, ChatStreamConverter(), hub)
     pieces = []
     with trio.CancelScope() as scope:
         deadline = IdleDeadline(scope, idle)
         try:
-            pieces.append(await response.read_arrived())
-            while (data := await response.read()) is not None:
+            pieces.append(response.take_arrived())
+            while not response.complete:
+                pieces.append(response.decode(await response.receive()))
                 deadline.data_arrived()
-                pieces.append(data)
         except UpstreamError as exc:
             raise UpstreamFailure("protocol", f"the answer broke off: {exc}") from None
     if scope.cancelled_caught:
         raise UpstreamFailure("timeout", f"no data from the backend for {idle:g}s")
+    await response.release()
     body = b"".join(pieces)
     try:
         converted = completion_to_chat(body)

@@ -48,7 +48,10 @@ class _Connection:
 
 
 class UpstreamResponse:
-    """A response whose head has arrived; its body is read with `read` as it comes."""
+    """A response whose head has arrived. Its body is what came with the head
+    (`take_arrived`), then each read (`receive`) decoded (`decode`) until `complete`;
+    `release` then gives the connection back to the pool, or closes it if the body did not
+    end cleanly."""
 
     def __init__(
         self, pool: UpstreamPool, key: str, connection: _Connection, head: ResponseHead
@@ -63,9 +66,9 @@ class UpstreamResponse:
             self._decoder = decoder_for(self.status_code, self.headers, b"POST")
         except FramingError as exc:
             raise UpstreamError(f"invalid response from the backend: {exc}") from None
-        # Body bytes read along with the head.
-        self._early: bytes | None = head.rest
-        self.ended = False  # the whole body was read and the connection given back
+        self._arrived = head.rest  # body bytes read along with the head
+        self._last_read = b""
+        self.complete = self._decoder.done  # the whole body has been decoded
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -73,65 +76,53 @@ class UpstreamResponse:
                 return value
         return None
 
-    async def read_arrived(self) -> bytes:
-        """The body's bytes that came with the head, decoded (b"" if none); never waits."""
-        raw, self._early = self._early, None
-        if not raw:
-            return b""
-        data = self._decode(raw)
-        if self._decoder.done:
-            await self._finish(raw)
-        return data
+    def take_arrived(self) -> bytes:
+        """The content of the body bytes that came with the head (b"" if none); never
+        waits."""
+        raw, self._arrived = self._arrived, b""
+        return self.decode(raw) if raw else b""
 
-    async def read(self) -> bytes | None:
-        """The body's bytes that have arrived, decoded (waiting for some if none have);
-        None once the body is complete. `ended` turns true with the read that completes it,
-        and the connection is back in the pool by then."""
-        while not self.ended:
-            if self._early is not None:
-                raw, self._early = self._early, None
-            elif self._connection is None:
-                break
-            else:
-                try:
-                    raw = await self._connection.stream.receive()
-                except trio.BrokenResourceError as exc:
-                    raise UpstreamError(str(exc)) from None
-            data = self._decode(raw)
-            if self._decoder.done:
-                await self._finish(raw)
-            if data:
-                return data
-        return None
+    async def receive(self) -> bytes:
+        """The body's raw bytes that have arrived (waiting for some); b"" at the end."""
+        assert self._connection is not None, "received after release"
+        try:
+            return await self._connection.stream.receive()
+        except trio.BrokenResourceError as exc:
+            raise UpstreamError(str(exc)) from None
 
-    def _decode(self, raw: bytes) -> bytes:
+    def socket_fd(self) -> int | None:
+        """The backend socket's descriptor, for the relay hub; None if it is not a socket."""
+        return None if self._connection is None else self._connection.stream.socket_fd()
+
+    def decode(self, raw: bytes) -> bytes:
+        """The content of one read (raw b"": the backend closed); `complete` turns true with
+        the read that ends the body. `UpstreamError` when the framing is broken."""
         decoder = self._decoder
+        self._last_read = raw
         try:
             if raw:
                 pieces = decoder.feed(raw)
             else:
                 decoder.end_of_input()
-                return b""
+                pieces = []
         except FramingError as exc:
             raise UpstreamError(f"invalid body from the backend: {exc}") from None
+        self.complete = decoder.done
         if not pieces:
             return b""
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    async def _finish(self, last_read: bytes) -> None:
-        self.ended = True
-        reusable = self._keep_alive and last_read != b"" and not self._decoder.leftover
-        await self._release(reusable=reusable)
-
-    async def aclose(self) -> None:
-        """Give the connection back if the exchange completed, else close it."""
-        await self._release(reusable=False)
-
-    async def _release(self, *, reusable: bool) -> None:
+    async def release(self) -> None:
+        """Give the connection back if the body ended cleanly, else close it. Idempotent."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
-        if reusable:
+        if (
+            self.complete
+            and self._keep_alive
+            and self._last_read != b""
+            and not self._decoder.leftover
+        ):
             connection.reused = True
             await self._pool.give_back(self._key, connection)
         else:

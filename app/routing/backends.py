@@ -77,8 +77,9 @@ class Backend:
     engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
-    # The models a configuration names for it; None: those its /v1/models lists.
-    configured: frozenset[str] | None = None
+    # The models a configuration names for it, in the order of its tables; None: those its
+    # /v1/models lists.
+    configured: tuple[str, ...] | None = None
     last_error: str | None = None
     tokenizer_state: TokenizerState = "not required"
     tokenizer_detail: str | None = None  # what the last tokenizer check found
@@ -86,10 +87,14 @@ class Backend:
     models_version: int = 0  # counts `set_models` calls: whoever derived from them can tell
     id: str = field(init=False)
     served: frozenset[str] = field(init=False)  # the models whose pools it is in
+    # Its first model: configured first, or first in its list (vLLM lists its base model
+    # before its LoRA adapters). The one its engine's KV events are about.
+    primary: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.id = backend_id(self.url)
-        self.served = self.configured or frozenset()
+        self.served = frozenset(self.configured or ())
+        self.primary = self.configured[0] if self.configured else None
 
     def set_models(self, cards: list[dict[str, Any]]) -> None:
         """Its /v1/models answer; what it serves, when no configuration says."""
@@ -97,6 +102,7 @@ class Backend:
         self.models_version += 1
         if self.configured is None:
             self.served = frozenset(card["id"] for card in cards[:MAX_MODELS])
+            self.primary = cards[0]["id"] if cards else None
 
     @property
     def load(self) -> float:
@@ -159,7 +165,7 @@ class BackendPool:
         failures_to_open: int,
         cooldown: float,
         probe_path: str,
-        configured: dict[str, frozenset[str]] | None = None,
+        configured: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
         """`configured`: URL -> the models a configuration names for that backend."""
         if not urls:
@@ -172,7 +178,7 @@ class BackendPool:
         for url in urls:
             self.add(url, (configured or {}).get(url.rstrip("/")))
 
-    def add(self, url: str, models: frozenset[str] | None = None) -> Backend:
+    def add(self, url: str, models: tuple[str, ...] | None = None) -> Backend:
         """A new backend, unhealthy until its first health check passes; it serves `models`,
         or, without, what its /v1/models lists."""
         url = url.rstrip("/")

@@ -13,6 +13,9 @@ Design rules:
    (everything at or before a stamp) then only ever cut chains from the tail. That is what
    lets `match` binary-search instead of walking, and it keeps evicting what a GPU's LRU
    evicts first: the tail (vLLM frees a sequence's blocks in reverse for the same reason).
+   An engine's KV events (`kv_event_index.py`) `record` and `discard` blocks as the engine
+   stores and evicts them, which keeps the rule for the same reason: the engine evicts
+   tails first.
 2. Every mutation keeps `len(self) <= max_blocks`; nothing else grows.
 3. Hashes are Python's (salted per process): they never leave the process. Anything replicas
    must agree on hashes with hashlib instead (`rendezvous.py`).
@@ -25,15 +28,24 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 BLOCK_SIZE = 16
+ROOT_HASH = 0  # what block 0 of every prompt chains from
 _ID_BYTES = 4  # array('I') items: the id space of every tokenizer Sluice loads
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int = BLOCK_SIZE) -> list[int]:
     """One chained hash per full block; a partial last block is never cached by a backend."""
+    return chain_hashes(ROOT_HASH, token_ids, block_size)
+
+
+def chain_hashes(
+    previous: int, token_ids: Sequence[int], block_size: int = BLOCK_SIZE
+) -> list[int]:
+    """The hashes of the full blocks of `token_ids` continuing the chain that ends in
+    `previous` (`ROOT_HASH` at a prompt's start): how an engine's KV events, which name a
+    parent and carry the new blocks' ids, become the hashes `block_hashes` gives a prompt."""
     data, item_bytes = _packed(token_ids)
     step = block_size * item_bytes
     hashes: list[int] = []
-    previous = 0
     # Bytes slices hash in C: ~4x cheaper than a tuple of 16 ints (26 us per 2k tokens).
     for start in range(0, len(data) - step + 1, step):
         previous = hash((previous, data[start : start + step]))
@@ -107,6 +119,19 @@ class BlockIndex:
             held[block_hash] = self._clock
         while self._size > self.max_blocks:
             self._evict_oldest()
+
+    def discard(self, backend: Hashable, hashes: Iterable[int]) -> int:
+        """The backend no longer holds these blocks (its engine said so); returns how many
+        it was known to hold."""
+        held = self._held.get(backend)
+        if not held:
+            return 0
+        removed = 0
+        for block_hash in hashes:
+            if held.pop(block_hash, None) is not None:
+                removed += 1
+        self._size -= removed
+        return removed
 
     def forget_before(self, backend: Hashable, stamp: int) -> int:
         """Drop the backend's blocks last used at or before `stamp`; returns how many.

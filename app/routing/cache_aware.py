@@ -11,13 +11,22 @@ For a request with token ids (SMG's parameter names, Sluice's own defaults):
    rendezvous hashing with bounded load on the held prefix's tokens, so replicas pick the
    same one and a hot prefix grows over two, three... backends instead of pinning one or
    losing affinity altogether.
-4. Least load: no holder (a new prefix, or too short a match): the least-loaded backend, ties
-   by rendezvous on the prompt so new prefixes spread evenly.
-Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`).
+4. New prefix: no holder (or too short a match): its first holder is chosen by rendezvous
+   hashing with bounded load on its first `PLACEMENT_BLOCKS` blocks, not by which backend
+   looks least loaded from here. Replicas see different loads (each its own requests in
+   flight) but hash alike: without sharing anything, not even the engines' KV events,
+   they place a new prefix on the same backend while its load is within the balance
+   thresholds, and the next request for it finds it there whichever replica routes it.
+   Distinct prefixes spread evenly, as their hashes do.
+Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`);
+prompts shorter than one block: the least-loaded backend.
 
 Each model has its own prefix index (a backend serving two models holds two KV caches, and
 two tokenizers' ids mean different text): the index's entries are held by (model, backend),
-in one `BlockIndex` whose bound counts every model's blocks together.
+in one `BlockIndex` whose bound counts every model's blocks together. A backend's first
+model (the one it serves alone, in the usual fleet) is held under the backend's bare id,
+which is where its engine's KV events land (`kv_event_index.py`: they carry no model, and
+events of LoRA adapters are not indexed).
 
 Checked against reality (`feedback`): backends report how many prompt tokens their cache
 served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
@@ -26,7 +35,6 @@ it held, and under LRU it also evicted everything it used before them: those ent
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -41,6 +49,10 @@ from app.routing.rendezvous import first_fit
 
 # A reported hit this much (as a share of the prompt) below the prediction means an eviction.
 CORRECTION_MARGIN = 0.1
+# A new prefix is placed by its first 128 tokens (as `hashing.py` keys on ~128 tokens of
+# text): a chat template's preamble and the start of the system prompt, which is what
+# requests that can share a KV-cache prefix have in common.
+PLACEMENT_BLOCKS = 8
 OUTCOMES = ("hit", "miss", "false-hit", "surprise-hit", "unreported")
 
 
@@ -49,8 +61,9 @@ def _backend_id(backend: Backend) -> str:
 
 
 def index_holder(backend: Backend, model: str | None) -> Hashable:
-    """Whose blocks the index keeps: the backend's, for one model."""
-    return backend.id if model is None else (model, backend.id)
+    """Whose blocks the index keeps: the backend's, for one model (its first model's under
+    its bare id)."""
+    return backend.id if model is None or model == backend.primary else (model, backend.id)
 
 
 def _holder_backend(holder: Hashable) -> str:
@@ -58,9 +71,13 @@ def _holder_backend(holder: Hashable) -> str:
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
-    if isinstance(token_ids, array):
+    """The same bytes for the same ids in every replica, whatever sequence type holds them."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
         return token_ids.tobytes()
-    return b",".join(str(token).encode() for token in token_ids)
+    try:
+        return array("I", token_ids).tobytes()
+    except OverflowError:
+        return b",".join(str(token).encode() for token in token_ids)
 
 
 class CacheAware:
@@ -116,10 +133,15 @@ class CacheAware:
             blocks = self.index.match(index_holder(backend, model), hashes)
             reason = "spread"
         else:
-            key_digest = hashlib.blake2b(_token_bytes(tokens), digest_size=16).digest()
-            backend = least_loaded(candidates, key_digest)
+            key = _token_bytes(tokens[: min(len(hashes), PLACEMENT_BLOCKS) * BLOCK_SIZE])
+            backend, _ = first_fit(
+                key,
+                candidates,
+                _backend_id,
+                lambda b: not self.balance.overloaded(b.load, min_load),
+            )
             blocks = self.index.match(index_holder(backend, model), hashes)
-            reason = "least-load"
+            reason = "new-prefix"
         holder = index_holder(backend, model)
         stamps = tuple(self.index.stamps(holder, hashes[:blocks]))
         self.index.record(holder, hashes)
@@ -167,16 +189,11 @@ class CacheAware:
             if _holder_backend(holder) == backend.id:
                 self.index.remove_backend(holder)
 
-    def _blocks_by(self, part: int) -> dict[str, int]:
-        """Index entries by backend id (part 1) or model (part 0)."""
+    def _blocks_by_backend(self) -> dict[str, int]:
+        """Index entries by backend id, every model's together."""
         totals: dict[str, int] = {}
         for holder in self.index.backends():
-            if part == 1:
-                name = _holder_backend(holder)
-            elif isinstance(holder, tuple):
-                name = holder[0]
-            else:
-                continue
+            name = _holder_backend(holder)
             totals[name] = totals.get(name, 0) + self.index.blocks(holder)
         return totals
 
@@ -190,8 +207,7 @@ class CacheAware:
                 "max_blocks": self.index.max_blocks,
                 "block_size": BLOCK_SIZE,
                 "evictions": self.index.evictions,
-                "by_backend": self._blocks_by(1),
-                "by_model": self._blocks_by(0),
+                "by_backend": self._blocks_by_backend(),
             },
             "prediction": {
                 "outcomes": {outcome: self.outcomes[outcome] for outcome in OUTCOMES},

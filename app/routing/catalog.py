@@ -28,13 +28,14 @@ log = logging.getLogger("sluice.models")
 DEFAULT_OWNER = "sluice"
 
 
-def configured_backends(models: Sequence[ModelConfig]) -> dict[str, frozenset[str]]:
-    """Backend URL -> the models the tables name for it (a backend may serve several)."""
-    served: dict[str, set[str]] = {}
+def configured_backends(models: Sequence[ModelConfig]) -> dict[str, tuple[str, ...]]:
+    """Backend URL -> the models the tables name for it, in their order (a backend may
+    serve several)."""
+    served: dict[str, list[str]] = {}
     for model in models:
         for url in model.backends:
-            served.setdefault(url.rstrip("/"), set()).add(model.name)
-    return {url: frozenset(names) for url, names in served.items()}
+            served.setdefault(url.rstrip("/"), []).append(model.name)
+    return {url: tuple(names) for url, names in served.items()}
 
 
 class ModelCatalog:

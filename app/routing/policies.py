@@ -2,8 +2,9 @@
 
 Every policy answers a `Decision`; the reason ends up in the `x-sluice-route` header and in
 `sluice_route_decisions_total{policy,reason}`, so reasons are a small fixed vocabulary:
-prefix-hit, spread, least-load, hash, session (cache_aware and consistent_hash), rotation,
-random, tie, less_loaded, only_candidate (the simple policies), retry (set by the proxy).
+prefix-hit, spread, new-prefix, least-load, hash, session (cache_aware and consistent_hash),
+rotation, random, tie, less_loaded, only_candidate (the simple policies), retry (set by the
+proxy).
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ class Prediction:
     def cached_tokens(self) -> int:
         # A backend always recomputes the prompt's last token, so at most this much can hit.
         return min(self.blocks, max(self.prompt_tokens - 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
+
+    @property
+    def stores_blocks(self) -> bool:
+        """Whether the backend will cache prompt blocks it did not hold, and so tell of
+        them in its KV events (a prompt it held whole may be answered without a new block)."""
+        return self.blocks < self.prompt_tokens // BLOCK_SIZE
 
 
 @dataclass(frozen=True)

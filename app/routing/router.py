@@ -26,7 +26,9 @@ from app.observe.metrics import Metrics
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
 from app.routing.backends import Backend, BackendPool
 from app.routing.cache_aware import CacheAware
+from app.routing.kv_event_index import BackendKvEvents
 from app.routing.policies import Decision, Policy, RouteRequest, RoutingParams, make_policy
+from app.routing.shared_budgets import SharedBudgets
 from app.routing.usage import Usage
 
 log = logging.getLogger("sluice.router")
@@ -52,6 +54,20 @@ def estimated_tokens(request: RouteRequest) -> int:
     return len(request.text or "") // CHARS_PER_TOKEN
 
 
+def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets:
+    """Every (key, model) budget, as deep as the key's own limit (--api-keys) or
+    --tokens-per-minute: a process's own buckets, as ever; the shared layer with
+    --redis-url, or with --workers N alone (each worker then holds 1/N of every budget)."""
+    if settings.redis_url is None and settings.workers == 1:
+        return TokenBuckets()
+    return SharedBudgets(
+        settings.tokens_per_minute,
+        local_replicas=settings.workers,
+        shared=settings.redis_url is not None,
+        sync_interval=settings.budget_sync_interval,
+    )
+
+
 class Router:
     def __init__(
         self,
@@ -70,8 +86,12 @@ class Router:
         # One per pool (model), made at its first request: at most MAX_MODELS + 1 (no model).
         self.queues: dict[str | None, SlotQueue] = {}
         self.tokens_per_minute = settings.tokens_per_minute
-        self.buckets = TokenBuckets()
+        self.buckets = budgets_for(settings)
         self.rejected: dict[str, int] = {}
+        # By backend URL, for backends whose engine's KV events feed the index: they are
+        # told when a request goes there that will make the engine store blocks (silence
+        # while such requests flow is a publisher gone).
+        self.kv_events: dict[str, BackendKvEvents] = {}
         metrics.admission_waiting.set_function(lambda: self.waiting)
         if isinstance(self.policy, CacheAware):
             index = self.policy.index
@@ -149,6 +169,9 @@ class Router:
         backend.inflight += 1
         backend.pending_tokens += pending
         self.reservations += 1
+        events = self.kv_events.get(backend.url)
+        if events is not None and prediction is not None and prediction.stores_blocks:
+            events.request_sent(trio.current_time())
         self.metrics.backend_inflight.labels(backend=backend.url).inc()
         return dataclasses.replace(decision, pending_tokens=pending, model=request.model)
 
@@ -208,6 +231,9 @@ class Router:
         self.pool.remove(backend)
         if isinstance(self.policy, CacheAware):
             self.policy.forget(backend)
+        events = self.kv_events.get(backend.url)
+        if events is not None:
+            events.clear()
         self.metrics.forget_backend(backend.url)
 
     def _refuse(self, exc: Overloaded) -> None:

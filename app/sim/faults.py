@@ -7,7 +7,7 @@ killing its process. The error rate draws from a seeded generator so runs repeat
 from __future__ import annotations
 
 import random
-from dataclasses import InitVar, asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass, fields
 from typing import Any
 
 from app.sim.settings import SimSettings
@@ -23,6 +23,8 @@ class SimFaults:
     close_mid_stream: bool = False
     # /health answers 503.
     unhealthy: bool = False
+    # The next this many KV event messages are left off the PUB socket (replay keeps them).
+    drop_kv_events: int = 0
     seed: InitVar[int] = 0
 
     def __post_init__(self, seed: int) -> None:
@@ -49,7 +51,7 @@ class SimFaults:
         renamed = {
             ("unhealthy" if key == "start_unhealthy" else key): v for key, v in changes.items()
         }
-        unknown = set(renamed) - {"error_rate", "hang", "close_mid_stream", "unhealthy"}
+        unknown = set(renamed) - {f.name for f in fields(self)}
         if unknown:
             raise ValueError(f"unknown fault(s): {', '.join(sorted(unknown))}")
         for key, value in renamed.items():
@@ -57,6 +59,9 @@ class SimFaults:
                 is_number = isinstance(value, int | float) and not isinstance(value, bool)
                 if not is_number or not 0.0 <= value <= 1.0:
                     raise ValueError("error_rate must be a number between 0 and 1")
+            elif key == "drop_kv_events":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError("drop_kv_events must be a non-negative integer")
             elif not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false")
         for key, value in renamed.items():

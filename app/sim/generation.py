@@ -1,20 +1,17 @@
 """Answering one completion request: whole, or streamed as server-sent events.
 
-The generation runs under a cancel scope that a watcher task cancels when the client
-disconnects, so an abandoned request frees its batch slot and KV blocks immediately
-instead of decoding to the end for nobody.
+A client that disconnects cancels its request (the server does it, http_server.py), so an
+abandoned request frees its batch slot and KV blocks at once instead of decoding to the end
+for nobody.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from typing import Any
 
-import trio
-
-from app.asgi import Receive, Send, send_json
+from app.proxy.exchange import Exchange
 from app.sim.engine import SimEngine
 from app.sim.openai_format import GenerationRequest, ResponseShapes
 
@@ -24,19 +21,8 @@ TOKENS_BEFORE_DROP = 2
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-@asynccontextmanager
-async def cancelled_on_disconnect(receive: Receive) -> AsyncIterator[trio.CancelScope]:
-    """Run the body until it finishes or the client goes; the scope may be cancelled too."""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-        yield nursery.cancel_scope
-        nursery.cancel_scope.cancel()
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+class _Dropped(Exception):
+    """The stream stops here, unfinished (the close-mid-stream fault)."""
 
 
 async def answer_whole(
@@ -44,24 +30,22 @@ async def answer_whole(
     shapes: ResponseShapes,
     engine: SimEngine,
     pieces: Iterator[str],
-    receive: Receive,
-    send: Send,
+    exchange: Exchange,
 ) -> None:
     text: list[str] = []
 
     async def collect(_index: int) -> None:
         text.append(next(pieces))
 
-    async with cancelled_on_disconnect(receive):
-        cached = await engine.generate(request.prompt_tokens, request.output_tokens, collect)
-        body = shapes.response(
-            "".join(text),
-            request.finish_reason,
-            len(request.prompt_tokens),
-            len(text),
-            cached,
-        )
-        await send_json(send, 200, body)
+    cached = await engine.generate(request.prompt_tokens, request.output_tokens, collect)
+    body = shapes.response(
+        "".join(text),
+        request.finish_reason,
+        len(request.prompt_tokens),
+        len(text),
+        cached,
+    )
+    await exchange.respond_json(200, body)
 
 
 async def answer_stream(
@@ -70,39 +54,35 @@ async def answer_stream(
     engine: SimEngine,
     pieces: Iterator[str],
     drop_mid_stream: bool,
-    receive: Receive,
-    send: Send,
+    exchange: Exchange,
 ) -> None:
     """One chunk per token as it is produced, an optional usage chunk, then `[DONE]`.
 
-    A dropped stream returns without the final empty body message: under ASGI that makes
-    the server close the connection with the response unfinished, as a crashed backend would.
+    A dropped stream returns without ending the body: the server then closes the connection
+    with the answer unfinished, as a crashed backend would.
     """
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    await exchange.start(200, _SSE_HEADERS, complete=False)
     last = request.output_tokens - 1
     drop_at = min(TOKENS_BEFORE_DROP, last) if drop_mid_stream else None
 
-    async with cancelled_on_disconnect(receive) as scope:
+    async def emit(index: int) -> None:
+        if index == drop_at:
+            raise _Dropped
+        if index == 0 and request.kind == "chat":
+            await exchange.write(_event(shapes.role_chunk()))
+        finish_reason = request.finish_reason if index == last else None
+        await exchange.write(_event(shapes.token_chunk(next(pieces), finish_reason)))
 
-        async def emit(index: int) -> None:
-            if index == drop_at:
-                scope.cancel()
-                # Deliver the cancellation here, so nothing more is sent.
-                await trio.lowlevel.checkpoint()
-            if index == 0 and request.kind == "chat":
-                await _send_event(send, shapes.role_chunk())
-            finish_reason = request.finish_reason if index == last else None
-            await _send_event(send, shapes.token_chunk(next(pieces), finish_reason))
-
+    try:
         cached = await engine.generate(request.prompt_tokens, request.output_tokens, emit)
-        if request.include_usage:
-            usage = shapes.usage_chunk(len(request.prompt_tokens), request.output_tokens, cached)
-            await _send_event(send, usage)
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    except _Dropped:
+        return
+    done = b"data: [DONE]\n\n"
+    if request.include_usage:
+        usage = shapes.usage_chunk(len(request.prompt_tokens), request.output_tokens, cached)
+        done = _event(usage) + done
+    await exchange.end(done)
 
 
-async def _send_event(send: Send, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload, separators=(",", ":")).encode()
-    await send(
-        {"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True}
-    )
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

@@ -6,13 +6,33 @@ tokens, so a block can only be reused behind the very same prefix. A running seq
 blocks; when it finishes, its hashed blocks stay cached but become free for reuse, and the
 least recently freed is evicted first. Usage counts held blocks only, as vLLM's
 `kv_cache_usage_perc` does.
+
+Given `on_events`, the cache tells what it stores and evicts as vLLM's KV events do
+(`BlockStored` for each run of newly cached blocks, chained to its parent, `BlockRemoved` for
+each cached block reused, `AllBlocksCleared` when emptied), once per allocation or eviction:
+the simulated backend publishes them (`kv_publisher.py`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from app.routing.kv_event_wire import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+
+FULL_ATTENTION_GROUP = 0
+
+
+def external_hash(block_hash: int) -> bytes:
+    """A block hash as vLLM publishes it by default: bytes (here the 8 of a Python hash)."""
+    return block_hash.to_bytes(8, "big", signed=True)
 
 
 def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -50,6 +70,8 @@ class PrefixKVCache:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.query_tokens = 0
         self.hit_tokens = 0
+        self.on_events: Callable[[list[KVEvent]], None] | None = None
+        self._events: list[KVEvent] = []
 
     @property
     def used_blocks(self) -> int:
@@ -75,9 +97,13 @@ class PrefixKVCache:
             self._hold(block)
         held = list(hit_blocks)
         needed = -(-(len(prompt) + output_tokens) // self.block_size)
-        for block_hash in hashes[len(hit_blocks) :]:
+        run_start = len(held)  # the first of the blocks cached by this call, not yet told
+        for position in range(len(hit_blocks), len(hashes)):
+            block_hash = hashes[position]
             shared = self._block_by_hash.get(block_hash)
             if shared is not None:
+                self._stored(prompt, hashes, run_start, position)
+                run_start = position + 1
                 self._hold(shared)
                 held.append(shared)
                 continue
@@ -87,6 +113,7 @@ class PrefixKVCache:
             self._block_hash[fresh] = block_hash
             self._block_by_hash[block_hash] = fresh
             held.append(fresh)
+        self._stored(prompt, hashes, run_start, len(held))
         while len(held) < needed:
             spare = self._take_free_block()
             if spare is None:
@@ -96,7 +123,31 @@ class PrefixKVCache:
         cached_tokens = len(hit_blocks) * self.block_size
         self.query_tokens += len(prompt)
         self.hit_tokens += cached_tokens
+        self._tell()
         return KVAllocation(tuple(held), len(prompt), cached_tokens)
+
+    def _stored(self, prompt: Sequence[int], hashes: list[int], start: int, end: int) -> None:
+        """Blocks start..end-1 of this prompt were cached just now."""
+        if self.on_events is None or start >= end:
+            return
+        size = self.block_size
+        self._events.append(
+            BlockStored(
+                tuple(external_hash(h) for h in hashes[start:end]),
+                external_hash(hashes[start - 1]) if start else None,
+                tuple(prompt[start * size : end * size]),
+                size,
+                medium=MEDIUM_GPU,
+                extra_keys=(None,) * (end - start),
+                group_idx=FULL_ATTENTION_GROUP,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
+
+    def _tell(self) -> None:
+        if self.on_events is not None and self._events:
+            events, self._events = self._events, []
+            self.on_events(events)
 
     def release(self, allocation: KVAllocation) -> None:
         # Freed in reverse so a prefix's tail is evicted before its head, which keeps the
@@ -110,15 +161,27 @@ class PrefixKVCache:
                 self._free.move_to_end(block, last=False)
 
     def evict_all(self) -> int:
-        """Forget every cached block nobody holds; returns how many were dropped."""
-        evicted = 0
+        """Forget every cached block nobody holds; returns how many were dropped.
+
+        Told as `AllBlocksCleared` when that empties the cache (no sequence holds a block,
+        as vLLM's prefix-cache reset requires), else block by block."""
+        evicted: list[int] = []
         for block in self._free:
             block_hash = self._block_hash[block]
             if block_hash is not None:
                 del self._block_by_hash[block_hash]
                 self._block_hash[block] = None
-                evicted += 1
-        return evicted
+                evicted.append(block_hash)
+        if self.on_events is not None:
+            if len(self._free) == self.num_blocks:
+                self._events.append(AllBlocksCleared())
+            else:
+                self._events.extend(self._removed(h) for h in evicted)
+            self._tell()
+        return len(evicted)
+
+    def _removed(self, block_hash: int) -> BlockRemoved:
+        return BlockRemoved((external_hash(block_hash),), MEDIUM_GPU, FULL_ATTENTION_GROUP)
 
     def _cached_prefix_blocks(self, hashes: list[int]) -> list[int]:
         blocks: list[int] = []
@@ -142,5 +205,7 @@ class PrefixKVCache:
         if evicted is not None:
             del self._block_by_hash[evicted]
             self._block_hash[block] = None
+            if self.on_events is not None:
+                self._events.append(self._removed(evicted))
         self._ref_counts[block] = 1
         return block

@@ -1,11 +1,18 @@
-"""The simulated GPU server: vLLM's HTTP surface over the simulated engine, served by hypercorn.
+"""The simulated GPU server: vLLM's HTTP surface over the simulated engine.
+
+It is served by the proxy's own HTTP/1.1 server (app/proxy/http_server.py), as lean as a
+real engine's uvicorn: a simulated backend on hypercorn spent ~95 µs of CPU per streamed
+token, so at 200 streams its own loop, not its GPU model, set the pace of every benchmark
+run against it.
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /health`, `GET /metrics`, `POST /tokenize`, `GET /version` (as vLLM answers them), and
 three of its own: `POST /sim/faults` to change the faults at run time, `POST /sim/evict` to
-empty the prefix cache (as memory pressure would), `GET /sim/state` for the engine's numbers
-as JSON, plus what tests of a proxy need to see: how many /tokenize
-calls came and in which form the prompts arrived (messages, text or token ids).
+empty the prefix cache (as memory pressure would; told as `AllBlocksCleared` to KV event
+subscribers), `GET /sim/state` for the engine's numbers as JSON, plus what tests of a proxy
+need to see: how many /tokenize calls came and in which form the prompts arrived (messages,
+text or token ids). With `--kv-events-endpoint` it publishes vLLM's KV-cache events
+(`kv_publisher.py`).
 """
 
 from __future__ import annotations
@@ -16,26 +23,15 @@ from functools import partial
 from typing import Any
 
 import trio
-from hypercorn.trio import serve
 
-from app.asgi import (
-    ClientGone,
-    Receive,
-    Scope,
-    Send,
-    answer_lifespan,
-    read_body,
-    send_bytes,
-    send_client_error,
-    send_error,
-    send_json,
-    server_config,
-)
 from app.errors import ClientError
 from app.preprocess.request_bodies import parse_json_object
+from app.proxy.exchange import Exchange
+from app.proxy.http_server import HttpServer
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
-from app.sim.generation import answer_stream, answer_whole, cancelled_on_disconnect
+from app.sim.generation import answer_stream, answer_whole
+from app.sim.kv_publisher import SimKvPublisher
 from app.sim.metrics import SimMetrics
 from app.sim.openai_format import (
     Kind,
@@ -53,11 +49,12 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 # What `GET /version` reports; SMG asks for it when it registers a worker.
 VERSION = "0.0.0+sluice.sim"
 
-Handler = Callable[[Receive, Send], Awaitable[None]]
+Handler = Callable[[Exchange], Awaitable[None]]
+JSON = [(b"content-type", b"application/json")]
 
 
 class SimServer:
-    """The ASGI app of one simulated backend; its engine and faults are open to inspection."""
+    """The handler of one simulated backend; its engine and faults are open to inspection."""
 
     def __init__(self, settings: SimSettings, tokenizer: TextTokenizer | None = None) -> None:
         self.settings = settings
@@ -67,6 +64,12 @@ class SimServer:
         self.engine = SimEngine(settings)
         self.metrics = SimMetrics(self.engine, settings)
         self.faults = SimFaults.from_settings(settings)
+        self.kv_publisher: SimKvPublisher | None = None
+        if settings.kv_events_endpoint:
+            self.kv_publisher = SimKvPublisher(
+                settings.kv_events_endpoint, settings.kv_events_replay_endpoint, self.faults
+            )
+            self.engine.kv_cache.on_events = self.kv_publisher.publish
         self.created = int(time.time())
         self.preprocessing = trio.Lock()
         self._routes: dict[str, dict[str, Handler]] = {
@@ -90,21 +93,17 @@ class SimServer:
     def waiting(self) -> int:
         return self.engine.waiting
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await answer_lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        methods = self._routes.get(scope["path"])
+    async def __call__(self, exchange: Exchange) -> None:
+        methods = self._routes.get(exchange.path)
         if methods is None:
-            await send_error(send, 404, f"Not found: {scope['path']}", "NotFoundError", code=404)
+            await exchange.respond_error(
+                404, f"Not found: {exchange.path}", "NotFoundError", code=404
+            )
             return
-        handler = methods.get(scope["method"])
+        handler = methods.get(exchange.method)
         if handler is None:
             allowed = ", ".join(methods).encode()
-            await send_error(
-                send,
+            await exchange.respond_error(
                 405,
                 "Method not allowed",
                 "MethodNotAllowed",
@@ -113,18 +112,15 @@ class SimServer:
             )
             return
         try:
-            await handler(receive, send)
+            await handler(exchange)
         except ClientError as exc:
-            await send_client_error(send, exc)
-        except ClientGone:
-            pass
+            if not exchange.started:
+                await exchange.respond_client_error(exc)
 
-    async def _generate(self, kind: Kind, receive: Receive, send: Send) -> None:
-        body = await read_body(receive, MAX_BODY_BYTES)
+    async def _generate(self, kind: Kind, exchange: Exchange) -> None:
+        body = await exchange.read_body(MAX_BODY_BYTES)
         if self.faults.hang:
-            async with cancelled_on_disconnect(receive):
-                await trio.sleep_forever()
-            return
+            await trio.sleep_forever()  # until the client leaves (the server cancels us)
         payload = parse_json_object(body)
         model = answering_model(payload, self.settings)
         request = parse_generation(kind, payload, self.tokenizer, self.settings)
@@ -143,12 +139,12 @@ class SimServer:
         pieces = generated_pieces(request.prompt_tokens, self.settings.seed)
         if request.stream:
             await answer_stream(
-                request, shapes, self.engine, pieces, self.faults.close_mid_stream, receive, send
+                request, shapes, self.engine, pieces, self.faults.close_mid_stream, exchange
             )
         else:
-            await answer_whole(request, shapes, self.engine, pieces, receive, send)
+            await answer_whole(request, shapes, self.engine, pieces, exchange)
 
-    async def _models(self, receive: Receive, send: Send) -> None:
+    async def _models(self, exchange: Exchange) -> None:
         # As vLLM lists its served names: one card each, all rooted in the same weights.
         served = self.settings.served_models
         cards = [
@@ -163,20 +159,21 @@ class SimServer:
             }
             for name in served
         ]
-        await send_json(send, 200, {"object": "list", "data": cards})
+        await exchange.respond_json(200, {"object": "list", "data": cards})
 
-    async def _health(self, receive: Receive, send: Send) -> None:
-        await send_bytes(send, 503 if self.faults.unhealthy else 200, b"", b"application/json")
+    async def _health(self, exchange: Exchange) -> None:
+        await exchange.respond(503 if self.faults.unhealthy else 200, JSON, b"")
 
-    async def _metrics(self, receive: Receive, send: Send) -> None:
-        await send_bytes(send, 200, self.metrics.exposition(), b"text/plain; version=0.0.4")
+    async def _metrics(self, exchange: Exchange) -> None:
+        text_plain = [(b"content-type", b"text/plain; version=0.0.4")]
+        await exchange.respond(200, text_plain, self.metrics.exposition())
 
-    async def _version(self, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, {"version": VERSION})
+    async def _version(self, exchange: Exchange) -> None:
+        await exchange.respond_json(200, {"version": VERSION})
 
-    async def _tokenize(self, receive: Receive, send: Send) -> None:
+    async def _tokenize(self, exchange: Exchange) -> None:
         self.tokenize_requests += 1
-        payload = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+        payload = parse_json_object(await exchange.read_body(MAX_BODY_BYTES))
         answering_model(payload, self.settings)  # vLLM's /tokenize checks the model too
         if "messages" in payload:
             text = chat_prompt_text(payload)
@@ -185,8 +182,7 @@ class SimServer:
         else:
             raise request_error("send a string `prompt` or a list of `messages`", param="prompt")
         tokens = self.tokenizer.encode(text)
-        await send_json(
-            send,
+        await exchange.respond_json(
             200,
             {
                 "count": len(tokens),
@@ -196,21 +192,21 @@ class SimServer:
             },
         )
 
-    async def _set_faults(self, receive: Receive, send: Send) -> None:
-        payload = parse_json_object(await read_body(receive, MAX_BODY_BYTES))
+    async def _set_faults(self, exchange: Exchange) -> None:
+        payload = parse_json_object(await exchange.read_body(MAX_BODY_BYTES))
         try:
             self.faults.update(payload)
         except ValueError as exc:
             raise request_error(str(exc)) from None
-        await send_json(send, 200, self.faults.as_dict())
+        await exchange.respond_json(200, self.faults.as_dict())
 
-    async def _evict(self, receive: Receive, send: Send) -> None:
+    async def _evict(self, exchange: Exchange) -> None:
         """Drop every cached prefix no running sequence holds, as memory pressure would."""
         evicted = self.engine.kv_cache.evict_all()
-        await send_json(send, 200, {"evicted_blocks": evicted})
+        await exchange.respond_json(200, {"evicted_blocks": evicted})
 
-    async def _state(self, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, self.state())
+    async def _state(self, exchange: Exchange) -> None:
+        await exchange.respond_json(200, self.state())
 
     def state(self) -> dict[str, Any]:
         kv_cache = self.engine.kv_cache
@@ -228,6 +224,13 @@ class SimServer:
             "tokenize_requests": self.tokenize_requests,
             "prompts_by_form": dict(self.prompts_by_form),
             "faults": self.faults.as_dict(),
+            "kv_events": None
+            if self.kv_publisher is None
+            else {
+                "endpoint": self.kv_publisher.endpoint,
+                "replay_endpoint": self.kv_publisher.replay_endpoint,
+                "published": self.kv_publisher.published,
+            },
         }
 
 
@@ -245,10 +248,12 @@ async def serve_sim(
 
     Pass `app` to keep a handle on the server (its engine and faults) while it serves.
     """
-    # Hypercorn's ASGI types are TypedDicts; the shared helpers use plain mappings.
-    asgi_app: Any = app or create_sim_app(settings)
-    config = server_config(settings.host, settings.port, backlog=settings.backlog)
+    server = app or create_sim_app(settings)
     async with trio.open_nursery() as nursery:
-        await nursery.start(asgi_app.engine.run)
-        urls: list[str] = await nursery.start(partial(serve, asgi_app, config, mode="asgi"))
-        task_status.started(urls[0])
+        if server.kv_publisher is not None:
+            await nursery.start(server.kv_publisher.run)
+        await nursery.start(server.engine.run)
+        url: str = await nursery.start(
+            HttpServer(server).serve, settings.host, settings.port, settings.backlog
+        )
+        task_status.started(url)

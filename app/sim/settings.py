@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from app.routing.kv_event_wire import endpoint_problem
+
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
 # Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
@@ -50,6 +52,10 @@ class SimSettings:
     # Prefix KV cache: this many blocks of `block_size` tokens, LRU.
     kv_cache_blocks: int = 4096
     block_size: int = 16
+    # vLLM's KV-cache events: a PUB socket (tcp://HOST:PORT, port 0 for any) and, for lost
+    # messages, a replay socket (kv_publisher.py).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     # Faults.
     error_rate: float = 0.0
     hang: bool = False
@@ -70,6 +76,13 @@ class SimSettings:
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            problem = None if endpoint is None else endpoint_problem(endpoint, any_port=True)
+            if problem:
+                raise ValueError(f"--{name.replace('_', '-')} {problem}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.time_factor_under_load < 1.0:
             raise ValueError("--time-factor-under-load must be at least 1")
         for name in ("prefill_overhead", "prefill_per_token", "inter_token_latency"):

@@ -22,6 +22,7 @@ SCENARIOS = {
     "templating": "Jinja2 cost vs messages; threads: templates vs tokenizer (seed 002 exp 2, 4)",
     "submit": "time before a request reaches a backend, inline vs offload (seed 003)",
     "streams": "relaying N concurrent token streams: direct vs Sluice vs SMG (issue 15)",
+    "replicas": "1, 2, 4 replicas behind a round robin, KV events on/off, budgets in Redis (17)",
 }
 
 

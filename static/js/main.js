@@ -1,4 +1,4 @@
-// The dashboard page: one live stream of snapshots, five panels and the control.
+// The dashboard page: one live stream of snapshots, the panels, the notices and the control.
 
 import { connect } from "./connection.js";
 import { createControl } from "./control.js";
@@ -7,10 +7,12 @@ import { createCachesPanel } from "./panels/caches.js";
 import { createLoopPanel } from "./panels/loop.js";
 import { createRequestsPanel } from "./panels/requests.js";
 import { createTokenizePanel } from "./panels/tokenize.js";
+import { createWorkersPanel } from "./panels/workers.js";
 import { clock } from "./format.js";
 
 const updates = [
   ["control", createControl(document.querySelector("header"))],
+  ["workers", createWorkersPanel(document.querySelector("#panel-workers"), document.querySelector("#notices"))],
   ["loop", createLoopPanel(document.querySelector("#panel-loop"))],
   ["caches", createCachesPanel(document.querySelector("#panel-caches"))],
   ["tokenize", createTokenizePanel(document.querySelector("#panel-tokenize"))],

@@ -1,13 +1,15 @@
 // Backends, grouped by the model they serve: a row per model's pool (its health, load,
 // requests, what its engines report, its caches' hit rates), then a row per backend of that
 // pool — health, breaker for that model, load, rate, time to first token, errors, why the
-// router picked it, and what its engine (vLLM, SGLang, llama.cpp, TGI) reports about itself
-// in its /metrics, when it does. A backend serving two models is under both.
+// router picked it, what its engine (vLLM, SGLang, llama.cpp, TGI) reports about itself in
+// its /metrics, when it does, and what the prefix index of it stands on: the engine's KV
+// events (with their lag), or Sluice's own predictions. A backend serving two models is
+// under both.
 
 import { COLORS, TimeChart } from "../charts.js";
 import { DASH, count, el, ms, pct, rate, seconds } from "../format.js";
 
-const COLUMNS = 13;
+const COLUMNS = 14;
 
 function reasons(traffic) {
   const entries = Object.entries(traffic.route_reasons || {});
@@ -17,6 +19,25 @@ function reasons(traffic) {
     .sort((a, b) => b[1] - a[1])
     .map(([reason, n]) => `${reason} ${Math.round((100 * n) / total)}%`)
     .join(" · ");
+}
+
+// The KV index cell: its source, the last batch's lag, and the details in the tooltip.
+function kvIndex(events) {
+  if (!events) {
+    return el("td", { class: "muted", title: "no --kv-events: the index holds what Sluice routed there" }, "predicted");
+  }
+  const blocks = events.blocks || {};
+  const gaps = events.gaps || {};
+  const details = [
+    events.silence || `following ${events.endpoint}`,
+    `${count(events.batches)} batches`,
+    `blocks learned ${count(blocks.learned || 0)}, confirmed ${count(blocks.confirmed || 0)}, removed ${count(blocks.removed || 0)}`,
+    `gaps replayed ${count(gaps.replayed || 0)}, rebuilt ${count(gaps.rebuilt || 0)}`,
+    `restarts ${count(events.restarts)}, bad messages ${count(events.bad_messages)}`,
+  ].join("\n");
+  const lag = events.last_lag_s === null || events.last_lag_s === undefined ? "" : ` · ${seconds(events.last_lag_s)}`;
+  const live = events.source === "events";
+  return el("td", { class: live ? "up" : "down", title: details }, live ? `events${lag}` : "predicted");
 }
 
 function fraction(value) {
@@ -43,6 +64,7 @@ function backendRow(b, model) {
     el("td", { class: "num" }, engine.running === undefined ? DASH : `${count(engine.running)} / ${count(engine.waiting)}`),
     el("td", { class: "num" }, fraction(engine.kv_cache_usage)),
     el("td", { class: "num" }, fraction(engine.prefix_cache_hit_rate)),
+    kvIndex(b.kv_events),
   ]);
 }
 
@@ -54,7 +76,7 @@ function poolRow(model) {
   const pool = model.pool;
   const requests = model.requests;
   const caches = model.caches;
-  const up = pool.takes_traffic;
+  const up = pool.serving_backends;
   const size = pool.backends.length;
   const parts = [
     el("strong", { class: "mono" }, model.name),
@@ -67,9 +89,9 @@ function poolRow(model) {
     stat("errors", "errors", `${count(requests.errors)} / ${count(requests.total)}`, JSON.stringify(requests.codes)),
     stat("ttft", "TTFT p50", ms(requests.ttft_p50_ms)),
     stat("engines", "engine", pool.engines.length ? pool.engines.join(", ") : DASH),
-    stat("queue", "running / waiting", pool.running === null ? DASH : `${count(pool.running)} / ${count(pool.waiting)}`),
-    stat("kv", "KV cache", fraction(pool.kv_cache_usage)),
-    stat("prefix", "prefix hits", fraction(pool.prefix_cache_hit_rate)),
+    stat("queue", "running / waiting", pool.engine_running === null ? DASH : `${count(pool.engine_running)} / ${count(pool.engine_waiting)}`),
+    stat("kv", "KV cache", fraction(pool.engine_kv_cache_usage)),
+    stat("prefix", "prefix hits", fraction(pool.engine_prefix_cache_hit_rate)),
     stat("l0", "L0 hits", pct(caches.l0_hit_pct), "exact-text cache, last 10 s"),
     stat("l1", "L1 hits", pct(caches.l1_hit_pct), "prefix cache of L0 misses, last 10 s"),
   ];

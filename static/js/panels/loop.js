@@ -60,7 +60,7 @@ export function createLoopPanel(root) {
           el("td", { class: "num" }, seconds(stall.last_duration_s)),
           el("td", { class: "num" }, seconds(stall.max_duration_s)),
           el("td", { class: "num" }, count(stall.count)),
-          el("td", { class: "mono" }, stall.task || "(probe)"),
+          el("td", { class: "mono" }, `${stall.worker === undefined ? "" : `worker ${stall.worker}: `}${stall.task || "(probe)"}`),
           el("td", {}, stall.phase || DASH),
           el("td", {}, stall.cause || DASH),
         ]),
