@@ -321,6 +321,17 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
     return mismatched or ([] if table["rows"] else ["no rows"])
 
 
+def settled(page: Any, dashboard_url: str, mismatches: Any) -> list[str]:
+    """`mismatches(page, snapshot)` until it finds none (the page ticks once a second)."""
+    mismatched: list[str] = []
+    for _ in range(WAIT_MS // 250):
+        mismatched = mismatches(page, fetch_snapshot(dashboard_url))
+        if not mismatched:
+            break
+        page.wait_for_timeout(250)
+    return list(mismatched)
+
+
 def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None:
     started: list[Sluice] = []
     try:
@@ -352,12 +363,7 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
             question += 1
 
         page = open_page(browser, dashboard_url, [])
-        mismatched: list[str] = []
-        for _ in range(WAIT_MS // 250):
-            mismatched = engine_cells_mismatched(page, fetch_snapshot(dashboard_url))
-            if not mismatched:
-                break
-            page.wait_for_timeout(250)
+        mismatched = settled(page, dashboard_url, engine_cells_mismatched)
         assert not mismatched, mismatched
     finally:
         for process in started:
@@ -452,12 +458,7 @@ def test_a_fleet_groups_its_backends_by_model_and_filters_its_log_by_model(
         assert ask(proxy_url, 0, "no-such-model") == 404
 
         page = open_page(browser, dashboard_url, [])
-        mismatched: list[str] = []
-        for _ in range(WAIT_MS // 250):
-            mismatched = pool_cells_mismatched(page, fetch_snapshot(dashboard_url))
-            if not mismatched:
-                break
-            page.wait_for_timeout(250)
+        mismatched = settled(page, dashboard_url, pool_cells_mismatched)
         assert not mismatched, mismatched
         panel = page.locator("#panel-backends")
         assert (
