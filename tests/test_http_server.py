@@ -7,9 +7,10 @@ a time (h11's `t_body_reader` habit) and must get the same answer. Covers: keep-
 pipelined requests answered in order, chunked request bodies, `Expect: 100-continue` (and a
 413 instead of the 100 when Content-Length is over the limit), 431 for an oversized head,
 400 for garbage, 408 for a head that trickles past the read timeout, an idle keep-alive
-closed after its timeout, HTTP/1.0 clients (a streamed answer until close), HEAD, a client
-that leaves cancelling its request, a handler's bug as a 500 that costs only its connection,
-and shutdown: idle connections closed, an answer in flight finished and marked the last.
+closed after its timeout, `Connection: close` honoured, HTTP/1.0 clients (a streamed answer
+until close), HEAD, a client that leaves cancelling its request, a handler's bug as a 500
+that costs only its connection, and shutdown: idle connections closed, an answer in flight
+finished and marked the last.
 """
 
 from __future__ import annotations
@@ -280,3 +281,12 @@ async def test_shutdown_closes_idle_connections_and_finishes_answers_in_flight()
         received = await Client(busy_client).read_until_closed()
         assert received.startswith(b"HTTP/1.1 200 ") and b"connection: close" in received
         assert received.endswith(b"done")
+
+
+async def test_a_client_that_asks_to_close_gets_its_answer_then_the_close() -> None:
+    async with connected(echo) as (client, _, ended):
+        await client.send(post("/last", b"1", b"connection: close"))
+        received = await client.read_until_closed()
+        assert received.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" in received
+        assert received.endswith(b"POST /last 1")
+        await ended.wait()

@@ -27,7 +27,7 @@ import h11
 import trio
 
 from app.errors import ClientError, error_body
-from app.proxy.body_framing import chunk
+from app.proxy.body_framing import LAST_CHUNK, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
 
 Headers = list[tuple[bytes, bytes]]
@@ -52,6 +52,7 @@ class ClientConnection:
 
     def __init__(self, stream: ByteStream, max_head_bytes: int) -> None:
         self.stream = stream
+        self._max_head_bytes = max_head_bytes
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
         self.peer_gone = False
         # The request being answered: cancelled when the client leaves.
@@ -107,6 +108,16 @@ class ClientConnection:
             with trio.fail_at(deadline):
                 await self._arrived.park()
 
+    def next_cycle(self) -> None:
+        """The request was read and answered whole: parse the next one from what is left.
+        (A fresh parser: h11 reads requests here, the answers are written by `Exchange`.)"""
+        rest, closed = self.h11.trailing_data
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head_bytes)
+        if rest:
+            self.h11.receive_data(rest)
+        if closed:
+            self.h11.receive_data(b"")
+
     async def refuse(self, status: int, message: str, code: str) -> None:
         """An error answer to a request h11 could not read; the connection then closes."""
         body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
@@ -115,11 +126,8 @@ class ClientConnection:
             (b"content-length", b"%d" % len(body)),
             CLOSE,
         ]
-        protocol = self.h11
-        response = h11.Response(status_code=status, headers=headers, reason=_reason(status))
-        payload = (protocol.send(response) or b"") + body
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.stream.send(payload)
+            await self.stream.send(response_head(status, headers) + body)
 
     def begin_answering(self, scope: trio.CancelScope) -> None:
         self.answering = scope
@@ -152,6 +160,7 @@ class Exchange:
         "complete",
         "first_byte_at",
         "headers",
+        "keep_alive",
         "method",
         "path",
         "status",
@@ -175,6 +184,11 @@ class Exchange:
         self.status: int | None = None  # once the answer's head went out
         self.first_byte_at: float | None = None  # perf_counter at the first body byte
         self.complete = False  # the answer's last byte went out
+        # Whether the connection may carry another request after this one: HTTP/1.1 and no
+        # `Connection: close` from the client (RFC 9112 §9.3), until the answer says otherwise.
+        self.keep_alive = request.http_version == b"1.1" and not any(
+            name == b"connection" and b"close" in value.lower() for name, value in self.headers
+        )
         # Told when a write waits for a slow client (the relay's idle timeout pauses).
         self.client_wait: SendWait | None = None
 
@@ -198,12 +212,7 @@ class Exchange:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
         if protocol.they_are_waiting_for_100_continue:
-            await self._send(
-                protocol.send(
-                    h11.InformationalResponse(status_code=100, headers=[], reason=b"Continue")
-                )
-                or b""
-            )
+            await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         pieces: list[bytes] = []
         size = 0
         while True:
@@ -230,30 +239,38 @@ class Exchange:
             else:  # ConnectionClosed
                 raise ClientGone
 
-    def _head(self, status: int, headers: Headers) -> bytes:
+    def _head(self, status: int, headers: Headers, framing: int) -> bytes:
         protocol = self._connection.h11
         if protocol.their_state is h11.SEND_BODY:
             # Answered without reading the body: an empty one ends here and the connection
             # stays open; data is dropped, and the connection closes.
             protocol.next_event()
-        if (self._closing() or protocol.their_state is not h11.DONE) and CLOSE not in headers:
-            # Shutting down, or the body was left unread: this connection ends here.
-            headers = [*headers, CLOSE]
-        response = h11.Response(status_code=status, headers=headers, reason=_reason(status))
-        head = protocol.send(response) or b""
+        if (
+            not self.keep_alive
+            or framing == _UNTIL_CLOSE
+            or self._closing()
+            or protocol.their_state is not h11.DONE
+            or CLOSE in headers
+        ):
+            # The client asked, the body runs until close, the server is shutting down or
+            # the request's body was left unread: this connection ends with this answer.
+            self.keep_alive = False
+            if CLOSE not in headers:
+                headers = [*headers, CLOSE]
+        if framing == _CHUNKED:
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+        self._framing = framing
         self.status = status
-        return head
+        return response_head(status, headers)
 
     async def respond(
         self, status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes
     ) -> None:
         """A whole answer in one write; `headers` should not frame it (Content-Length is set)."""
-        protocol = self._connection.h11
         framed = [*headers, (b"content-length", b"%d" % len(body))]
-        payload = self._head(status, framed)
-        if self.method != "HEAD" and body:
-            payload += protocol.send(h11.Data(data=body)) or b""
-        payload += protocol.send(h11.EndOfMessage()) or b""
+        payload = self._head(status, framed, _COUNTED)
+        if self.method != "HEAD":
+            payload += body
         self.first_byte_at = time.perf_counter()
         await self._send(payload)
         self.complete = True
@@ -282,29 +299,32 @@ class Exchange:
         self, status: int, headers: Headers, first: bytes = b"", *, complete: bool
     ) -> None:
         """The head of an answer and `first` of its body in one write; the rest follows
-        by `write` and `end`, unless `complete`: then `first` was all of it."""
-        counted = any(name == b"content-length" for name, _ in headers)
-        head = self._head(status, headers)
-        if counted:
-            self._framing = _COUNTED
+        by `write` and `end`, unless `complete`: then `first` was all of it. `headers`
+        frame the body with Content-Length, or else it is chunked (until close for an
+        HTTP/1.0 client)."""
+        if self.method == "HEAD":
+            framing = _NONE
+        elif any(name == b"content-length" for name, _ in headers):
+            framing = _COUNTED
         elif self._connection.h11.their_http_version == b"1.1":
-            self._framing = _CHUNKED
+            framing = _CHUNKED
         else:
-            self._framing = _UNTIL_CLOSE
+            framing = _UNTIL_CLOSE
+        head = self._head(status, headers, framing)
         if first:
             head += self._frame(first)
             self.first_byte_at = time.perf_counter()
         if complete:
-            head += self._connection.h11.send(h11.EndOfMessage()) or b""
+            head += self._ending()
         await self._send(head)
         self.complete = complete
 
     def relay_target(self) -> tuple[int, Callable[[bytes], bytes]] | None:
         """For the relay hub, which writes the body itself: the client socket's descriptor
         and how a piece of the body is framed; None where writes must go through `write`
-        (not a socket; a counted body, whose length h11 keeps)."""
+        (not a socket; an answer to HEAD, which has no body)."""
         fd = self._connection.stream.socket_fd()
-        if fd is None or self._framing == _COUNTED:
+        if fd is None or self._framing == _NONE:
             return None
         return fd, (chunk if self._framing == _CHUNKED else _as_is)
 
@@ -312,12 +332,12 @@ class Exchange:
         self.first_byte_at = time.perf_counter()
 
     def _frame(self, data: bytes) -> bytes:
-        framing = self._framing
-        if framing == _CHUNKED:
+        if self._framing == _CHUNKED:
             return chunk(data)
-        if framing == _COUNTED:
-            return self._connection.h11.send(h11.Data(data=data)) or b""
-        return data
+        return data if self._framing != _NONE else b""
+
+    def _ending(self) -> bytes:
+        return LAST_CHUNK if self._framing == _CHUNKED else b""
 
     async def write(self, data: bytes) -> None:
         """More of the body; `data` must not be empty. The relay's per-token call."""
@@ -333,7 +353,7 @@ class Exchange:
         payload = self._frame(last) if last else b""
         if last and self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
-        payload += self._connection.h11.send(h11.EndOfMessage()) or b""
+        payload += self._ending()
         if payload:
             await self._send(payload)
         self.complete = True
@@ -349,11 +369,17 @@ def _as_is(data: bytes) -> bytes:
     return data
 
 
+def response_head(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """Status line and header lines; names and values are the proxy's own or came through a
+    parser that validated them (h11's for the client's, upstream_protocol.py's for a
+    backend's)."""
+    lines = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b""))]
+    lines.extend(b"%b: %b\r\n" % pair for pair in headers)
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
-
-
-def _reason(status: int) -> bytes:
-    return _REASONS.get(status, b"")
 
 
 def _too_large(limit: int) -> ClientError:

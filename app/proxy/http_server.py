@@ -140,11 +140,10 @@ class HttpServer:
     async def _read_request(self, connection: ClientConnection) -> h11.Request | None:
         """Read until a request's head is whole and nothing is being answered (then the
         caller answers it), or None when the connection should end."""
-        protocol = connection.h11
         while True:
             if connection.answering is None:
                 try:
-                    event = protocol.next_event()
+                    event = connection.h11.next_event()
                 except h11.RemoteProtocolError as exc:
                     await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
                     return None
@@ -162,7 +161,7 @@ class HttpServer:
                 finally:
                     connection.reading = None
             if waiting.cancelled_caught and connection.answering is None and not self.closing:
-                if protocol.trailing_data[0]:
+                if connection.h11.trailing_data[0]:
                     message = f"The request head did not arrive within {self._read_timeout:g}s."
                     await connection.refuse(408, message, "request_timeout")
                 return None
@@ -180,20 +179,17 @@ class HttpServer:
     async def _answer_requests(self, connection: ClientConnection, request: h11.Request) -> bool:
         """Answer `request` and any whole request read behind it; whether the connection
         goes on."""
-        protocol = connection.h11
         while True:
             exchange = Exchange(
                 connection, request, read_timeout=self._read_timeout, closing=self._is_closing
             )
-            if not await self._answer(connection, exchange):
+            if not await self._answer(connection, exchange) or not exchange.keep_alive:
                 return False
-            if protocol.our_state is not h11.DONE or protocol.their_state is not h11.DONE:
-                return False
-            protocol.start_next_cycle()
             if self.closing:
                 return False
+            connection.next_cycle()
             try:
-                event = protocol.next_event()
+                event = connection.h11.next_event()
             except h11.RemoteProtocolError as exc:
                 await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
                 return False
