@@ -2,22 +2,29 @@
 is, relative paths taken next to the file), `--api-keys` files (checked without ever quoting a
 key), `sluice serve` refusing a bad one with a message and exit status 2 and no traceback,
 and the preprocessor built from it: one tokenizer load per distinct tokenizer, each model its
-own template, window and token caches, bounded together."""
+own template, window and token caches, bounded together; a body whose model decides its
+template is read even under `bail-out`."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
 from app.cli import parse
 from app.config import ConfigError, ModelConfig, Settings
 from app.config_file import read_config
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
+from app.preprocess.dispatcher import Dispatcher
 from app.preprocess.l1_cache import L1Cache, L1Store
 from app.preprocess.pipeline import Preprocessor
 from app.proxy.api_keys import load_api_keys, parse_api_keys
@@ -263,3 +270,39 @@ def test_l1_segments_of_two_tokenizers_share_one_bound_and_never_each_other() ->
     assert len(store) == 2 * segments and first.memory_bytes == second.memory_bytes
     store.drop_namespace(0)
     assert len(store) == segments and first.tokenize(text).result == "miss"
+
+
+async def test_a_body_whose_model_must_be_read_waits_rather_than_bails_out() -> None:
+    """Under `bail-out`, a render that cannot be skipped (several models: the body says
+    which) waits for a worker; one that can still bails out."""
+    gate = trio.Event()
+
+    async def offload(job: Callable[[], int]) -> int:
+        await gate.wait()
+        return job()
+
+    metrics = Metrics()
+    renders = Dispatcher(
+        offload,
+        workers=1,
+        queue_limit=0,
+        saturation="bail-out",
+        phase=lambda name: nullcontext(),
+        fallback_phase="template-fallback",
+        queue_depth=metrics.render_queue_depth,
+        saturated=metrics.tokenize_saturated,
+    )
+    waited: list[Any] = []
+
+    async def must_read() -> None:
+        waited.append(await renders.run(lambda: 3, inline_ok=False, may_bail=False))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(renders.run, lambda: 1)  # the only worker, held at the gate
+        await trio.testing.wait_all_tasks_blocked()
+        assert await renders.run(lambda: 2, inline_ok=False) is None
+        nursery.start_soon(must_read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert waited == []
+        gate.set()
+    assert waited == [(3, "offloaded")]
