@@ -21,10 +21,14 @@ import trio
 URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:\d+)")
 LOG_DIR = Path(tempfile.gettempdir()) / "sluice-load-logs"
 
+# The model every workload names: the simulated backends serve it under that name (Sluice
+# routes by model, and a name no backend lists is a 404).
+MODEL = "sim"
 # A simulated backend whose GPU time is zero: what remains is HTTP and the proxy's own work.
 INSTANT_SIM = (
     "sim-backend",
     "--port", "0",
+    "--model", MODEL,
     "--prefill-overhead", "0",
     "--prefill-per-token", "0",
     "--inter-token-latency", "0",
@@ -49,7 +53,8 @@ async def start_instant_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -
 
 async def start_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
     """`sluice sim-backend` with its default (GPU-like) latency model on a free port."""
-    return await start_process(["sim-backend", "--port", "0", *extra], "Simulated backend", stack)
+    arguments = ["sim-backend", "--port", "0", "--model", MODEL, *extra]
+    return await start_process(arguments, "Simulated backend", stack)
 
 
 async def start_proxy(

@@ -59,9 +59,9 @@ def counters(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     names = ("l0_hits_total", "l0_misses_total", "l1_hits_total", "l1_misses_total")
     out = {name: common.delta(before, after, PREFIX + name) for name in names}
     # Hits by tokens, where the proxy exports them (an open issue adds them).
-    for key in sorted(after):
+    for key in sorted({series.partition("{")[0] for series in after}):  # every model's
         if key.startswith(PREFIX) and "token" in key and key.endswith("_total"):
-            out[key[len(PREFIX) :]] = after[key] - before.get(key, 0.0)
+            out[key[len(PREFIX) :]] = common.delta(before, after, key)
     return out
 
 
