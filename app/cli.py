@@ -1,8 +1,10 @@
 """The `sluice` command: serve, demo and sim-backend.
 
 Every `serve`/`demo` flag also reads `SLUICE_<FLAG>` (dashes become underscores) and the same
-key in a `--config file.toml` (dashes or underscores). A flag beats the environment, which
-beats the file, which beats the default.
+key in a `--config file.toml` (dashes or underscores), whose `[[models]]` tables describe a
+fleet of several models (config_file.py). A flag beats the environment, which beats the
+file, which beats the default. A value that cannot work stops `sluice` with a message and
+exit status 2, as argparse does for a bad flag.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ import argparse
 import dataclasses
 import os
 import sys
-import tomllib
 import types
 import typing
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from app.config import Settings
+from app.config import ConfigError, Settings
+from app.config_file import read_config
 from app.sim.settings import SimSettings
 
 HELP: dict[str, str] = {
@@ -36,8 +37,10 @@ HELP: dict[str, str] = {
     "the admission queue (default: 128)",
     "admission_queue": "requests that may wait for a backend slot before 429 (default: 1024)",
     "admission_timeout": "seconds a request may wait for a backend slot before 429 (default: 30)",
-    "tokens_per_minute": "prompt + completion tokens per minute per API key, 429 beyond "
-    "(default: 0, no limit)",
+    "tokens_per_minute": "prompt + completion tokens per minute per API key and model, 429 "
+    "beyond (default: 0, no limit; a key's own limit in --api-keys wins)",
+    "api_keys": "TOML file of API keys: the models each may call, its tokens per minute "
+    "(default: none, the proxy is open)",
     "redis_url": "redis://[:PASSWORD@]HOST:PORT[/DB] (rediss:// for TLS): share each API key's "
     "--tokens-per-minute with every worker and replica using this Redis",
     "budget_sync_interval": "seconds between two syncs of the shared budgets with Redis; "
@@ -74,6 +77,17 @@ HELP: dict[str, str] = {
     "(tcp://HOST:PORT, port 0: any free one)",
     "kv_events_replay_endpoint": "answer replay requests for lost KV events on this endpoint",
 }
+
+
+class ConfigExit(SystemExit):
+    """A setting that cannot work: `main` prints the message; the exit status is 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 # `--backend`: SLUICE_BACKENDS and a file's `backends` too.
@@ -138,14 +152,6 @@ def _add_dataclass_flags(
         )
 
 
-def _load_toml(path: str | None) -> dict[str, Any]:
-    if path is None:
-        return {}
-    with Path(path).open("rb") as fh:
-        data = tomllib.load(fh)
-    return {key.replace("-", "_"): value for key, value in data.items()}
-
-
 def _resolve(
     cls: type[Any],
     args: argparse.Namespace,
@@ -161,7 +167,7 @@ def _resolve(
     values = dict(values or {})
     unknown = set(file_values) - {f.name for f in dataclasses.fields(cls)} - {"backend"}
     if unknown:
-        raise SystemExit(f"sluice: unknown key(s) in --config: {', '.join(sorted(unknown))}")
+        raise ConfigExit(f"sluice: unknown key(s) in --config: {', '.join(sorted(unknown))}")
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if f.name in values:
@@ -180,23 +186,23 @@ def _resolve(
     try:
         return cls(**values)
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"sluice: {exc}") from None
+        raise ConfigExit(f"sluice: {exc}") from None
 
 
 def _convert(where: str, tp: Any, raw: Any) -> Any:
     """`raw` (an environment string, or a TOML value) as a flag of type `tp` would parse it."""
     if isinstance(raw, list | dict):
-        raise SystemExit(f"sluice: {where}: expected a single value, got {raw!r}")
+        raise ConfigExit(f"sluice: {where}: expected a single value, got {raw!r}")
     conv, choices = _converter(tp)
     try:
         value = conv(raw if isinstance(raw, str) else str(raw))
     except argparse.ArgumentTypeError as exc:
-        raise SystemExit(f"sluice: {where}: {exc}") from None
+        raise ConfigExit(f"sluice: {where}: {exc}") from None
     except ValueError:
         kind = {int: "an integer", float: "a number"}.get(conv, "a string")
-        raise SystemExit(f"sluice: {where}: expected {kind}, got {raw!r}") from None
+        raise ConfigExit(f"sluice: {where}: expected {kind}, got {raw!r}") from None
     if choices is not None and value not in choices:
-        raise SystemExit(f"sluice: {where} must be one of {', '.join(choices)}, not {raw!r}")
+        raise ConfigExit(f"sluice: {where} must be one of {', '.join(choices)}, not {raw!r}")
     return value
 
 
@@ -215,7 +221,7 @@ def _listed(
     if isinstance(listed, str):
         listed = [listed]
     if not isinstance(listed, list) or not all(isinstance(item, str) for item in listed):
-        raise SystemExit(f"sluice: --config key {names[0]} must be a list of {what}")
+        raise ConfigExit(f"sluice: --config key {names[0]} must be a list of {what}")
     return tuple(listed)
 
 
@@ -247,22 +253,48 @@ def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSetting
     if args.command == "sim-backend":
         return args.command, _resolve(SimSettings, args, {}, {"models": tuple(args.models or ())})
     try:
-        file_values = _load_toml(args.config)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SystemExit(f"sluice: cannot read --config: {exc}") from None
-    known: dict[str, Any] = {}
+        file_values = read_config(args.config)
+    except ConfigError as exc:
+        raise ConfigExit(f"sluice: {exc}") from None
+    known: dict[str, Any] = {"models": file_values.get("models", ())}
+    if args.command == "demo" and known["models"]:
+        raise ConfigExit(
+            "sluice demo: the demo makes its own models; give [[models]] to `sluice serve`"
+        )
     if args.command == "serve":
         known["backends"] = _listed(args.backend, BACKEND_KEYS, file_values, "URLs")
-        if not known["backends"]:
-            raise SystemExit("sluice serve: give at least one --backend URL")
+        if not known["backends"] and not any(m.backends for m in known["models"]):
+            raise ConfigExit(
+                "sluice serve: give at least one --backend URL, or [[models]] tables with "
+                "backends in --config"
+            )
         for name in ("kv_events", "kv_events_replay"):
             known[name] = _listed(getattr(args, name), (name,), file_values, "URL=ENDPOINT")
     settings: Settings = _resolve(Settings, args, file_values, known)
+    _check_files(settings)
     return args.command, settings
 
 
+def _check_files(settings: Settings) -> None:
+    """Files named by the settings that can be read now are read now, so that a bad one
+    stops `sluice` before anything starts."""
+    if settings.api_keys is None:
+        return
+    # Imported here: `--help` answers without loading the proxy.
+    from app.proxy.api_keys import load_api_keys
+
+    try:
+        load_api_keys(settings.api_keys)
+    except ConfigError as exc:
+        raise ConfigExit(f"sluice: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    command, settings = parse(argv)
+    try:
+        command, settings = parse(argv)
+    except ConfigExit as exc:
+        print(exc, file=sys.stderr)
+        return 2
     try:
         return _run(command, settings)
     except* KeyboardInterrupt:
@@ -273,11 +305,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(command: str, settings: Settings | SimSettings) -> int:
     # Imported here so that `--help` and argument errors answer without loading the stack.
-    from app.main import run_demo, run_serve, run_sim_backend
+    from app.main import run_serve, run_sim_backend
 
     if isinstance(settings, SimSettings):
         return run_sim_backend(settings)
     if command == "demo":
+        from app.demo import run_demo
+
         return run_demo(settings)
     return run_serve(settings)
 

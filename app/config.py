@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.models import MAX_MODELS
 from app.routing.kv_event_wire import endpoint_problem
 
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
@@ -21,6 +22,64 @@ MAX_WORKERS = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
+class ConfigError(Exception):
+    """A configuration that cannot work (a bad value, an unreadable file): `sluice` says why
+    and exits with status 2, as for a bad flag."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model of the fleet (a `[[models]]` table of `--config`): the name its backends
+    serve it under, those backends, and how Sluice prepares its prompts. What a table leaves
+    out comes from the single-model flags (`--tokenizer`, `--chat-template`, `--max-model-len`)
+    or, for the window, from the backends' own `max_model_len`."""
+
+    name: str
+    backends: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    max_model_len: int | None = None
+    aliases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("name must not be empty")
+        for alias in self.aliases:
+            if not alias.strip():
+                raise ValueError("an alias must not be empty")
+        if self.name in self.aliases or len(set(self.aliases)) != len(self.aliases):
+            raise ValueError("aliases must differ from each other and from the name")
+        for url in self.backends:
+            check_backend_url(url)
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError("backends lists a URL twice")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        for name in ("tokenizer", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{name} must not be empty")
+
+
+def check_backend_url(url: str) -> None:
+    if not url.startswith("http://"):
+        raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+
+
+def check_fleet(models: tuple[ModelConfig, ...]) -> None:
+    """Names and aliases are one namespace: each may mean one model only."""
+    if len(models) > MAX_MODELS:
+        raise ValueError(f"at most {MAX_MODELS} models may be configured")
+    owner: dict[str, str] = {}
+    for model in models:
+        for name in (model.name, *model.aliases):
+            if name in owner:
+                first = owner[name]
+                where = "twice" if first == model.name else f"by model {first!r} already"
+                raise ValueError(f"model {model.name!r}: the name {name!r} is used {where}")
+            owner[name] = model.name
+
+
 @dataclass(frozen=True)
 class Settings:
     # Listening sockets.
@@ -29,8 +88,10 @@ class Settings:
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8001
 
-    # Backends and routing.
+    # Backends and routing. `backends` serve the models their /v1/models lists; `models`
+    # (the fleet's tables) name their own backends.
     backends: tuple[str, ...] = ()
+    models: tuple[ModelConfig, ...] = ()
     policy: Policy = "cache_aware"
     health_check_path: str = "/health"
     health_check_interval: float = 3.0
@@ -50,7 +111,10 @@ class Settings:
     # queues beyond its batch) instead of being refused; memory stays bounded by that flag.
     admission_queue: int = 1024
     admission_timeout: float = 30.0
-    tokens_per_minute: int = 0  # per API key; 0: no limit
+    tokens_per_minute: int = 0  # per API key and model; 0: no limit
+    # A TOML file of API keys, the models each may call and its tokens per minute; without
+    # one the proxy is open to anyone who reaches it.
+    api_keys: str | None = None
     # Per-key budgets shared by every worker and replica through this Redis, synced in the
     # background every budget_sync_interval seconds (over-admission is bounded by what one
     # interval admits); without it, each process holds its share of the budget alone.
@@ -102,6 +166,12 @@ class Settings:
     # Seconds between two bursts of large unique prompts (0: none; the page can still ask).
     demo_burst_interval: float = 30.0
 
+    @property
+    def all_backends(self) -> tuple[str, ...]:
+        """Every backend URL, those of the model tables included, each once."""
+        urls = [*self.backends, *(url for model in self.models for url in model.backends)]
+        return tuple(dict.fromkeys(url.rstrip("/") for url in urls))
+
     def __post_init__(self) -> None:
         at_least_one = (
             "tokenize_threads",
@@ -132,8 +202,8 @@ class Settings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         for url in self.backends:
-            if not url.startswith("http://"):
-                raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+            check_backend_url(url)
+        check_fleet(self.models)
         for name in ("max_index_blocks", "max_inflight_per_backend"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -167,8 +237,10 @@ class Settings:
 
     def kv_event_endpoints(self) -> dict[str, tuple[str, str | None]]:
         """Backend URL -> (publisher endpoint, replay endpoint or None)."""
-        publishers = _endpoints_by_backend("--kv-events", self.kv_events, self.backends)
-        replays = _endpoints_by_backend("--kv-events-replay", self.kv_events_replay, self.backends)
+        publishers = _endpoints_by_backend("--kv-events", self.kv_events, self.all_backends)
+        replays = _endpoints_by_backend(
+            "--kv-events-replay", self.kv_events_replay, self.all_backends
+        )
         for url in replays.keys() - publishers.keys():
             raise ValueError(f"--kv-events-replay {url}: give its --kv-events too")
         return {url: (endpoint, replays.get(url)) for url, endpoint in publishers.items()}

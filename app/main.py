@@ -1,5 +1,5 @@
 """One `trio.run`, one nursery: proxy server, dashboard server, stall monitor, health checker
-(and, for `sluice demo`, the simulated backends and their traffic).
+(`sluice demo` adds its simulated backends and traffic as child processes: app/demo.py).
 
 SIGINT/SIGTERM: stop accepting, let in-flight responses finish within the grace period,
 then cancel everything and exit 0. A second signal cancels at once.
@@ -7,7 +7,6 @@ then cancel everything and exit 0. A second signal cancels at once.
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import gc
 import logging
@@ -24,7 +23,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from app.asgi import server_config
-from app.config import Saturation, Settings
+from app.config import ConfigError, Saturation, Settings
 from app.dashboard.app import create_dashboard
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
@@ -32,10 +31,12 @@ from app.dashboard.workers_view import WorkersView
 from app.observe.backend_stats import backend_rows
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
-from app.observe.metric_summaries import counts_by_two_labels, tokenize_summary
+from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
+from app.observe.model_stats import model_rows
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.chat_template import TemplateLoadError
+from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
@@ -44,6 +45,7 @@ from app.proxy.relay_hub import RelayHub
 from app.proxy.upstream import UpstreamPool
 from app.routing.backends import BackendPool
 from app.routing.budget_sync import BudgetCollector, BudgetSync
+from app.routing.catalog import ModelCatalog, configured_backends
 from app.routing.health import HealthChecker
 from app.routing.kv_event_subscriber import subscribers_for
 from app.routing.load_scraper import LoadScraper
@@ -52,7 +54,6 @@ from app.routing.shared_budgets import SharedBudgets
 from app.routing.tokenizer_check import check_tokenizers_at_startup
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
-from app.sim.traffic import DemoTraffic
 from app.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 
 log = logging.getLogger("sluice")
@@ -85,11 +86,13 @@ class Sluice:
         if worker is not None:
             self.metrics.registry.register(WorkerInfo(worker))
         self.pool = BackendPool(
-            settings.backends,
+            settings.all_backends,
             failures_to_open=settings.breaker_failures,
             cooldown=settings.breaker_cooldown,
             probe_path=settings.health_check_path,
+            configured=configured_backends(settings.models),
         )
+        self.catalog = ModelCatalog(settings.models, settings.max_model_len)
         self.router = Router(settings, self.pool, self.metrics)
         self.policy = self.router.policy
         self.budget_sync: BudgetSync | None = None
@@ -106,6 +109,8 @@ class Sluice:
         self.preprocessor = Preprocessor(
             settings, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
         )
+        if settings.forward == "tokens":
+            check_one_tokenizer(self.preprocessor.preps)
         self.shutdown = trio.Event()
         # `sluice demo` sets this: the dashboard's "send a burst" button calls it.
         self.request_burst: Callable[[], bool] | None = None
@@ -119,8 +124,23 @@ class Sluice:
         now = trio.current_time()
         traffic = self.metrics.traffic
         backends = self.pool.snapshot(now)
-        codes = counts_by_two_labels(self.metrics.backend_requests, "backend", "code")
+        metrics = self.metrics
+        codes = counts_by_two_labels(metrics.backend_requests, "backend", "code")
         backend_rows(backends, codes, traffic.backends.snapshot(time.perf_counter()))
+        requests = traffic.snapshot()
+        preps = self.preprocessor.preps
+        models = model_rows(
+            self.catalog.directory(self.pool.backends),
+            backends,
+            preps.describe(),
+            preps.default.describe(),
+            counts_by_two_labels(metrics.requests, "model", "code"),
+            {
+                name: counts_by_label(getattr(metrics, name), "model")
+                for name in ("l0_hits", "l0_misses", "l1_hits", "l1_misses")
+            },
+            requests["recent"],
+        )
         kv_events = self.kv_event_snapshots()
         for backend in backends:
             backend["kv_events"] = kv_events.get(backend["url"])
@@ -128,12 +148,13 @@ class Sluice:
             "time": now,
             "wall_time": time.time(),
             "policy": self.policy.name,
+            "models": models,
             "backends": backends,
             "routing": self.router.snapshot(),
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics),
-            "requests": traffic.snapshot(),
+            "requests": requests,
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
@@ -203,6 +224,7 @@ class Sluice:
                 upstream,
                 self.preprocessor,
                 self.metrics,
+                self.catalog,
                 relay_hub,
             )
             feed = self.dashboard_feed = DashboardFeed(
@@ -261,7 +283,7 @@ async def _serve(
     await serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
-async def _stop_on_signal(
+async def stop_on_signal(
     shutdown: trio.Event, cancel: trio.CancelScope, *, task_status: trio.TaskStatus[None]
 ) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -275,7 +297,7 @@ async def _stop_on_signal(
             shutdown.set()
 
 
-async def _run_then_cancel(
+async def run_then_cancel(
     sluice: Sluice, cancel: trio.CancelScope, *, task_status: trio.TaskStatus[tuple[str, str]]
 ) -> None:
     """Once the servers have drained, nothing else in the process may outlive them."""
@@ -283,7 +305,7 @@ async def _run_then_cancel(
     cancel.cancel()
 
 
-def _print_urls(proxy_url: str, dashboard_url: str) -> None:
+def print_urls(proxy_url: str, dashboard_url: str) -> None:
     print(f"Sluice proxy:     {proxy_url}", flush=True)
     print(f"Sluice dashboard: {dashboard_url}", flush=True)
 
@@ -294,8 +316,8 @@ async def serve_main(settings: Settings) -> None:
         return
     sluice = Sluice(settings)
     async with trio.open_nursery() as nursery:
-        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
-        _print_urls(*await nursery.start(_run_then_cancel, sluice, nursery.cancel_scope))
+        await nursery.start(stop_on_signal, sluice.shutdown, nursery.cancel_scope)
+        print_urls(*await nursery.start(run_then_cancel, sluice, nursery.cancel_scope))
 
 
 async def supervised_main(settings: Settings) -> None:
@@ -339,7 +361,7 @@ async def supervised_main(settings: Settings) -> None:
                 supervisor.shutdown.wait,
             )
             print(f"Sluice workers:   {settings.workers}", flush=True)
-            _print_urls(f"http://{settings.host}:{port}", dashboard_urls[0])
+            print_urls(f"http://{settings.host}:{port}", dashboard_urls[0])
             await supervisor.stopped.wait()
             nursery.cancel_scope.cancel()
 
@@ -363,38 +385,6 @@ async def _forward_signals(
             supervisor.shutdown.set()
 
 
-async def demo_main(settings: Settings) -> None:
-    async with trio.open_nursery() as nursery:
-        # Token forwarding needs backends that tokenize exactly as the proxy does.
-        tokenize_with = (
-            (settings.tokenizer or "default") if settings.forward == "tokens" else "words"
-        )
-        backend_urls = [
-            await nursery.start(serve_sim, SimSettings(port=0, seed=i, tokenize_with=tokenize_with))
-            for i in range(settings.demo_backends)
-        ]
-        sluice = Sluice(_demo_settings(settings, tuple(backend_urls)))
-        traffic = DemoTraffic(settings.demo_rps, settings.demo_burst_interval)
-        sluice.request_burst = traffic.request_burst
-        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
-        proxy_url, dashboard_url = await nursery.start(
-            _run_then_cancel, sluice, nursery.cancel_scope
-        )
-        print("Sluice demo: simulated backends " + ", ".join(backend_urls), flush=True)
-        _print_urls(proxy_url, dashboard_url)
-        print("Press Ctrl-C to stop.", flush=True)
-        async with trio.open_nursery() as clients:
-            clients.start_soon(traffic.run, proxy_url)
-            await sluice.shutdown.wait()
-            clients.cancel_scope.cancel()
-
-
-def _demo_settings(settings: Settings, backends: tuple[str, ...]) -> Settings:
-    return dataclasses.replace(
-        settings, backends=backends, shutdown_grace=min(settings.shutdown_grace, 1.0)
-    )
-
-
 def _configure_logging(level: str, worker: int | None = None) -> None:
     who = "" if worker is None else f"[worker {worker}] "
     logging.basicConfig(
@@ -409,8 +399,9 @@ def _configure_logging(level: str, worker: int | None = None) -> None:
 def run_until_stopped(
     main: Callable[[Settings], Awaitable[None]], settings: Settings, worker: int | None = None
 ) -> int:
-    """Run until stopped; a tokenizer or template that cannot load is a clear exit 2, and
-    so is a worker of `--workers N` that could not start (with that worker's status)."""
+    """Run until stopped; a tokenizer or template that cannot load, or a configuration that
+    cannot work, is a clear exit 2, and so is a worker of `--workers N` that could not start
+    (with that worker's status)."""
     _configure_logging(settings.log_level, worker)
     # Should the process ever die of a fatal signal (a C extension's bug), its log says where.
     faulthandler.enable()
@@ -423,7 +414,7 @@ def run_until_stopped(
     status = 0
     try:
         trio.run(main, settings)
-    except* (TokenizerLoadError, TemplateLoadError) as group:
+    except* (TokenizerLoadError, TemplateLoadError, ConfigError) as group:
         for exc in group.exceptions:
             print(f"sluice: {exc}", file=sys.stderr)
         status = 2
@@ -446,17 +437,13 @@ def run_serve(settings: Settings) -> int:
     return run_until_stopped(serve_main, settings)
 
 
-def run_demo(settings: Settings) -> int:
-    return run_until_stopped(demo_main, settings)
-
-
 def run_sim_backend(settings: SimSettings) -> int:
     _configure_logging("info")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             shutdown = trio.Event()
-            await nursery.start(_stop_on_signal, shutdown, nursery.cancel_scope)
+            await nursery.start(stop_on_signal, shutdown, nursery.cancel_scope)
             app = create_sim_app(settings)
             url = await nursery.start(partial(serve_sim, settings, app=app))
             print(f"Simulated backend: {url}", flush=True)

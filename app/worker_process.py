@@ -21,7 +21,7 @@ from functools import partial
 import trio
 
 from app.config import Settings
-from app.main import Sluice, _run_then_cancel, _stop_on_signal, run_until_stopped
+from app.main import Sluice, run_then_cancel, run_until_stopped, stop_on_signal
 from app.proxy.http_server import HttpServer
 from app.supervisor import ORDER_HEADER, WorkerOrder
 
@@ -49,9 +49,9 @@ async def serve_worker(channel: socket.socket, index: int, settings: Settings) -
     sluice = Sluice(settings, server_factory=partial(HttpServer, reuse_port=True), worker=index)
     stream = trio.SocketStream(trio.socket.from_stdlib_socket(channel))
     async with stream, trio.open_nursery() as nursery:
-        await nursery.start(_stop_on_signal, sluice.shutdown, nursery.cancel_scope)
+        await nursery.start(stop_on_signal, sluice.shutdown, nursery.cancel_scope)
         proxy_url, dashboard_url = await nursery.start(
-            _run_then_cancel, sluice, nursery.cancel_scope
+            run_then_cancel, sluice, nursery.cancel_scope
         )
         hello = {"pid": os.getpid(), "proxy": proxy_url, "dashboard": dashboard_url}
         await stream.send_all(json.dumps(hello).encode() + b"\n")

@@ -67,7 +67,7 @@ async def ticks(client: httpx.AsyncClient, url: str) -> float:
 async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     labels = {"this": f"this checkout ({REPO.name})", "rev": args.rev}
     async with Stack() as stack, httpx.AsyncClient(trust_env=False) as client:
-        sim = await stack.sim("--model", "sim", instant=True)
+        sim = await stack.sim(instant=True)
         urls = {"direct": sim, "this": await stack.proxy(sim)}
         urls["rev"] = await stack.proxy(sim, source=source)
         pools = {name: rawhttp.Pool(url) for name, url in urls.items()}

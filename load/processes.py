@@ -28,6 +28,9 @@ LOG_DIR = Path(tempfile.gettempdir()) / "sluice-load-logs"
 SMG_BIN = Path(os.environ.get("SMG_BIN", "/tmp/venv-smg/bin/smg"))
 LITELLM_BIN = Path(os.environ.get("LITELLM_BIN", "/tmp/venv-litellm/bin/litellm"))
 LITELLM_KEY = "sk-sluice-bench"
+# The model every workload names: the simulated backends serve it under that name (Sluice
+# routes by model, and a name no backend lists is a 404).
+MODEL = "sim"
 # A simulated backend whose GPU time is zero: what remains is HTTP and the proxy's own work.
 INSTANT = (
     "--prefill-overhead", "0",
@@ -108,10 +111,10 @@ class Stack:
         for process in reversed(self.processes):
             stop(process)
 
-    async def sim(self, *flags: str, instant: bool = False) -> str:
-        """`sluice sim-backend` on a free port (`instant`: no GPU time at all)."""
-        args = ["sim-backend", "--port", "0", *(INSTANT if instant else ()), *flags]
-        return await self.app(args, "Simulated backend")
+    async def sim(self, *flags: str, instant: bool = False, model: str = MODEL) -> str:
+        """`sluice sim-backend` serving `model` on a free port (`instant`: no GPU time at all)."""
+        args = ["sim-backend", "--port", "0", "--model", model, *(INSTANT if instant else ())]
+        return await self.app([*args, *flags], "Simulated backend")
 
     async def proxy(
         self, backends: str | Sequence[str], *flags: str, source: Path | None = None

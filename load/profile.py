@@ -116,7 +116,7 @@ def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
 
 async def drive(args: argparse.Namespace) -> dict[str, Any]:
     async with Stack(args.proxy_arg) as stack:
-        sim = await stack.sim("--model", "sim", instant=True)
+        sim = await stack.sim(instant=True)
         url = await stack.proxy(sim)
         pid = stack.pids[url]
         await harness.wait_healthy(url)

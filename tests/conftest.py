@@ -18,8 +18,12 @@ from app.preprocess.tokenizer_loading import TokenizerLike
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import SimSettings
 
+# The model the test backends serve (any other name gets vLLM's 404).
+MODEL = "m"
+
 FAST_SIM = SimSettings(
     port=0,
+    models=(MODEL,),
     prefill_overhead=0.0005,
     prefill_per_token=0.000001,
     inter_token_latency=0.0005,

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
 import trio.testing
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
@@ -70,3 +74,18 @@ class GateTokenizer:
     @property
     def decoder(self) -> Any:
         return self._real.decoder
+
+
+def write_word_tokenizer(path: Path, words: Sequence[str] = ()) -> Path:
+    """A second tokenizer, unlike the bundled one: a word a token (any word it does not know
+    is its unknown token), ChatML's special tokens, so the shipped ChatML template fits it.
+    Written as `path`/tokenizer.json; returns that file."""
+    vocab = {"[UNK]": 0, **{word: i + 1 for i, word in enumerate(words)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.add_special_tokens(
+        [AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)]
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"

@@ -97,6 +97,7 @@ async def test_snapshot_schema(
         "wall_time",
         "policy",
         "dashboard",
+        "models",
         "backends",
         "preprocess",
         "loop",
@@ -112,6 +113,9 @@ async def test_snapshot_schema(
         "tick_s": 1.0,
         "history_points": 180,
     }
+    (model,) = data["models"]
+    assert (model["name"], model["requests"]["total"]) == ("m", 2)
+    assert model["pool"]["backends"] == [data["backends"][0]["id"]]
     assert set(recent[0]) == set(RequestRecord.__annotations__)
     streamed, whole = recent  # newest first
     assert (streamed["stream"], whole["stream"]) == (True, False)

@@ -6,7 +6,9 @@ changes the policy that `/api/snapshot` reports and a second open page shows it,
 says so when Sluice goes away and reconnects by itself when it is back. In front of one
 simulated backend per engine metrics style, each publishing KV events, the backends table
 shows each engine's name, every number the snapshot has from it, and that each backend's
-index follows its events.
+index follows its events. In front of a fleet of two models on three engines (`sluice serve
+--config fleet.toml`), the backends are grouped by model under each pool's own row (health,
+engines' load, window), and the request log filters by model.
 
 With SLUICE_UPDATE_SCREENSHOT=1 the screenshot is also written to static/dashboard.png (the
 one the README shows); otherwise it only goes to pytest's temporary directory.
@@ -23,12 +25,15 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from app.sim.settings import DEFAULT_MODEL
 
 sync_api = pytest.importorskip("playwright.sync_api")
 
@@ -254,10 +259,11 @@ ENGINE_COLUMNS = {
 ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
 
 
-def ask(proxy_url: str, question: int) -> None:
-    # The question first: each is a new prefix, placed by its hash on any of the backends.
+def ask(proxy_url: str, question: int, model: str = DEFAULT_MODEL) -> int:
+    """A chat for `model`; the answer's status. The question first: each is a new prefix,
+    placed by its hash on any of the backends."""
     body = {
-        "model": "sim",
+        "model": model,
         "messages": [
             {"role": "system", "content": f"Question {question}. " + "Answer in haiku. " * 30},
             {"role": "user", "content": f"Question {question}?"},
@@ -269,8 +275,11 @@ def ask(proxy_url: str, question: int) -> None:
         data=json.dumps(body).encode(),
         headers={"content-type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return int(refused.code)
 
 
 def engine_numbers_known(snapshot: dict[str, Any]) -> bool:
@@ -295,7 +304,7 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
         "() => ({"
         " heads: [...document.querySelectorAll('#panel-backends table.backends th')]"
         ".map(th => th.textContent),"
-        " rows: [...document.querySelectorAll('#panel-backends table.backends tbody tr')]"
+        " rows: [...document.querySelectorAll('#panel-backends table.backends tr[data-backend]')]"
         ".map(tr => [tr.dataset.backend, [...tr.cells].map(td => td.textContent)])})"
     )
     engines = {b["url"]: b["engine"] or {} for b in snapshot["backends"]}
@@ -310,6 +319,17 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
         if not kv_index.startswith("events"):
             mismatched.append(f"{url} KV index: {kv_index!r}")
     return mismatched or ([] if table["rows"] else ["no rows"])
+
+
+def settled(page: Any, dashboard_url: str, mismatches: Any) -> list[str]:
+    """`mismatches(page, snapshot)` until it finds none (the page ticks once a second)."""
+    mismatched: list[str] = []
+    for _ in range(WAIT_MS // 250):
+        mismatched = mismatches(page, fetch_snapshot(dashboard_url))
+        if not mismatched:
+            break
+        page.wait_for_timeout(250)
+    return list(mismatched)
 
 
 def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None:
@@ -339,17 +359,128 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
 
         while not all_known():
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["backends"]
-            ask(proxy_url, question)
+            assert ask(proxy_url, question) == 200
             question += 1
 
         page = open_page(browser, dashboard_url, [])
-        mismatched: list[str] = []
-        for _ in range(WAIT_MS // 250):
-            mismatched = engine_cells_mismatched(page, fetch_snapshot(dashboard_url))
-            if not mismatched:
-                break
-            page.wait_for_timeout(250)
+        mismatched = settled(page, dashboard_url, engine_cells_mismatched)
         assert not mismatched, mismatched
+    finally:
+        for process in started:
+            process.stop()
+
+
+# --- a fleet of two models in front of three engines --------------------------------------------
+
+FLEET = """
+[[models]]
+name = "big"
+backends = ["{vllm}", "{sglang}"]
+aliases = ["chat-default"]
+
+[[models]]
+name = "small"
+backends = ["{llamacpp}"]
+tokenizer = "words/tokenizer.json"
+max_model_len = 2000
+"""
+
+# Each pool stat on the page and what stands behind it in the snapshot's model row.
+POOL_FIELDS = {
+    "engines": lambda m: m["pool"]["engines"] or None,
+    "queue": lambda m: m["pool"]["engine_running"],
+    "kv": lambda m: m["pool"]["engine_kv_cache_usage"],
+    "prefix": lambda m: m["pool"]["engine_prefix_cache_hit_rate"],
+    "window": lambda m: m["max_model_len"],
+}
+
+
+def pools_known(snapshot: dict[str, Any]) -> bool:
+    pools = {m["name"]: m["pool"] for m in snapshot.get("models", [])}
+    if set(pools) != {"big", "small"}:
+        return False
+    return (
+        pools["big"]["engines"] == ["sglang", "vllm"]
+        and pools["big"]["engine_prefix_cache_hit_rate"] is not None
+        and pools["small"]["engine_kv_cache_usage"] is not None
+    )
+
+
+def pool_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
+    shown = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll("
+        "'#panel-backends tr.pool[data-model]')].map(tr => [tr.dataset.model,"
+        " Object.fromEntries([...tr.querySelectorAll('[data-field]')].map("
+        "s => [s.dataset.field, s.lastChild.textContent]))]))"
+    )
+    mismatched = []
+    for model in snapshot["models"]:
+        cells = shown.get(model["name"])
+        if cells is None:
+            mismatched.append(f"no pool row for {model['name']}")
+            continue
+        for field, known in POOL_FIELDS.items():
+            if (known(model) is not None) == ("—" in cells[field]):
+                mismatched.append(f"{model['name']} {field}: {cells[field]!r}")
+    return mismatched
+
+
+def test_a_fleet_groups_its_backends_by_model_and_filters_its_log_by_model(
+    browser: Any, tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(ROOT))
+    from tests.fakes import write_word_tokenizer
+
+    write_word_tokenizer(tmp_path / "words", ["Question", "Answer", "in", "haiku."])
+    started: list[Sluice] = []
+    try:
+        sims = {}
+        for style, model in (("vllm", "big"), ("sglang", "big"), ("llamacpp", "small")):
+            arguments = ["sim-backend", "--port", "0", "--model", model, "--metrics-style", style]
+            started.append(Sluice(arguments, "Simulated backend:"))
+            sims[style] = started[-1].urls["Simulated backend:"]
+        config = tmp_path / "fleet.toml"
+        config.write_text(FLEET.format(**sims))
+        arguments = ["serve", "--port", "0", "--dashboard-port", "0", "--config", str(config)]
+        sluice = Sluice(arguments, "Sluice proxy:", "Sluice dashboard:")
+        started.append(sluice)
+        proxy_url, dashboard_url = sluice.urls["Sluice proxy:"], sluice.urls["Sluice dashboard:"]
+
+        # Prompts for both models (one by its alias), over several scrapes, until every
+        # engine's numbers are in.
+        deadline = time.monotonic() + WAIT_MS / 1000
+        question = 0
+        while question < 3 or not pools_known(fetch_snapshot(dashboard_url)):
+            assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["models"]
+            for model in ("big", "small", "chat-default"):
+                assert ask(proxy_url, question, model) == 200
+            question += 1
+        assert ask(proxy_url, 0, "no-such-model") == 404
+
+        page = open_page(browser, dashboard_url, [])
+        mismatched = settled(page, dashboard_url, pool_cells_mismatched)
+        assert not mismatched, mismatched
+        panel = page.locator("#panel-backends")
+        assert (
+            panel.locator('tr.pool[data-model="big"] [data-field="health"]')
+            .inner_text()
+            .endswith("2/2 up")
+        )
+        assert panel.locator('tr[data-backend][data-model="big"]').count() == 2
+        assert panel.locator('tr[data-backend][data-model="small"]').count() == 1
+        assert "chat-default" in panel.locator('tr.pool[data-model="big"]').inner_text()
+
+        log = page.locator("#panel-requests")
+        rows = "#panel-requests table.requests tbody tr"
+        for model in ("small", "big"):
+            log.locator("select.filter-model").select_option(model)
+            visible = page.evaluate(
+                f"() => [...document.querySelectorAll('{rows}:not([hidden])')]"
+                ".map(tr => tr.cells[1].textContent)"
+            )
+            assert visible and set(visible) == {model}, visible
+        log.locator("select.filter-model").select_option("all")
+        assert "small" in log.locator(".u-legend").inner_text()
     finally:
         for process in started:
             process.stop()

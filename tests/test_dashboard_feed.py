@@ -191,7 +191,7 @@ async def test_demo_bursts_on_request_large_and_unique(
 ) -> None:
     backend = CountingBackend()
     url = await start_asgi(backend)
-    traffic = DemoTraffic(0.01, burst_interval=0, burst_size=4)
+    traffic = DemoTraffic(0.01, burst_interval=0, models=("m",), burst_size=4)
     assert traffic.request_burst() is True
     assert traffic.request_burst() is False  # one already asked for
     nursery.start_soon(traffic.run, url)

@@ -1,6 +1,7 @@
 """The dashboard's pure pieces, alone: time series (CounterWindow, Columns), the request log,
-per-backend stats, reading Prometheus collectors back, deriving series points from
-snapshots, the security verdicts, the loopback rule in Settings, and strict JSON."""
+per-backend stats, each model's pool row, reading Prometheus collectors back, deriving
+series points from snapshots (per model too), the security verdicts, the loopback rule in
+Settings, and strict JSON."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from app.config import Settings, is_loopback_host
 from app.dashboard.derive import decorate, derive_point, raw_sample
 from app.dashboard.feed import RecordCache, to_json_bytes
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
+from app.dashboard.worker_snapshots import merge_snapshots
+from app.models import ModelDirectory
 from app.observe.backend_stats import BackendStats, backend_rows, quantile
 from app.observe.metric_summaries import counts_by_two_labels, summarize_by_label
+from app.observe.model_stats import model_rows
 from app.observe.request_log import MAX_TEXT, RequestLog, RequestRecord, clip, status_class
 from app.observe.timeseries import Columns, CounterWindow
 
@@ -217,6 +221,98 @@ def test_derive_points_and_decorate_from_snapshots() -> None:
     assert second["window"]["tokenize"]["l0"]["count"] == 9.0
 
 
+def engine(name: str, running: int, kv: float | None, hits: float | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "running": running,
+        "waiting": 1,
+        "kv_cache_usage": kv,
+        "prefix_cache_hit_rate": hits,
+    }
+
+
+def pool_backend(id_: str, serves: list[str], **fields: Any) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "serves": serves,
+        "healthy": True,
+        "breakers": {},
+        "inflight": 1,
+        "engine": None,
+        **fields,
+    }
+
+
+def test_model_rows_sum_each_pool_and_count_its_requests_and_caches() -> None:
+    directory = ModelDirectory(frozenset({"big", "small"}), {"alias": "big"}, {"small": 64})
+    backends = [
+        pool_backend("a", ["big"], engine=engine("vllm", 2, 0.5, 0.2)),
+        pool_backend("ab", ["big", "small"], engine=engine("sglang", 3, None, 0.4)),
+        pool_backend("b", ["small"], healthy=False, breakers={"small": "open"}),
+    ]
+    recent = [
+        {"model": "big", "ttft_ms": 30.0},
+        {"model": "big", "ttft_ms": 10.0},
+        {"model": "small", "ttft_ms": None},
+    ]
+    rows = model_rows(
+        directory,
+        backends,
+        {"small": {"tokenizer": "words", "chat_template": "chatml"}},
+        {"tokenizer": "deepseek", "chat_template": "deepseek_v3"},
+        {"big": {"200": 3.0, "502": 1.0, "404": 2.0}},
+        {"l0_hits": {"big": 2.0}, "l0_misses": {"big": 1.0, "small": 4.0}},
+        recent,
+    )
+    big, small = rows
+    assert (big["name"], big["aliases"], big["configured"], big["tokenizer"]) == (
+        "big",
+        ["alias"],
+        False,
+        "deepseek",
+    )
+    assert big["pool"] == {
+        "backends": ["a", "ab"],
+        "healthy_backends": 2,
+        "serving_backends": 2,
+        "breakers_open": 0,
+        "inflight": 2,
+        "engines": ["sglang", "vllm"],
+        "engine_running": 5,
+        "engine_waiting": 2,
+        "engine_kv_cache_usage": 0.5,  # only vLLM's is known
+        "engine_prefix_cache_hit_rate": pytest.approx(0.3),
+    }
+    assert big["requests"]["total"] == 6 and big["requests"]["errors"] == 1
+    assert big["requests"]["ttft_p50_ms"] == 20.0
+    assert big["caches"] == {"l0_hits": 2, "l0_misses": 1}
+    assert (small["max_model_len"], small["tokenizer"]) == (64, "words")
+    assert small["pool"]["backends"] == ["ab", "b"]  # a backend serving two is in both
+    assert (small["pool"]["serving_backends"], small["pool"]["breakers_open"]) == (1, 1)
+    assert small["requests"]["total"] == 0 and small["requests"]["ttft_p50_ms"] is None
+
+
+def test_derive_gives_each_model_its_rate_and_hit_rates() -> None:
+    window = CounterWindow(span=60)
+    snaps = []
+    for t, total, hits, misses in [(0, 0, 0, 0), (1, 4, 3, 1)]:
+        snap = snapshot_at([0.0, 0.0, 0.0], 0.0, 0.0, 0.0)
+        snap["models"] = [
+            {
+                "name": "big",
+                "requests": {"total": total, "errors": 0},
+                "caches": {"l0_hits": hits, "l0_misses": misses, "l1_hits": 0, "l1_misses": 0},
+            }
+        ]
+        window.push(float(t), raw_sample(snap, {}))
+        snaps.append(snap)
+    assert derive_point(window, snaps[-1])["model_rps:big"] == 4.0
+    decorate(snaps[-1], window)
+    model = snaps[-1]["models"][0]
+    assert model["requests"]["per_s"] == 4.0
+    assert (model["caches"]["l0_hit_pct"], model["caches"]["l1_hit_pct"]) == (75.0, None)
+
+
 def test_derive_reads_token_weighted_hits_when_reported() -> None:
     window = CounterWindow(span=60)
     for t, prompt, l0, l1 in [(0, 0, 0, 0), (1, 1000, 600, 300)]:
@@ -298,3 +394,28 @@ def test_record_cache_serialises_each_record_once_and_splices_the_log_in() -> No
     assert [r["seq"] for r in second["requests"]["recent"]] == [3, 2]
     assert second["requests"]["recent"][0]["model"] == "a new one"
     assert json.loads(cache.serialise({"no": "log"})) == {"no": "log"}
+
+
+def test_workers_snapshots_merge_each_model_by_name() -> None:
+    def worker(total: int, inflight: int) -> dict[str, Any]:
+        pool = {
+            "backends": ["a"],
+            "healthy_backends": 1,
+            "serving_backends": 1,
+            "breakers_open": 0,
+            "inflight": inflight,
+            "engines": ["vllm"],
+            "engine_running": 3,
+            "engine_waiting": 1,
+            "engine_kv_cache_usage": 0.5,
+            "engine_prefix_cache_hit_rate": 0.25,
+        }
+        requests = {"total": total, "errors": 0, "ttft_p50_ms": 10.0 * total}
+        return {
+            "models": [{"name": "big", "max_model_len": 100, "pool": pool, "requests": requests}]
+        }
+
+    (big,) = merge_snapshots([worker(2, 1), worker(3, 4)])["models"]
+    assert (big["requests"]["total"], big["pool"]["inflight"]) == (5, 5)  # each worker's own
+    assert (big["pool"]["engine_running"], big["pool"]["serving_backends"]) == (3, 1)  # shared
+    assert (big["max_model_len"], big["requests"]["ttft_p50_ms"]) == (100, 30.0)

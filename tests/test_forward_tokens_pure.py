@@ -133,7 +133,7 @@ def prepared(
     """What the preprocessor makes of `payload`: its fields but the prompt's, and `ids`."""
     fields = {k: v for k, v in payload.items() if k not in ("messages", "prompt")}
     token_ids = None if ids is None else array("I", ids)
-    return Prepared(fields, prompt, token_ids, ids is None, "thread", 0.0, 0.0)
+    return Prepared(fields.get("model"), fields, prompt, token_ids, ids is None, "thread", 0.0, 0.0)
 
 
 def test_chat_becomes_a_token_completion_with_its_sampling_parameters() -> None:

@@ -180,7 +180,7 @@ async def test_large_bodies_render_in_a_worker_process_as_they_would_on_the_loop
     assert len(json.dumps(body)) > PARSE_ON_LOOP_BYTES
     async with preprocessor.running():
         off_loop = await prepare(preprocessor, "chat", body)
-    template = preprocessor._template
+    template = preprocessor.preps.default.template
     assert template is not None
     assert off_loop.prompt == template.render(messages, add_generation_prompt=True)
     assert off_loop.fields == {"model": "m"}

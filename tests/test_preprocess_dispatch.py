@@ -89,7 +89,7 @@ async def test_l0_hits_complete_while_a_worker_thread_is_blocked() -> None:
         assert not blocked  # the thread is still inside the tokenizer
         tokenizer.gate.set()
     assert blocked[0].tokenize_path == "thread"
-    assert sample(metrics, "sluice_tokenizer_cache_l0_hits_total") == 20
+    assert sample(metrics, "sluice_tokenizer_cache_l0_hits_total", model="(none)") == 20
 
 
 async def test_full_queue_falls_back_to_one_inline_tokenization() -> None:
@@ -144,7 +144,7 @@ async def test_switching_saturation_changes_the_next_saturated_request() -> None
 
 async def test_a_saturated_waiter_takes_the_thread_when_it_frees_first() -> None:
     preprocessor, tokenizer, metrics = gated(tokenize_threads=1, tokenize_queue=0)
-    dispatcher = preprocessor._tokens.dispatcher
+    dispatcher = preprocessor.preps.default.tokens.dispatcher
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", completion("GATE pins the thread"))
         await tokenizer.arrived()
@@ -246,12 +246,12 @@ async def test_context_window_is_enforced_unless_tokens_were_skipped() -> None:
         nursery.start_soon(pin_the_thread)
         await tokenizer.arrived()
         # A stand-in for an inline encode running:
-        preprocessor._tokens.dispatcher._fallback.acquire_nowait()
+        preprocessor.preps.default.tokens.dispatcher._fallback.acquire_nowait()
         # Not in L0 (unlike the prompt refused above), so it needs a tokenizer: bails out.
         bailed = await prepare(preprocessor, "completion", {"model": "m", "prompt": "term " * 60})
         assert bailed.tokenize_path == "bailed_out" and bailed.estimated
         assert bailed.token_ids is None
-        preprocessor._tokens.dispatcher._fallback.release()
+        preprocessor.preps.default.tokens.dispatcher._fallback.release()
         tokenizer.gate.set()
 
 
@@ -291,7 +291,7 @@ async def test_a_text_too_big_for_the_fallback_never_takes_it() -> None:
 
 async def test_peaks_between_two_reads_are_kept() -> None:
     preprocessor, tokenizer, _ = gated(tokenize_threads=1, tokenize_queue=1)
-    dispatcher = preprocessor._tokens.dispatcher
+    dispatcher = preprocessor.preps.default.tokens.dispatcher
     assert dispatcher.take_peaks() == {
         "busy": 0,
         "queued": 0,

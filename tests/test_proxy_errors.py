@@ -33,7 +33,11 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         ("/v1/chat/completions", b"[]", None),
         ("/v1/chat/completions", b'{"model": "m"}', "messages"),
         ("/v1/chat/completions", b'{"model": "m", "messages": []}', "messages"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
+        (
+            "/v1/chat/completions",
+            b'{"model": 3, "messages": [{"role": "user", "content": "x"}]}',
+            "model",
+        ),
         (
             "/v1/chat/completions",
             b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}',

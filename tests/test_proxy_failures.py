@@ -139,6 +139,8 @@ async def rate_limited_backend(scope: Scope, receive: Receive, send: Send) -> No
         await answer_lifespan(receive, send)
     elif scope["path"] == "/health":
         await send_json(send, 200, {})
+    elif scope["path"] == "/v1/models":
+        await send_json(send, 200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
     else:
         body = {"error": {"message": "slow down", "type": "rate_limit", "param": None, "code": 429}}
         await send_json(send, 429, body, headers=[(b"retry-after", b"7")])

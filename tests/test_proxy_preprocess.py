@@ -47,8 +47,8 @@ async def test_loop_answers_while_a_tokenizer_thread_is_blocked(
         gate.gate.set()
     assert stuck[0].status_code == 200
     metrics = (await client.get(url + "/metrics")).text
-    assert 'sluice_tokenize_seconds_count{path="l0"} 1.0' in metrics
-    assert 'sluice_tokenize_seconds_count{path="thread"} 2.0' in metrics
+    assert 'sluice_tokenize_seconds_count{model="m",path="l0"} 1.0' in metrics
+    assert 'sluice_tokenize_seconds_count{model="m",path="thread"} 2.0' in metrics
 
 
 async def test_context_window_is_enforced_before_any_backend_sees_the_request(

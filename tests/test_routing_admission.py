@@ -17,30 +17,32 @@ from app.routing.usage import Usage, usage_from_tail
 
 
 def test_a_key_spends_its_minute_then_waits_for_the_refill() -> None:
-    buckets = TokenBuckets(tokens_per_minute=600)  # 10 tokens a second
-    assert buckets.take("k", 500, now=0.0) == 0.0
-    assert buckets.take("k", 200, now=0.0) == pytest.approx(10.0)  # 100 short, 10 s away
-    assert buckets.take("other", 600, now=0.0) == 0.0  # keys do not share
-    assert buckets.take("k", 200, now=10.0) == 0.0
-    assert buckets.level("k", 10.0) == pytest.approx(0.0)
+    buckets = TokenBuckets()
+    assert buckets.take("k", 500, now=0.0, per_minute=600) == 0.0  # 10 tokens a second
+    assert buckets.take("k", 200, now=0.0, per_minute=600) == pytest.approx(10.0)  # 100 short
+    assert buckets.take("other", 600, now=0.0, per_minute=600) == 0.0  # keys do not share
+    assert buckets.take("k", 200, now=10.0, per_minute=600) == 0.0
+    assert buckets.level("k", 10.0, per_minute=600) == pytest.approx(0.0)
+    # Each key as deep as its own limit.
+    assert buckets.take("small", 61, now=0.0, per_minute=60) == math.inf
 
 
 def test_completion_tokens_are_charged_afterwards_even_below_zero() -> None:
-    buckets = TokenBuckets(tokens_per_minute=60)
-    assert buckets.take("k", 50, now=0.0) == 0.0
-    buckets.charge("k", 40, now=0.0)
-    assert buckets.level("k", 0.0) == pytest.approx(-30.0)
-    assert buckets.take("k", 1, now=0.0) == pytest.approx(31.0)
+    buckets = TokenBuckets()
+    assert buckets.take("k", 50, now=0.0, per_minute=60) == 0.0
+    buckets.charge("k", 40, now=0.0, per_minute=60)
+    assert buckets.level("k", 0.0, per_minute=60) == pytest.approx(-30.0)
+    assert buckets.take("k", 1, now=0.0, per_minute=60) == pytest.approx(31.0)
 
 
 def test_a_request_larger_than_a_minute_never_fits_and_keys_are_bounded() -> None:
-    buckets = TokenBuckets(tokens_per_minute=100, max_keys=3)
-    assert math.isinf(buckets.take("k", 101, now=0.0))
+    buckets = TokenBuckets(max_keys=3)
+    assert math.isinf(buckets.take("k", 101, now=0.0, per_minute=100))
     for key in range(10):
-        buckets.take(f"key-{key}", 1, now=0.0)
+        buckets.take(f"key-{key}", 1, now=0.0, per_minute=100)
     assert len(buckets) == 3
     with pytest.raises(ValueError):
-        TokenBuckets(0)
+        buckets.take("k", 0, now=0.0, per_minute=0)
 
 
 def test_overloaded_says_when_to_retry_in_whole_seconds() -> None:

@@ -11,7 +11,8 @@ Series names (`series` in `/api/snapshot`, units in the name): `lag_p50_ms`, `la
 `stalls_per_s`, `l0_hit_pct`, `l1_hit_pct` (by requests), `l0_token_pct`, `l1_token_pct`
 (by tokens: prompt tokens served from that cache / prompt tokens), `threads_busy`,
 `queued`, `saturated_waiting`, `fallback_busy` (peaks during the tick), `waited_per_s`,
-`bailed_out_per_s`, `requests_per_s`, `errors_per_s`, and `backend_rps:<url>` per backend.
+`bailed_out_per_s`, `requests_per_s`, `errors_per_s`, `backend_rps:<url>` per backend and
+`model_rps:<name>` per served model.
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ def raw_sample(snapshot: Mapping[str, Any], peaks: Mapping[str, float]) -> dict[
         traffic = backend.get("traffic") or {}
         sample[f"be.{backend['url']}.requests"] = float(traffic.get("requests_total", 0))
         sample[f"be.{backend['url']}.errors"] = float(traffic.get("errors_total", 0))
+    for model in snapshot.get("models", ()):
+        prefix = f"mod.{model['name']}"
+        sample[f"{prefix}.requests"] = float(model["requests"]["total"])
+        sample[f"{prefix}.errors"] = float(model["requests"]["errors"])
+        for counter, n in model["caches"].items():
+            sample[f"{prefix}.{counter}"] = float(n)
     return sample
 
 
@@ -116,6 +123,9 @@ def derive_point(window: CounterWindow, snapshot: Mapping[str, Any]) -> dict[str
     for backend in snapshot.get("backends", ()):
         url = backend["url"]
         point[f"backend_rps:{url}"] = window.rate(f"be.{url}.requests", CHART_RATE_TICKS)
+    for model in snapshot.get("models", ()):
+        name = model["name"]
+        point[f"model_rps:{name}"] = window.rate(f"mod.{name}.requests", CHART_RATE_TICKS)
     return point
 
 
@@ -152,3 +162,12 @@ def decorate(snapshot: dict[str, Any], window: CounterWindow) -> None:
             url = backend["url"]
             traffic["requests_per_s"] = window.rate(f"be.{url}.requests", RATE_TICKS)
             traffic["errors_per_s"] = window.rate(f"be.{url}.errors", RATE_TICKS)
+    for model in snapshot.get("models", ()):
+        prefix = f"mod.{model['name']}"
+        model["requests"]["per_s"] = window.rate(f"{prefix}.requests", RATE_TICKS)
+        model["requests"]["errors_per_s"] = window.rate(f"{prefix}.errors", RATE_TICKS)
+        for level in ("l0", "l1"):
+            hits, misses = f"{prefix}.{level}_hits", f"{prefix}.{level}_misses"
+            model["caches"][f"{level}_hit_pct"] = _pct(
+                window.ratio(hits, (hits, misses), RATE_TICKS)
+            )

@@ -22,11 +22,16 @@ from typing import Any
 
 import trio
 
+from app.dashboard.backends_api import MAX_BACKENDS
 from app.dashboard.derive import HISTOGRAM_TICKS, decorate, derive_point, raw_sample
+from app.models import MAX_MODELS
 from app.observe.stalls import RateLimiter
 from app.observe.timeseries import Columns, CounterWindow
 
 log = logging.getLogger("sluice.dashboard")
+
+# The page's fixed series, one per backend and one per served model, at their bounds.
+MAX_SERIES = 16 + MAX_BACKENDS + MAX_MODELS
 
 BuildSnapshot = Callable[[], dict[str, Any]]
 # Gauges' maxima since the last call (read once a tick), so that short bursts still show.
@@ -129,7 +134,7 @@ class DashboardFeed:
         self.max_pages = max_pages
         self._wall_clock = wall_clock
         self._window = CounterWindow(HISTOGRAM_TICKS)
-        self._columns = Columns(history_points)
+        self._columns = Columns(history_points, max_columns=MAX_SERIES)
         self._broadcast = Broadcast()
         self._records = RecordCache()
         self._poked = trio.Event()

@@ -10,8 +10,8 @@ fields to stay correct as snapshots grow:
   is kept) and `WORST` (the worst of the workers: p99s, maxima, last times);
 - a histogram (a dict with `buckets`) is merged bucket by bucket, its p50 and p99 computed
   again from the merged counts;
-- lists of backends are merged by URL; stall records are pooled, newest first, each tagged
-  with its worker; other lists, strings and flags are the first worker's.
+- lists of backends are merged by URL, of models by name; stall records are pooled, newest
+  first, each tagged with its worker; other lists, strings and flags are the first worker's.
 
 The request log is merged by `RecordLog`, which numbers records in the order the supervisor
 first sees them, so that `seq` keeps rising across workers and their restarts (the page adds
@@ -59,8 +59,17 @@ SAME = frozenset(
         "consecutive_failures",
         "sync_interval_s",
         "replicas",
+        # A model's pool, as every worker sees it.
+        "healthy_backends",
+        "serving_backends",
+        "engine_running",
+        "engine_waiting",
+        "engine_kv_cache_usage",
+        "engine_prefix_cache_hit_rate",
     }
 )
+# Lists of entries merged entry by entry, by this field.
+MERGED_BY = {"backends": "url", "models": "name"}
 # Blocks whose every number is the same thing seen by each worker (one engine, one Redis).
 SAME_BLOCKS = frozenset({"engine", "kv_events", "budgets"})
 WORST = frozenset(
@@ -76,6 +85,9 @@ WORST = frozenset(
         "last_lag_s",
         "mean_predicted_hit",
         "mean_reported_hit",
+        "breakers_open",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
     }
 )
 STALLS_SHOWN = 20
@@ -106,8 +118,8 @@ def _merge_value(key: str, values: list[Any]) -> Any:
             return _merge_histogram(dicts)
         return _merge_dicts(dicts)
     if isinstance(first, list):
-        if key == "backends":
-            return _merge_by_url([v for v in values if isinstance(v, list)])
+        if key in MERGED_BY:
+            return _merge_by(MERGED_BY[key], [v for v in values if isinstance(v, list)])
         return first
     if isinstance(first, bool) or not isinstance(first, int | float):
         return next((v for v in values if v is not None), first)
@@ -129,13 +141,13 @@ def _merge_dicts(dicts: list[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _merge_by_url(lists: list[list[Any]]) -> list[dict[str, Any]]:
-    by_url: OrderedDict[str, list[Mapping[str, Any]]] = OrderedDict()
+def _merge_by(field: str, lists: list[list[Any]]) -> list[dict[str, Any]]:
+    by_field: OrderedDict[str, list[Mapping[str, Any]]] = OrderedDict()
     for entries in lists:
         for entry in entries:
-            if isinstance(entry, Mapping) and "url" in entry:
-                by_url.setdefault(entry["url"], []).append(entry)
-    return [_merge_dicts(entries) for entries in by_url.values()]
+            if isinstance(entry, Mapping) and field in entry:
+                by_field.setdefault(entry[field], []).append(entry)
+    return [_merge_dicts(entries) for entries in by_field.values()]
 
 
 def _merge_histogram(histograms: list[Mapping[str, Any]]) -> dict[str, Any]:

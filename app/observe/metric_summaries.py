@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from app.observe.metrics import Metrics
+from app.observe.metrics import TOKENIZE_BUCKETS, Metrics
 from app.observe.stalls import summarize_histogram
 
 
@@ -70,7 +70,9 @@ def counts_by_two_labels(counter: Counter, outer: str, inner: str) -> dict[str, 
 def tokenize_summary(metrics: Metrics) -> dict[str, Any]:
     """Tokenization latency by path, template render time, and saturated requests."""
     by_path = summarize_by_label(metrics.tokenize_seconds, "path")
-    template = summarize_by_label(metrics.template_seconds, None)[""]
+    # Labelled by model, the histogram has no series before the first render.
+    empty = summarize_histogram(TOKENIZE_BUCKETS, [0.0] * (len(TOKENIZE_BUCKETS) + 1), 0.0)
+    template = summarize_by_label(metrics.template_seconds, None).get("", empty)
     saturated = counts_by_label(metrics.tokenize_saturated, "outcome")
     return {
         "latency_by_path": by_path,

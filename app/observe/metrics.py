@@ -2,6 +2,10 @@
 
 One `Metrics` object per running proxy, each with its own registry, so that several proxies
 in one process (tests) never share counters.
+
+The `model` label is a served model's name (at most `app.models.MAX_MODELS` of them), or
+"(none)" for a request refused before its model was known: a name a client made up is never
+a label.
 """
 
 from __future__ import annotations
@@ -34,22 +38,26 @@ class Metrics:
         # Preprocessing.
         self.tokenize_seconds = Histogram(
             "sluice_tokenize_seconds",
-            "Time to obtain a prompt's token ids, by the path that produced them",
-            ["path"],
+            "Time to obtain a prompt's token ids, by the path that produced them and model",
+            ["path", "model"],
             buckets=TOKENIZE_BUCKETS,
             registry=r,
         )
         self.template_seconds = Histogram(
             "sluice_template_seconds",
-            "Time to render a chat template",
+            "Time to render a chat template, by model",
+            ["model"],
             buckets=TOKENIZE_BUCKETS,
             registry=r,
         )
         self.l0_hits = Counter(
-            "sluice_tokenizer_cache_l0_hits", "L0 exact-match cache hits", registry=r
+            "sluice_tokenizer_cache_l0_hits", "L0 exact-match cache hits", ["model"], registry=r
         )
         self.l0_misses = Counter(
-            "sluice_tokenizer_cache_l0_misses", "L0 exact-match cache misses", registry=r
+            "sluice_tokenizer_cache_l0_misses",
+            "L0 exact-match cache misses",
+            ["model"],
+            registry=r,
         )
         self.l0_entries = Gauge(
             "sluice_tokenizer_cache_l0_entries", "Entries in the L0 cache", registry=r
@@ -57,9 +65,11 @@ class Metrics:
         self.l0_memory_bytes = Gauge(
             "sluice_tokenizer_cache_l0_memory_bytes", "Bytes held by the L0 cache", registry=r
         )
-        self.l1_hits = Counter("sluice_tokenizer_cache_l1_hits", "L1 prefix cache hits", registry=r)
+        self.l1_hits = Counter(
+            "sluice_tokenizer_cache_l1_hits", "L1 prefix cache hits", ["model"], registry=r
+        )
         self.l1_misses = Counter(
-            "sluice_tokenizer_cache_l1_misses", "L1 prefix cache misses", registry=r
+            "sluice_tokenizer_cache_l1_misses", "L1 prefix cache misses", ["model"], registry=r
         )
         self.l1_memory_bytes = Gauge(
             "sluice_tokenizer_cache_l1_memory_bytes", "Bytes held by the L1 cache", registry=r
@@ -67,6 +77,7 @@ class Metrics:
         self.l1_mismatches = Counter(
             "sluice_tokenizer_cache_l1_mismatches",
             "L1 results that differed from a full encode and were discarded",
+            ["model"],
             registry=r,
         )
         self.tokenize_saturated = Counter(
@@ -84,15 +95,26 @@ class Metrics:
         self.l0_hit_tokens = Counter(
             "sluice_tokenizer_cache_l0_hit_tokens",
             "Prompt tokens served by L0 hits",
+            ["model"],
             registry=r,
         )
         self.l1_hit_tokens = Counter(
             "sluice_tokenizer_cache_l1_hit_tokens",
             "Prompt tokens served from L1's cached prefixes",
+            ["model"],
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "sluice_prompt_tokens", "Prompt tokens counted per API key", ["api_key"], registry=r
+            "sluice_prompt_tokens",
+            "Prompt tokens counted, by API key (its fingerprint) and model",
+            ["api_key", "model"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "sluice_requests",
+            "Completion requests answered, by model and status code",
+            ["model", "code"],
+            registry=r,
         )
 
         # Event loop.

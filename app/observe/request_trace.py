@@ -38,6 +38,9 @@ class PreparedLike(Protocol):
     def fields(self) -> Mapping[str, Any]: ...
 
     @property
+    def model(self) -> str | None: ...  # the served model, once resolved
+
+    @property
     def token_ids(self) -> Any: ...
 
     @property
@@ -112,10 +115,15 @@ class RequestTrace:
         self._route: str | None = None
         self._request_id: str | None = None
 
+    @property
+    def model(self) -> str | None:
+        """The served model, once the request's was resolved (a bounded set of names)."""
+        return self._model
+
     def prepared(self, prepared: PreparedLike) -> None:
         """What the request asked for and how its prompt was tokenized (never the prompt)."""
         fields = prepared.fields
-        self._model = clip(fields.get("model"))
+        self._model = prepared.model
         self._stream = fields.get("stream") is True
         ids = prepared.token_ids
         self._prompt_tokens = None if ids is None else len(ids)

@@ -113,9 +113,12 @@ class Dispatcher:
             if value > self._peaks[name]:
                 self._peaks[name] = value
 
-    async def run(self, job: Callable[[], T], *, inline_ok: bool = True) -> tuple[T, Where] | None:
+    async def run(
+        self, job: Callable[[], T], *, inline_ok: bool = True, may_bail: bool = True
+    ) -> tuple[T, Where] | None:
         """The job's result and where it ran, or None when bailing out. `inline_ok`: the job
-        is small enough to run on the loop as the fallback."""
+        is small enough to run on the loop as the fallback; `may_bail`: the request can go
+        on without the job's result (when not, it waits whatever the policy)."""
         if self._workers.available_tokens > 0 or self.queued < self.queue_limit:
             return await self._queue_for_worker(job)
         if inline_ok:
@@ -125,7 +128,7 @@ class Dispatcher:
                 pass
             else:
                 return await self._inline(job)
-        if self.saturation == "bail-out":
+        if self.saturation == "bail-out" and may_bail:
             self._saturated.labels(outcome="bailed_out").inc()
             return None
         self._saturated.labels(outcome="waited").inc()

@@ -24,15 +24,16 @@ The premise is checked three ways; L1 returns its own ids only when the per-hit 
    a difference turns L1 off for good (the premise is false for this tokenizer) and the
    request gets the full encode.
 
-Storage is per segment, not per prefix: the key is a 128-bit BLAKE2b digest of the prompt
-text up to a cut, the value the ids of the segment since the previous cut (and where that cut
-was), as a plain tuple of an int and bytes. The garbage collector stops tracking such a
-tuple; an `array` is tracked, and so is any NamedTuple, so storing those (a segment per
-message) made each full collection walk every segment: 16-70 ms with the GIL held at a few
-hundred thousand segments, measured as `gil-wait` stalls of the loop in `python -m load
-hardening long-chats`. A conversation costs O(its tokens), not O(tokens x turns). LRU,
-bounded by bytes; a hit refreshes its chain root-last so the shared roots (system prompts)
-are evicted last.
+Storage is per segment, not per prefix: the key is a 128-bit BLAKE2b digest of the prompt text
+up to a cut (personalised by the tokenizer's namespace: one `L1Store` serves every tokenizer of
+a fleet under one bound), the value the ids of the segment since the previous cut (and where
+that cut was, and whose it is), as a plain tuple of ints and bytes. The garbage collector stops
+tracking such a tuple; an `array` is tracked, and so is any NamedTuple, so storing those (a
+segment per message) made each full collection walk every segment: 16-70 ms with the GIL held at
+a few hundred thousand segments, measured as `gil-wait` stalls of the loop in `python -m load
+hardening long-chats`. A conversation costs O(its tokens), not O(tokens x turns). LRU, bounded
+by bytes; a hit refreshes its chain root-last so the shared roots (system prompts) are evicted
+last.
 
 Called from worker threads and the event loop at once: the entries sit behind a
 `threading.Lock`, held only for dictionary work, never while encoding. Pure: no Trio.
@@ -54,13 +55,15 @@ from app.preprocess.boundaries import Boundary, BoundaryFinder
 Encode = Callable[[str], "array[int]"]
 Result = Literal["hit", "miss", "mismatch", "off"]
 
-# OrderedDict node (~66 B), the (start, ids) tuple and its int (~40 B); tracemalloc, rounded up.
-ENTRY_OVERHEAD_BYTES = 120
+# OrderedDict node, the (start, ids, namespace) tuple and its start int: ~171 B an entry
+# measured with tracemalloc (20,000 entries), rounded up.
+ENTRY_OVERHEAD_BYTES = 176
 VERIFY_EVERY = 32
 
 
-# (character offset of the previous cut, 0 for the first segment; the segment's ids as bytes)
-Segment = tuple[int, bytes]
+# (character offset of the previous cut, 0 for the first segment; the segment's ids as bytes;
+# the namespace of the tokenizer that made it)
+Segment = tuple[int, bytes, int]
 
 
 @dataclass(frozen=True)
@@ -70,27 +73,61 @@ class L1Outcome:
     cached_tokens: int = 0  # how many of the ids came from the cache (hits only)
 
 
+class L1Store:
+    """The segments of every tokenizer's L1, in one LRU under one bound (a fleet of models
+    shares it: memory stays bounded however many tokenizers there are). Keys carry their
+    tokenizer's namespace in the digest, so tokenizers never share segments."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.lock = threading.Lock()
+        self.entries: OrderedDict[bytes, Segment] = OrderedDict()
+        self.memory_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def drop_namespace(self, namespace: int) -> None:
+        """Forget one tokenizer's segments (its L1 was turned off); the caller holds the lock."""
+        for digest in [d for d, segment in self.entries.items() if segment[2] == namespace]:
+            _, packed, _ = self.entries.pop(digest)
+            self.memory_bytes -= segment_bytes(digest, packed)
+
+
 class L1Cache:
     def __init__(
         self,
         finder: BoundaryFinder,
         encode: Encode,
-        max_bytes: int,
+        store: L1Store | int,
         verify_every: int = VERIFY_EVERY,
+        namespace: int = 0,
     ) -> None:
+        """`store`: the shared segments, or a byte bound for a store of its own."""
         self._finder = finder
         self._encode = encode
-        self.max_bytes = max_bytes
+        self.store = store if isinstance(store, L1Store) else L1Store(store)
         self._verify_every = verify_every
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, Segment] = OrderedDict()
-        self.memory_bytes = 0
+        # BLAKE2b's personalisation: the same text under two tokenizers, two digests.
+        self._namespace = namespace
+        self._person = namespace.to_bytes(8, "little") if namespace else b""
+        self._lock = self.store.lock
+        self._entries = self.store.entries
         self.hits = 0
         self.misses = 0
         self.mismatches = 0
         self.disabled_reason: str | None = None
 
+    @property
+    def max_bytes(self) -> int:
+        return self.store.max_bytes
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.store.memory_bytes
+
     def __len__(self) -> int:
+        """Segments in the store, every tokenizer's."""
         return len(self._entries)
 
     def tokenize(self, text: str) -> L1Outcome:
@@ -98,7 +135,7 @@ class L1Cache:
         if self.disabled_reason is not None:
             return L1Outcome(self._encode(text), "off")
         cuts = self._finder.find(text)
-        digests = prefix_digests(text, cuts)
+        digests = prefix_digests(text, cuts, self._person)
         with self._lock:
             prefix = self._longest_cached_prefix(cuts, digests)
         if not prefix:
@@ -145,8 +182,7 @@ class L1Cache:
                         f"{len(full)} tokens): cuts at added tokens are not independent for "
                         f"this tokenizer"
                     )
-                    self._entries.clear()
-                    self.memory_bytes = 0
+                    self.store.drop_namespace(self._namespace)
                 return L1Outcome(full, "mismatch")
         with self._lock:
             self.hits += 1
@@ -175,18 +211,18 @@ class L1Cache:
             if digest not in self._entries:
                 packed = ids.tobytes()
                 size = segment_bytes(digest, packed)
-                if size <= self.max_bytes:
-                    self._entries[digest] = (previous_cut, packed)
-                    self.memory_bytes += size
+                if size <= self.store.max_bytes:
+                    self._entries[digest] = (previous_cut, packed, self._namespace)
+                    self.store.memory_bytes += size
             previous_cut = cut.end
-        while self.memory_bytes > self.max_bytes:
-            digest, (_, packed) = self._entries.popitem(last=False)
-            self.memory_bytes -= segment_bytes(digest, packed)
+        while self.store.memory_bytes > self.store.max_bytes:
+            digest, (_, packed, _) = self._entries.popitem(last=False)
+            self.store.memory_bytes -= segment_bytes(digest, packed)
 
 
-def prefix_digests(text: str, cuts: Sequence[Boundary]) -> list[bytes]:
+def prefix_digests(text: str, cuts: Sequence[Boundary], person: bytes = b"") -> list[bytes]:
     """BLAKE2b-128 of `text[:cut.end]` for each cut, in one pass over the text."""
-    hasher = hashlib.blake2b(digest_size=16)
+    hasher = hashlib.blake2b(digest_size=16, person=person)
     digests = []
     position = 0
     for cut in cuts:

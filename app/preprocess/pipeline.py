@@ -1,8 +1,13 @@
-"""The facade the proxy calls: request body in, rendered prompt and token ids out.
+"""The facade the proxy calls: request body in, served model, rendered prompt and token ids out.
 
     preprocessor = Preprocessor(settings, metrics, phase=stall_monitor.phase)
     async with preprocessor.running():          # the render worker processes
-        prepared = await preprocessor.prepare("chat", body)   # or "completion"
+        prepared = await preprocessor.prepare("chat", body, models=directory, allowed=...)
+
+Each model is prepared its own way (model_preps.py): the body's `model`, resolved against
+the `ModelDirectory` the proxy passes (aliases, the one model served, 404 for the rest),
+picks the template, tokenizer, caches and context window. Without a directory the model is
+only required, and the flags' tokenizer, template and `--max-model-len` serve every request.
 
 Where the work runs, so that none of it holds the event loop for long:
 - parse, checks and render (rendering.py): on the loop when the body is small and the render
@@ -17,6 +22,7 @@ Where the work runs, so that none of it holds the event loop for long:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from array import array
@@ -29,20 +35,20 @@ from prometheus_client import Gauge
 
 from app.config import Saturation, Settings
 from app.errors import ClientError
+from app.models import ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess import length_gate, request_bodies
-from app.preprocess.chat_template import calibrate_render_cost, load_chat_template
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
-from app.preprocess.encoding import facts_for
+from app.preprocess.model_preps import ModelPrep, ModelPreps
 from app.preprocess.rendering import (
     Kind,
-    Rendered,
-    RenderSpec,
-    render_body,
-    render_payload,
+    RenderedRequest,
+    RenderPlan,
+    render_picked,
+    render_request,
     warm_up,
 )
-from app.preprocess.tokenization import Tokenization, dispatcher_snapshot
+from app.preprocess.tokenization import NO_MODEL, dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
     TokenizerLike,
@@ -61,6 +67,9 @@ PARSE_ON_LOOP_BYTES = 64 * 1024
 
 @dataclass(frozen=True)
 class Prepared:
+    # The served model (an alias resolved); None when it was not resolved (no directory, or
+    # a bail-out before the body was parsed with one model served, which it then goes to).
+    model: str | None
     # The request's fields but its prompt; empty when it bailed out before being parsed.
     fields: dict[str, Any]
     # The rendered chat prompt or completion text (only its head for a prompt that bailed out
@@ -73,6 +82,9 @@ class Prepared:
     tokenize_path: str  # l0 | l1 | thread | fallback | inline | bailed_out | given
     template_seconds: float
     tokenize_seconds: float
+    # The body to forward when the model had to be rewritten (an alias, or no model named);
+    # None: the client's own.
+    forward_body: bytes | None = None
 
 
 def _no_phase(name: str) -> AbstractContextManager[None]:
@@ -92,14 +104,6 @@ class Preprocessor:
         self._metrics = metrics
         self._phase = phase or _no_phase
         loaded = load_tokenizer(settings.tokenizer) if tokenizer is None else _wrap(tokenizer)
-        self._source = loaded.source
-        self._tokenizer = loaded.tokenizer
-        self._facts = facts_for(loaded)
-        self._template = load_chat_template(
-            settings.chat_template, loaded, self._facts.added_tokens
-        )
-        self._spec = RenderSpec(self._template, self._source, self._facts.vocab_size)
-        self._render_cost = calibrate_render_cost(self._template) if self._template else None
         self._processes = ProcessPool(settings.render_workers)
         self._renders = self._dispatcher(
             self._processes,
@@ -110,9 +114,8 @@ class Preprocessor:
         threads = self._dispatcher(
             in_thread, settings.tokenize_threads, "tokenize-fallback", metrics.tokenize_queue_depth
         )
-        self._tokens = Tokenization(
-            settings, metrics, loaded.tokenizer, self._facts, threads, self._phase
-        )
+        self.preps = ModelPreps(settings, metrics, loaded, threads, self._phase)
+        self._threads = threads
 
     def _dispatcher(
         self, offload: Offload, workers: int, fallback_phase: str, queue_depth: Gauge
@@ -130,7 +133,7 @@ class Preprocessor:
 
     def running(self) -> AbstractAsyncContextManager[None]:
         """The render worker processes, started (and warmed up) for as long as it is open."""
-        return self._processes.running(functools.partial(warm_up, self._spec))
+        return self._processes.running(functools.partial(warm_up, self.preps.specs()))
 
     @property
     def saturation(self) -> Saturation:
@@ -139,91 +142,130 @@ class Preprocessor:
     @saturation.setter
     def saturation(self, policy: Saturation) -> None:
         self._renders.saturation = policy
-        self._tokens.dispatcher.saturation = policy
+        self._threads.saturation = policy
 
     def encode_plain(self, text: str) -> list[int]:
         """`text`'s ids as prompts are encoded (no post-processor tokens), on the calling
         thread: for short start-up texts such as the backends' tokenizer probe."""
-        return self._tokens.encode_plain(text)
+        return self.preps.default.tokens.encode_plain(text)
 
     def special_tokens(self) -> list[str]:
-        """The tokenizer's special added tokens, lowest id first."""
-        decoder = self._tokenizer.get_added_tokens_decoder()
+        """The default tokenizer's special added tokens, lowest id first."""
+        decoder = self.preps.default.loaded.tokenizer.get_added_tokens_decoder()
         return [token.content for _, token in sorted(decoder.items()) if token.special]
 
     async def prepare(
-        self, kind: Kind, body: bytes, *, backend_max_model_len: int | None = None
+        self,
+        kind: Kind,
+        body: bytes,
+        *,
+        models: ModelDirectory | None = None,
+        allowed: frozenset[str] | None = None,
     ) -> Prepared:
-        """Parse, check, render and tokenize one request body; `ClientError` if it is bad.
+        """Resolve the model, parse, check, render and tokenize one request body;
+        `ClientError` if it is bad (404 for a model that is not served, or not `allowed`).
 
-        The context window is --max-model-len, else the backends' own `max_model_len`
-        (from /v1/models), when either is known.
+        The context window is the model's in `models` (configured, --max-model-len, or its
+        backends' own `max_model_len`); without a directory, --max-model-len.
         """
-        limit = self._settings.max_model_len or backend_max_model_len
+        plan = self.preps.plan(models, allowed)
         started = time.perf_counter()
-        rendered = await self._render(kind, body, limit)
+        picked = await self._render(kind, body, plan)
         template_seconds = time.perf_counter() - started
-        if rendered is None:
-            return _bailed_out({}, None, template_seconds)
+        if picked is None:
+            only = models.only if models is not None else None
+            return _bailed_out(only, {}, None, template_seconds)
+        model, rendered = picked.model, picked.rendered
+        prep = self.preps.for_model(model)
+        label = model or NO_MODEL
+        limit = plan.window if models is None or model is None else models.windows.get(model)
         if kind == "chat":
-            self._metrics.template_seconds.observe(template_seconds)
+            self._metrics.template_seconds.labels(model=label).observe(template_seconds)
         if isinstance(rendered.prompt, list):
-            prepared = Prepared(rendered.fields, None, rendered.prompt, False, "given", 0.0, 0.0)
-            return self._checked(kind, prepared, limit)
+            prepared = Prepared(
+                model, rendered.fields, None, rendered.prompt, False, "given", 0.0, 0.0, picked.body
+            )
+            return self._checked(kind, prep, prepared, limit)
         if limit is not None and self._settings.tokenize_mode != "inline":
             budget = limit - request_bodies.requested_completion_tokens(rendered.fields)
-            fits = await self._refuse_if_too_long(kind, body, rendered, budget, limit)
+            fits = await self._refuse_if_too_long(kind, body, prep, picked, plan, budget, limit)
             if fits is None:
-                return _bailed_out(rendered.fields, str(rendered.prompt), template_seconds)
-            rendered = fits
+                fields, prompt = rendered.fields, str(rendered.prompt)
+                return _bailed_out(model, fields, prompt, template_seconds, picked.body)
+            picked, rendered = fits, fits.rendered
         prompt = str(rendered.prompt)
-        ids, path, tokenize_seconds = await self._tokens.tokenize(prompt)
-        bos, eos = self._facts.bos_affix, self._facts.eos_affix
+        ids, path, tokenize_seconds = await prep.tokens.tokenize(prompt, label)
+        bos, eos = prep.facts.bos_affix, prep.facts.eos_affix
         if kind == "completion" and ids is not None and (bos or eos):
             ids = array("I", bos) + ids + array("I", eos)
         prepared = Prepared(
-            rendered.fields, prompt, ids, ids is None, path, template_seconds, tokenize_seconds
+            model,
+            rendered.fields,
+            prompt,
+            ids,
+            ids is None,
+            path,
+            template_seconds,
+            tokenize_seconds,
+            picked.body,
         )
-        return self._checked(kind, prepared, limit)
+        return self._checked(kind, prep, prepared, limit)
 
-    async def _render(self, kind: Kind, body: bytes, limit: int | None) -> Rendered | None:
-        """The request parsed, checked and rendered, where that is cheapest for the loop;
-        None when the render workers are saturated and the policy is to bail out."""
-        head = None if limit is None else length_gate.head_chars(limit)
-        phase = self._phase("template") if kind == "chat" else nullcontext()
-        if self._settings.tokenize_mode == "inline":
-            with phase:
-                return render_body(kind, body, self._spec, head)
-        if len(body) <= PARSE_ON_LOOP_BYTES:
+    async def _render(self, kind: Kind, body: bytes, plan: RenderPlan) -> RenderedRequest | None:
+        """The request parsed, its model picked, rendered, where that is cheapest for the
+        loop; None when the render workers are saturated and the policy is to bail out."""
+        inline = self._settings.tokenize_mode == "inline"
+        if inline or len(body) <= PARSE_ON_LOOP_BYTES:
             payload = request_bodies.parse_json_object(body)
-            if self._renders_on_loop(kind, payload, len(body)):
-                with phase:
-                    return render_payload(kind, payload, self._spec, head)
-        return await self._render_off_loop(kind, body, head)
+            model, spec, head = plan.pick(payload)
+            prep = self.preps.for_model(model)
+            if inline or self._renders_on_loop(kind, prep, payload, len(body)):
+                with self._phase("template") if kind == "chat" else nullcontext():
+                    return render_picked(kind, payload, model, spec, head)
+        return await self._render_off_loop(kind, body, plan)
 
-    async def _render_off_loop(self, kind: Kind, body: bytes, head: int | None) -> Rendered | None:
-        job = functools.partial(render_body, kind, body, self._spec, head)
+    async def _render_off_loop(
+        self, kind: Kind, body: bytes, plan: RenderPlan
+    ) -> RenderedRequest | None:
+        job = functools.partial(render_request, kind, body, plan)
+        # Without its parse, a request can go on only where the model needs no resolving.
+        directory = plan.models
+        may_bail = directory is None or (
+            not directory.needs_body() and (plan.allowed is None or directory.only in plan.allowed)
+        )
         try:
             # Bodies parsed on the loop already, whose render was estimated over the loop's
             # budget, may fall back to the loop; larger ones never.
-            dispatched = await self._renders.run(job, inline_ok=len(body) <= PARSE_ON_LOOP_BYTES)
+            dispatched = await self._renders.run(
+                job, inline_ok=len(body) <= PARSE_ON_LOOP_BYTES, may_bail=may_bail
+            )
         except RecursionError:
             # JSON within the parser's depth can still be too deep to pickle back.
             raise request_bodies.nested_too_deeply() from None
         return None if dispatched is None else dispatched[0]
 
-    def _renders_on_loop(self, kind: Kind, payload: dict[str, Any], chars: int) -> bool:
+    def _renders_on_loop(
+        self, kind: Kind, prep: ModelPrep, payload: dict[str, Any], chars: int
+    ) -> bool:
         messages = payload.get("messages")
-        if kind == "completion" or self._render_cost is None or not isinstance(messages, list):
+        if kind == "completion" or prep.render_cost is None or not isinstance(messages, list):
             return True  # nothing to render, or refused at once
-        return self._render_cost.estimate(len(messages), chars) <= RENDER_ON_LOOP_BUDGET
+        return prep.render_cost.estimate(len(messages), chars) <= RENDER_ON_LOOP_BUDGET
 
     async def _refuse_if_too_long(
-        self, kind: Kind, body: bytes, rendered: Rendered, budget: int, limit: int
-    ) -> Rendered | None:
+        self,
+        kind: Kind,
+        body: bytes,
+        prep: ModelPrep,
+        picked: RenderedRequest,
+        plan: RenderPlan,
+        budget: int,
+        limit: int,
+    ) -> RenderedRequest | None:
         """Refuse a prompt proven longer than `budget` tokens, encoding no more of it than the
         proof needs. Returns the whole rendered request when it may fit, None on bail-out."""
-        bound = self._facts.max_token_bytes
+        rendered = picked.rendered
+        bound = prep.facts.max_token_bytes
         if length_gate.too_many_bytes(rendered.prompt_bytes, budget, bound):
             assert bound is not None
             least = length_gate.least_tokens(rendered.prompt_bytes, bound)
@@ -233,23 +275,26 @@ class Preprocessor:
             proof = length_gate.PrefixCount(text, budget, truncated=not rendered.complete)
             while not proof.exhausted and not proof.proven_too_long:
                 end = proof.next_cut()
-                counted = await self._tokens.count(text[proof.position : end])
+                counted = await prep.tokens.count(text[proof.position : end])
                 if counted is None:
                     return None
                 proof.counted(end, counted)
             if proof.proven_too_long:
                 raise _too_long(kind, limit, budget, f"more than {budget}")
         if rendered.complete:
-            return rendered
+            return picked
         # Long yet possibly within the window (dense text): the whole prompt is needed now.
-        return await self._render_off_loop(kind, body, None)
+        whole = dataclasses.replace(plan, cut_heads=False)
+        return await self._render_off_loop(kind, body, whole)
 
-    def _checked(self, kind: Kind, prepared: Prepared, limit: int | None) -> Prepared:
+    def _checked(
+        self, kind: Kind, prep: ModelPrep, prepared: Prepared, limit: int | None
+    ) -> Prepared:
         """Refuse a prompt whose exact token count does not fit the context window."""
         if prepared.token_ids is None:
             return prepared
         prompt_tokens = len(prepared.token_ids)
-        self._tokens.counted(prompt_tokens)
+        prep.tokens.counted(prompt_tokens)
         if limit is None:
             return prepared
         completion = request_bodies.requested_completion_tokens(prepared.fields)
@@ -266,16 +311,19 @@ class Preprocessor:
 
     def tokenizer_peaks(self) -> dict[str, int]:
         """The tokenizer dispatcher's busiest moments since the last call (Dispatcher)."""
-        return self._tokens.dispatcher.take_peaks()
+        return self._threads.take_peaks()
 
     def snapshot(self) -> dict[str, Any]:
-        """Caches, queues and policy, for the dashboard."""
-        renders, cost = self._renders, self._render_cost
+        """Caches, queues and policy, for the dashboard; tokenizer and template are the
+        default's (`models` has each configured model's)."""
+        renders, default = self._renders, self.preps.default
+        cost = default.render_cost
         return {
             "mode": self._settings.tokenize_mode,
             "saturation": renders.saturation,
-            "tokenizer": self._source,
-            "chat_template": self._template.origin if self._template else None,
+            **default.describe(),
+            "tokenizers": self.preps.tokenizers,
+            "models": dict(self.preps.describe()),
             "render_on_loop": None
             if cost is None
             else {
@@ -285,13 +333,21 @@ class Preprocessor:
                 "per_char_seconds": cost.per_char,
             },
             "render": dispatcher_snapshot(renders) | {"fallback_busy": renders.fallback_busy},
-            **self._tokens.snapshot(),
+            **default.tokens.snapshot(),
         }
 
 
-def _bailed_out(fields: dict[str, Any], prompt: str | None, template_seconds: float) -> Prepared:
+def _bailed_out(
+    model: str | None,
+    fields: dict[str, Any],
+    prompt: str | None,
+    template_seconds: float,
+    forward_body: bytes | None = None,
+) -> Prepared:
     """Saturated and told to bail out: the request goes on without tokens."""
-    return Prepared(fields, prompt, None, True, "bailed_out", template_seconds, 0.0)
+    return Prepared(
+        model, fields, prompt, None, True, "bailed_out", template_seconds, 0.0, forward_body
+    )
 
 
 def _too_long(kind: Kind, limit: int, budget: int, prompt_tokens: str) -> ClientError:

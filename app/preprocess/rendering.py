@@ -8,18 +8,26 @@ A prompt far longer than the context window does not cross the pipe whole: with 
 set, only its first `head_chars` characters come back, with the size of the whole, which is
 all that proving it too long needs (length_gate.py). Sending 12 MB back costs the loop
 milliseconds of unpickling; the proof needs about four characters per token of the window.
+
+Which template renders a body depends on the model it names, which only its parse tells: a
+`RenderPlan` carries every model's spec and the `ModelDirectory` to resolve the name with,
+so a worker that parses a large body picks its model itself (`render_request`). A request
+that named an alias, or no model, leaves with its body rewritten to carry the served name.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.errors import ClientError
+from app.models import ModelDirectory, missing_model, model_field
 from app.preprocess import request_bodies
 from app.preprocess.chat_template import ChatTemplate
-from app.preprocess.length_gate import cut_before_whitespace
+from app.preprocess.length_gate import cut_before_whitespace, head_chars
 
 Kind = Literal["chat", "completion"]
 # The fields that carry a request's prompt; every other field travels in `Rendered.fields`.
@@ -44,9 +52,67 @@ class Rendered:
     template_seconds: float  # the render alone, without parsing or checks
 
 
-def render_body(kind: Kind, body: bytes, spec: RenderSpec, head_chars: int | None) -> Rendered:
-    """Parse and render a raw body: the job a render worker process runs."""
-    return render_payload(kind, request_bodies.parse_json_object(body), spec, head_chars)
+@dataclass(frozen=True)
+class RenderPlan:
+    """How to render any body: its model's spec (`by_model`, else `default`) and how much of
+    a long prompt to keep (from the model's window). Pickled with each job: the specs it
+    shares are pickled once."""
+
+    default: RenderSpec
+    by_model: Mapping[str, RenderSpec]
+    models: ModelDirectory | None  # None: the model is only required, not resolved
+    allowed: frozenset[str] | None  # served names the caller's key may use; None: any
+    window: int | None = None  # without a directory: the context window of every request
+    cut_heads: bool = True  # False: the whole prompt, however long
+
+    def pick(self, payload: dict[str, Any]) -> tuple[str | None, RenderSpec, int | None]:
+        """The served model, its spec and the head to keep; a ClientError for a model that
+        cannot be served (404) or a `model` field of the wrong shape (400)."""
+        requested = payload.get("model")
+        model: str | None = None
+        spec, window = self.default, self.window
+        if self.models is None:
+            if model_field(requested) is None:
+                raise missing_model()
+        else:
+            model = self.models.resolve(requested, self.allowed)
+            spec, window = self.by_model.get(model, self.default), self.models.windows.get(model)
+        head = head_chars(window) if window is not None and self.cut_heads else None
+        return model, spec, head
+
+
+@dataclass(frozen=True)
+class RenderedRequest:
+    model: str | None  # the served model (None: not resolved)
+    rendered: Rendered
+    body: bytes | None  # the body to forward when its model was rewritten; None: the client's
+
+
+def render_request(kind: Kind, body: bytes, plan: RenderPlan) -> RenderedRequest:
+    """Parse, resolve the model and render a raw body: the job a render worker runs."""
+    payload = request_bodies.parse_json_object(body)
+    model, spec, head = plan.pick(payload)
+    return render_picked(kind, payload, model, spec, head)
+
+
+def render_picked(
+    kind: Kind, payload: dict[str, Any], model: str | None, spec: RenderSpec, head: int | None
+) -> RenderedRequest:
+    """Render a parsed body whose model was picked; rewrite its `model` to the served name
+    when the client sent an alias or nothing."""
+    rewritten = None
+    if model is not None and payload.get("model") != model:
+        payload["model"] = model
+        rewritten = encode_body(payload)
+    return RenderedRequest(model, render_payload(kind, payload, spec, head), rewritten)
+
+
+def encode_body(payload: dict[str, Any]) -> bytes:
+    try:
+        # ASCII escapes: a lone surrogate the client sent stays valid JSON on the way out.
+        return json.dumps(payload, separators=(",", ":")).encode()
+    except RecursionError:
+        raise request_bodies.nested_too_deeply() from None
 
 
 def render_payload(
@@ -101,7 +167,10 @@ def _text_prompt(
     return Rendered(fields, prompt[:cut], len(prompt), size, False, messages, template_seconds)
 
 
-def warm_up(spec: RenderSpec) -> None:
-    """Run once in each new worker: import everything and compile the template."""
-    if spec.template is not None:
-        spec.template.render([{"role": "user", "content": "warm up"}], add_generation_prompt=True)
+def warm_up(specs: Sequence[RenderSpec]) -> None:
+    """Run once in each new worker: import everything and compile every model's template."""
+    for spec in specs:
+        if spec.template is not None:
+            spec.template.render(
+                [{"role": "user", "content": "warm up"}], add_generation_prompt=True
+            )

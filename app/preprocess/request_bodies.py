@@ -51,13 +51,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _check_common(body: dict[str, Any]) -> None:
-    model = body.get("model")
-    if model is None:
-        raise ClientError(
-            "you must provide a model parameter", "model", "missing_required_parameter"
-        )
-    if not isinstance(model, str):
-        raise ClientError("'model' must be a string", "model", "invalid_type")
+    # `model` is resolved before any check here (app/models.py, rendering.RenderPlan).
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", "stream", "invalid_type")

@@ -10,8 +10,13 @@
 - `inline` mode, the naive baseline kept for comparisons: `Tokenizer.encode` on the loop, no
   caches.
 
-Every outcome is counted: per path in `sluice_tokenize_seconds`, cache hits and misses, and
-the tokens each cache served (by requests and by tokens, as the dashboard shows them).
+Every outcome is counted, by model: per path in `sluice_tokenize_seconds`, cache hits and
+misses, and the tokens each cache served (by requests and by tokens, as the dashboard shows
+them).
+
+A fleet has one `Tokenization` per distinct tokenizer (models that share a tokenizer share
+it: same text, same ids) and one `TokenCaches` for all of them: L0 and the L1 store are
+bounded once, whatever the number of models, each tokenizer in a namespace of its own.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from app.observe.metrics import Metrics
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import TokenizerFacts, gil_releasing_encoder, naive_encoder
 from app.preprocess.l0_cache import L0Cache
-from app.preprocess.l1_cache import L1Cache, L1Outcome
+from app.preprocess.l1_cache import L1Cache, L1Outcome, L1Store
 from app.preprocess.tokenizer_loading import TokenizerLike
 
 # Settings bound L0 by entries and text size; this bounds its total memory (10,000 entries
@@ -38,6 +43,24 @@ ON_LOOP_MAX_CHARS = 256
 # The largest text the capacity-one fallback encodes on the loop: ~2k tokens, ~2 ms.
 FALLBACK_MAX_CHARS = 8192
 PATHS = {"offloaded": "thread", "fallback": "fallback", "inline": "inline"}
+# The model label of requests prepared without a served model (a Preprocessor used alone).
+NO_MODEL = "(none)"
+
+
+class TokenCaches:
+    """L0 and the L1 store shared by every tokenizer, and the prompt tokens they served."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.l0 = L0Cache(settings.l0_max_entries, L0_MAX_MEMORY_BYTES, settings.l0_max_text_bytes)
+        self.l1 = L1Store(settings.l1_max_memory)
+        self.l1_caches: list[L1Cache] = []  # one per tokenizer whose L1 can work
+        self.namespaces = 0
+        # Prompt tokens counted, and how many of them came from each cache, for the dashboard.
+        self.tokens = {"prompt": 0, "from_l0": 0, "from_l1": 0}
+
+    def new_namespace(self) -> int:
+        self.namespaces += 1
+        return self.namespaces - 1
 
 
 class Tokenization:
@@ -49,6 +72,7 @@ class Tokenization:
         facts: TokenizerFacts,
         dispatcher: Dispatcher,
         phase: Phase,
+        caches: TokenCaches | None = None,
     ) -> None:
         self._inline = settings.tokenize_mode == "inline"
         self._metrics = metrics
@@ -57,35 +81,45 @@ class Tokenization:
         self._phase = phase
         self._encode = gil_releasing_encoder(tokenizer)
         self._naive_encode = naive_encoder(tokenizer)
-        self._l0 = L0Cache(settings.l0_max_entries, L0_MAX_MEMORY_BYTES, settings.l0_max_text_bytes)
+        self.caches = caches or TokenCaches(settings)
+        self._namespace = self.caches.new_namespace()
+        self._l0 = self.caches.l0
+        self._tokens = self.caches.tokens
         finder = facts.finder
-        self._l1 = L1Cache(finder, self._encode, settings.l1_max_memory) if finder else None
-        # Prompt tokens counted, and how many of them came from each cache, for the dashboard.
-        self._tokens = {"prompt": 0, "from_l0": 0, "from_l1": 0}
+        self._l1 = (
+            L1Cache(finder, self._encode, self.caches.l1, namespace=self._namespace)
+            if finder
+            else None
+        )
+        if self._l1 is not None:
+            self.caches.l1_caches.append(self._l1)
 
     def encode_plain(self, text: str) -> list[int]:
         """`text`'s ids as prompts are encoded (no post-processor tokens), on the calling
         thread: for short start-up texts such as the backends' tokenizer probe."""
         return list(self._naive_encode(text))
 
-    async def tokenize(self, text: str) -> tuple[array[int] | None, str, float]:
+    async def tokenize(
+        self, text: str, model: str = NO_MODEL
+    ) -> tuple[array[int] | None, str, float]:
         """The ids, the path that produced them, and the seconds it took; no ids when the
-        tokenizer was saturated and the policy is to bail out."""
+        tokenizer was saturated and the policy is to bail out. `model` labels the metrics."""
         start = time.perf_counter()
         ids: array[int] | None
+        metrics = self._metrics
         if self._inline:
             with self._phase("tokenize-inline"):
                 ids = self._naive_encode(text)
             path = "inline"
         else:
-            ids = self._l0.get(text)
+            ids = self._l0.get(text, self._namespace)
             if ids is not None:
-                self._metrics.l0_hits.inc()
-                self._metrics.l0_hit_tokens.inc(len(ids))
+                metrics.l0_hits.labels(model=model).inc()
+                metrics.l0_hit_tokens.labels(model=model).inc(len(ids))
                 self._tokens["from_l0"] += len(ids)
                 path = "l0"
             else:
-                self._metrics.l0_misses.inc()
+                metrics.l0_misses.labels(model=model).inc()
                 if len(text) <= ON_LOOP_MAX_CHARS:
                     outcome, where = self._job(text), "inline"
                 else:
@@ -95,14 +129,14 @@ class Tokenization:
                     if dispatched is None:
                         return None, "bailed_out", time.perf_counter() - start
                     outcome, where = dispatched
-                self._count_l1(outcome)
+                self._count_l1(outcome, model)
                 ids = outcome.ids
                 path = "l1" if outcome.result == "hit" else PATHS[where]
-                self._l0.put(text, ids)
-                self._metrics.l0_entries.set(len(self._l0))
-                self._metrics.l0_memory_bytes.set(self._l0.memory_bytes)
+                self._l0.put(text, ids, self._namespace)
+                metrics.l0_entries.set(len(self._l0))
+                metrics.l0_memory_bytes.set(self._l0.memory_bytes)
         seconds = time.perf_counter() - start
-        self._metrics.tokenize_seconds.labels(path=path).observe(seconds)
+        metrics.tokenize_seconds.labels(path=path, model=model).observe(seconds)
         return ids, path, seconds
 
     async def count(self, text: str) -> int | None:
@@ -124,22 +158,40 @@ class Tokenization:
             return L1Outcome(self._encode(text), "off")
         return self._l1.tokenize(text)
 
-    def _count_l1(self, outcome: L1Outcome) -> None:
+    def _count_l1(self, outcome: L1Outcome, model: str) -> None:
+        metrics = self._metrics
         counters = {
-            "hit": self._metrics.l1_hits,
-            "miss": self._metrics.l1_misses,
-            "mismatch": self._metrics.l1_mismatches,
+            "hit": metrics.l1_hits,
+            "miss": metrics.l1_misses,
+            "mismatch": metrics.l1_mismatches,
         }
         counter = counters.get(outcome.result)
         if counter is not None:
-            counter.inc()
-        self._metrics.l1_hit_tokens.inc(outcome.cached_tokens)
+            counter.labels(model=model).inc()
+        metrics.l1_hit_tokens.labels(model=model).inc(outcome.cached_tokens)
         self._tokens["from_l1"] += outcome.cached_tokens
-        if self._l1 is not None:
-            self._metrics.l1_memory_bytes.set(self._l1.memory_bytes)
+        metrics.l1_memory_bytes.set(self.caches.l1.memory_bytes)
+
+    def l1_state(self) -> tuple[bool, str | None]:
+        """Whether this tokenizer's L1 works, and why not."""
+        if self._l1 is None:
+            return False, self._facts.l1_unavailable
+        return self._l1.disabled_reason is None, self._l1.disabled_reason
 
     def snapshot(self) -> dict[str, Any]:
-        l0 = self._l0
+        """The shared caches, and this tokenizer's L1 state."""
+        caches, l0 = self.caches, self._l0
+        enabled, reason = self.l1_state()
+        l1: dict[str, Any] = {"enabled": enabled, "unavailable_reason": reason}
+        if caches.l1_caches:
+            l1 |= {
+                "entries": len(caches.l1),
+                "memory_bytes": caches.l1.memory_bytes,
+                "max_bytes": caches.l1.max_bytes,
+                "hits": sum(c.hits for c in caches.l1_caches),
+                "misses": sum(c.misses for c in caches.l1_caches),
+                "mismatches": sum(c.mismatches for c in caches.l1_caches),
+            }
         return {
             "threads": dispatcher_snapshot(self.dispatcher),
             "fallback_busy": self.dispatcher.fallback_busy,
@@ -153,22 +205,7 @@ class Tokenization:
                 "hits": l0.hits,
                 "misses": l0.misses,
             },
-            "l1": self._l1_snapshot(),
-        }
-
-    def _l1_snapshot(self) -> dict[str, Any]:
-        l1 = self._l1
-        if l1 is None:
-            return {"enabled": False, "unavailable_reason": self._facts.l1_unavailable}
-        return {
-            "enabled": l1.disabled_reason is None,
-            "unavailable_reason": l1.disabled_reason,
-            "entries": len(l1),
-            "memory_bytes": l1.memory_bytes,
-            "max_bytes": l1.max_bytes,
-            "hits": l1.hits,
-            "misses": l1.misses,
-            "mismatches": l1.mismatches,
+            "l1": l1,
         }
 
 

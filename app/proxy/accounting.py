@@ -13,6 +13,20 @@ ANONYMOUS = "anonymous"
 OVERFLOW = "other"
 
 
+def bearer_token(authorization: bytes | None) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header value, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
+
+
+def fingerprint(token: bytes) -> str:
+    """What stands for a key wherever one must be named: never the key itself."""
+    return "key-" + hashlib.sha256(token).hexdigest()[:12]
+
+
 class KeyLabels:
     def __init__(self, max_keys: int = 1000) -> None:
         self.max_keys = max_keys
@@ -20,17 +34,14 @@ class KeyLabels:
 
     def label(self, authorization: bytes | None) -> str:
         """The metric label for an `Authorization` header value."""
-        if not authorization:
+        token = bearer_token(authorization)
+        if token is None:
             return ANONYMOUS
-        scheme, _, token = authorization.partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
-            return ANONYMOUS
-        token = token.strip()
         label = self._labels.get(token)
         if label is not None:
             return label
         if len(self._labels) >= self.max_keys:
             return OVERFLOW
-        label = "key-" + hashlib.sha256(token).hexdigest()[:12]
+        label = fingerprint(token)
         self._labels[token] = label
         return label

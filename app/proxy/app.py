@@ -1,10 +1,12 @@
 """The proxy's handler: parse -> preprocess -> route -> forward, plus the small GET endpoints.
 
 It answers each `Exchange` the proxy's server (http_server.py) hands it: a request costs one
-dict lookup to dispatch, and a backend's answer is relayed by relay.py. Every error leaves
-as OpenAI-shaped JSON. With `--forward tokens` the backend gets Sluice's token ids
-(token_forwarding.py), only backends whose tokenizer was verified take traffic
-(routing/tokenizer_check.py), and chat answers are reshaped back.
+dict lookup to dispatch, and a backend's answer is relayed by relay.py. Every error leaves as
+OpenAI-shaped JSON. With `--api-keys` a completion or a model list needs a listed key
+(api_keys.py); each request's model is resolved while it is preprocessed (404 for a model that
+is not served, or not the key's), and it goes only to that model's pool. With `--forward tokens`
+the backend gets Sluice's token ids (token_forwarding.py), only backends whose tokenizer was
+verified take traffic (routing/tokenizer_check.py), and chat answers are reshaped back.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ import trio
 from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
+from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
+from app.preprocess.tokenization import NO_MODEL
 from app.proxy.accounting import KeyLabels
+from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
 from app.proxy.errors import (
     respond_method_not_allowed,
     respond_no_backend,
@@ -46,7 +51,8 @@ from app.proxy.relay_hub import RelayHub
 from app.proxy.token_forwarding import plan_forward
 from app.proxy.upstream import UpstreamPool
 from app.routing.admission import Overloaded
-from app.routing.backends import Backend, BackendPool
+from app.routing.backends import ANY_MODEL, Backend, BackendPool
+from app.routing.catalog import ModelCatalog
 from app.routing.decision import Decision, RouteRequest
 from app.routing.router import Router, estimated_tokens
 from app.routing.tokenizer_check import build_probe
@@ -90,6 +96,11 @@ class Outgoing:
     extra_headers: Headers
     answer_as_chat: bool  # the backend answers a completion to what was a chat request
     api_key: str  # the key's label: token admission and accounting
+    tokens_per_minute: int | None  # the key's own limit (None: --tokens-per-minute)
+
+    @property
+    def model(self) -> str | None:
+        return self.route_request.model
 
 
 class ProxyApp:
@@ -101,12 +112,17 @@ class ProxyApp:
         upstream: UpstreamPool,
         preprocessor: Preprocessor,
         metrics: Metrics,
+        catalog: ModelCatalog,
         relay_hub: RelayHub | None = None,
     ) -> None:
         self.settings = settings
         self.relay_hub = relay_hub
         self.preprocessor = preprocessor
         self.key_labels = KeyLabels()
+        self.keys: KeyTable | None = (
+            None if settings.api_keys is None else load_api_keys(settings.api_keys)
+        )
+        self.catalog = catalog
         self.pool = pool
         self.router = router
         self.policy = router.policy
@@ -167,16 +183,31 @@ class ProxyApp:
                 payload["status"] = "no verified backend"
         await exchange.respond_json(status, payload)
 
+    def grant(self, exchange: Exchange) -> KeyGrant | None:
+        """The caller's grant with `--api-keys` (None without: the proxy is open); a 401
+        `ClientError` when its key is missing or not listed."""
+        if self.keys is None:
+            return None
+        grant = self.keys.find(exchange.header(b"authorization"))
+        if grant is None:
+            raise invalid_api_key()
+        return grant
+
     async def models(self, exchange: Exchange) -> None:
+        try:
+            grant = self.grant(exchange)
+        except ClientError as exc:
+            await exchange.respond_client_error(exc)
+            return
         now = trio.current_time()
-        seen: dict[str, dict[str, Any]] = {}
-        for backend in self.pool.available(now):
-            for model in backend.models:
-                seen.setdefault(model["id"], model)
-        if not seen and not self.pool.any_available(now):
+        backends = self.pool.backends
+        directory = self.catalog.directory(backends)
+        allowed = grant.allowed(directory) if grant else None
+        cards = self.catalog.cards(directory, backends, now, allowed)
+        if not cards and not self.pool.any_available(now):
             await respond_no_backend(exchange, self.pool.tokenizer_refusals())
             return
-        await exchange.respond_json(200, {"object": "list", "data": list(seen.values())})
+        await exchange.respond_json(200, {"object": "list", "data": cards})
 
     async def completion(self, exchange: Exchange, path: str, kind: Kind) -> None:
         timing = Timing(started=time.perf_counter())
@@ -185,30 +216,44 @@ class ProxyApp:
             await self._complete(exchange, path, kind, timing, trace)
         finally:
             trace.finish(exchange)
+            code = str(CLIENT_GONE_STATUS if exchange.status is None else exchange.status)
+            self.metrics.requests.labels(model=trace.model or NO_MODEL, code=code).inc()
 
     async def _complete(
         self, exchange: Exchange, path: str, kind: Kind, timing: Timing, trace: RequestTrace
     ) -> None:
+        directory = self.catalog.directory(self.pool.backends)
         try:
+            grant = self.grant(exchange)
             body = await exchange.read_body(self.settings.max_body_bytes)
-            prepared = await self.prepare(kind, body)
+            prepared = await self.preprocessor.prepare(
+                kind,
+                body,
+                models=directory,
+                allowed=grant.allowed(directory) if grant else None,
+            )
         except ClientError as exc:
             await exchange.respond_client_error(exc)
             return
         trace.prepared(prepared)
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
-        key = self.key_labels.label(exchange.header(b"authorization"))
+        model = prepared.model
+        key = grant.label if grant else self.key_labels.label(exchange.header(b"authorization"))
         if prepared.token_ids is not None:
-            self.metrics.prompt_tokens.labels(api_key=key).inc(len(prepared.token_ids))
+            self.metrics.prompt_tokens.labels(api_key=key, model=model or NO_MODEL).inc(
+                len(prepared.token_ids)
+            )
 
         request_id = exchange.header(b"x-request-id") or uuid.uuid4().hex.encode()
         headers = upstream_headers(exchange.headers, request_id)
+        body = prepared.forward_body or body
         route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
         session = exchange.header(b"x-session-id") or prepared.fields.get("user")
-        route_request = RouteRequest(prepared.token_ids, route_key, _session_key(session))
+        route_request = RouteRequest(prepared.token_ids, route_key, _session_key(session), model)
+        per_minute = grant.tokens_per_minute if grant else None
         try:
-            self.router.admit(key, estimated_tokens(route_request))
+            self.router.admit(key, model, estimated_tokens(route_request), per_minute)
         except Overloaded as exc:
             await respond_rate_limited(exchange, exc)
             return
@@ -219,7 +264,16 @@ class ProxyApp:
             path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
             extra_headers.append((b"x-sluice-forward", plan.label.encode()))
         outgoing = Outgoing(
-            path, body, headers, request_id, route_request, timing, extra_headers, as_chat, key
+            path,
+            body,
+            headers,
+            request_id,
+            route_request,
+            timing,
+            extra_headers,
+            as_chat,
+            key,
+            per_minute,
         )
         await self.forward(exchange, outgoing, trace)
 
@@ -252,7 +306,7 @@ class ProxyApp:
                 log.warning("backend %s broke off its answer: %s", backend.url, exc)
                 return
         if failure is None:
-            await respond_no_backend(exchange, self.pool.tokenizer_refusals())
+            await respond_no_backend(exchange, self.pool.tokenizer_refusals(), outgoing.model)
         else:
             await respond_upstream_failure(exchange, failure)
 
@@ -311,23 +365,13 @@ class ProxyApp:
                 await response.release()
         finally:
             usage = usage_from_tail(relayed.tail) if relayed is not None else None
-            self.router.release(decision, usage, outgoing.api_key)
+            self.router.release(decision, usage, outgoing.api_key, outgoing.tokens_per_minute)
             self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
+            pool_model = outgoing.model or ANY_MODEL
             if broken is None:
-                self.pool.request_succeeded(backend)
+                self.pool.request_succeeded(backend, pool_model)
             else:
-                self.pool.request_failed(backend, trio.current_time(), broken)
-
-    async def prepare(self, kind: Kind, body: bytes) -> Prepared:
-        """Parse, render and tokenize; the context window is the smallest any healthy
-        backend has."""
-        limits = [
-            b.max_model_len
-            for b in self.pool.available(trio.current_time())
-            if b.max_model_len is not None
-        ]
-        limit = min(limits) if limits else None
-        return await self.preprocessor.prepare(kind, body, backend_max_model_len=limit)
+                self.pool.request_failed(backend, trio.current_time(), broken, pool_model)
 
 
 def _session_key(session: object) -> str | None:

@@ -29,9 +29,14 @@ async def respond_method_not_allowed(exchange: Exchange, allowed: bytes) -> None
     )
 
 
-async def respond_no_backend(exchange: Exchange, tokenizer_refusals: dict[str, str]) -> None:
-    """503: no healthy backend, or (tokens mode) none whose tokenizer is verified."""
-    message, code = "No healthy backend is available; try again shortly.", "no_healthy_backend"
+async def respond_no_backend(
+    exchange: Exchange, tokenizer_refusals: dict[str, str], model: str | None = None
+) -> None:
+    """503: no healthy backend (of `model`'s pool), or (tokens mode) none whose tokenizer is
+    verified."""
+    serving = "" if model is None else f" for model {model}"
+    message = f"No healthy backend is available{serving}; try again shortly."
+    code = "no_healthy_backend"
     if tokenizer_refusals:
         message, code = no_verified_backend_message(tokenizer_refusals), "no_verified_backend"
     await exchange.respond_error(

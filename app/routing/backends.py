@@ -1,9 +1,17 @@
-"""Backend state: health, in-flight load and a circuit breaker. Pure: the caller passes `now`.
+"""Backend state: health, in-flight load, the models it serves and a circuit breaker per
+model. Pure: the caller passes `now`.
 
-A backend takes traffic when its last active health check passed and its breaker is not
-open. The breaker opens after `failures_to_open` consecutive failed requests and stays open
-for `cooldown` seconds; then it is half-open: traffic flows again, and the next failure
-opens it at once while the next success closes it.
+A backend serves the models its configuration names (a `[[models]]` table) or, when none
+does, those its `/v1/models` lists (refreshed by every health check). Each model it serves
+is a pool it belongs to: a backend serving two models is in both, and `available(now,
+model=...)` is one pool's candidates.
+
+A backend takes a model's traffic when its last active health check passed and its breaker
+for that model is not open. A breaker opens after `failures_to_open` consecutive failed
+requests for that model and stays open for `cooldown` seconds; then it is half-open:
+traffic flows again, and the next failure opens it at once while the next success closes
+it. Per model, because one model of a server can fail alone (a broken LoRA adapter) while
+its others answer.
 
 Load, for the policies, is `load`: requests in flight plus the prompt tokens they still have
 to prefill (counted locally, in units of `TOKENS_PER_LOAD`), plus the queue the backend
@@ -23,6 +31,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from app.models import MAX_MODELS
 from app.routing.engine_metrics import EngineLoad
 
 if TYPE_CHECKING:
@@ -43,6 +52,21 @@ def backend_id(url: str) -> str:
     return "b-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
 
 
+@dataclass
+class Breaker:
+    consecutive_failures: int = 0
+    open_until: float = 0.0
+    half_open: bool = False
+
+    def state(self, now: float) -> str:
+        return "open" if now < self.open_until else "half-open" if self.half_open else "closed"
+
+
+BREAKER_SEVERITY = {"closed": 0, "half-open": 1, "open": 2}
+# The breaker of callers that name no model (every model's requests count as one).
+ANY_MODEL = ""
+
+
 @dataclass(eq=False)
 class Backend:
     url: str
@@ -51,18 +75,34 @@ class Backend:
     pending_tokens: int = 0  # uncached prompt tokens of the requests in flight
     reported_waiting: int = 0  # the engine's waiting count at the last scrape
     engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
-    consecutive_failures: int = 0
-    open_until: float = 0.0
-    half_open: bool = False
     probe_path: str = "/health"
-    models: list[dict[str, Any]] = field(default_factory=list)
+    models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
+    # The models a configuration names for it, in the order of its tables; None: those its
+    # /v1/models lists.
+    configured: tuple[str, ...] | None = None
     last_error: str | None = None
     tokenizer_state: TokenizerState = "not required"
     tokenizer_detail: str | None = None  # what the last tokenizer check found
+    breakers: dict[str, Breaker] = field(default_factory=dict)  # by model, once one failed
+    models_version: int = 0  # counts `set_models` calls: whoever derived from them can tell
     id: str = field(init=False)
+    served: frozenset[str] = field(init=False)  # the models whose pools it is in
+    # Its first model: configured first, or first in its list (vLLM lists its base model
+    # before its LoRA adapters). The one its engine's KV events are about.
+    primary: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.id = backend_id(self.url)
+        self.served = frozenset(self.configured or ())
+        self.primary = self.configured[0] if self.configured else None
+
+    def set_models(self, cards: list[dict[str, Any]]) -> None:
+        """Its /v1/models answer; what it serves, when no configuration says."""
+        self.models = cards
+        self.models_version += 1
+        if self.configured is None:
+            self.served = frozenset(card["id"] for card in cards[:MAX_MODELS])
+            self.primary = cards[0]["id"] if cards else None
 
     @property
     def load(self) -> float:
@@ -74,24 +114,60 @@ class Backend:
 
     @property
     def max_model_len(self) -> int | None:
-        for model in self.models:
-            value = model.get("max_model_len")
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        return self.max_model_len_for(None)
 
-    def takes_traffic(self, now: float) -> bool:
-        return (
-            self.healthy
-            and now >= self.open_until
-            and self.tokenizer_state in TRAFFIC_TOKENIZER_STATES
-        )
+    def max_model_len_for(self, model: str | None) -> int | None:
+        """The context window its /v1/models gives `model` (the card of that name, else,
+        as for a configured backend that lists another name, its first card that says)."""
+        found = None
+        for card in self.models:
+            value = card.get("max_model_len")
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                if card.get("id") == model:
+                    return value
+                found = value if found is None else found
+        return found
+
+    def breaker(self, model: str) -> Breaker:
+        breaker = self.breakers.get(model)
+        if breaker is None:
+            breaker = self.breakers[model] = Breaker()
+        return breaker
+
+    def breaker_state(self, now: float, model: str | None = None) -> str:
+        """One model's breaker; without a model, the most open of them."""
+        if model is not None:
+            breaker = self.breakers.get(model)
+            return "closed" if breaker is None else breaker.state(now)
+        states = [b.state(now) for b in self.breakers.values()] or ["closed"]
+        return max(states, key=BREAKER_SEVERITY.__getitem__)
+
+    def takes_traffic(self, now: float, model: str | None = None) -> bool:
+        """Healthy, verified, and its breaker for `model` not open; without a model, some
+        breaker of it not open."""
+        if not self.healthy or self.tokenizer_state not in TRAFFIC_TOKENIZER_STATES:
+            return False
+        if model is None:
+            models = self.served or self.breakers.keys() or {ANY_MODEL}
+            return any(self._breaker_allows(now, name) for name in models)
+        return self._breaker_allows(now, model)
+
+    def _breaker_allows(self, now: float, model: str) -> bool:
+        breaker = self.breakers.get(model)
+        return breaker is None or now >= breaker.open_until
 
 
 class BackendPool:
     def __init__(
-        self, urls: tuple[str, ...], *, failures_to_open: int, cooldown: float, probe_path: str
+        self,
+        urls: tuple[str, ...],
+        *,
+        failures_to_open: int,
+        cooldown: float,
+        probe_path: str,
+        configured: dict[str, tuple[str, ...]] | None = None,
     ) -> None:
+        """`configured`: URL -> the models a configuration names for that backend."""
         if not urls:
             raise ValueError("at least one backend URL is needed")
         self.backends: list[Backend] = []
@@ -100,14 +176,15 @@ class BackendPool:
         self.probe_path = probe_path
         self.tokenizer_probe: TokenizerProbe | None = None
         for url in urls:
-            self.add(url)
+            self.add(url, (configured or {}).get(url.rstrip("/")))
 
-    def add(self, url: str) -> Backend:
-        """A new backend, unhealthy until its first health check passes."""
+    def add(self, url: str, models: tuple[str, ...] | None = None) -> Backend:
+        """A new backend, unhealthy until its first health check passes; it serves `models`,
+        or, without, what its /v1/models lists."""
         url = url.rstrip("/")
         if self.find(url) is not None:
             raise ValueError(f"backend {url} is already in the pool")
-        backend = Backend(url, probe_path=self.probe_path)
+        backend = Backend(url, probe_path=self.probe_path, configured=models or None)
         if self.tokenizer_probe is not None:
             backend.tokenizer_state = "unchecked"
             backend.tokenizer_detail = "not checked yet"
@@ -125,23 +202,37 @@ class BackendPool:
                 return backend
         return None
 
-    def available(self, now: float, exclude: tuple[Backend, ...] = ()) -> list[Backend]:
-        return [b for b in self.backends if b.takes_traffic(now) and b not in exclude]
+    def available(
+        self, now: float, exclude: tuple[Backend, ...] = (), model: str | None = None
+    ) -> list[Backend]:
+        """The backends that take traffic; with `model`, that model's pool only."""
+        return [
+            b
+            for b in self.backends
+            if (model is None or model in b.served)
+            and b.takes_traffic(now, model)
+            and b not in exclude
+        ]
 
     def any_available(self, now: float) -> bool:
         return any(b.takes_traffic(now) for b in self.backends)
 
-    def request_succeeded(self, backend: Backend) -> None:
-        backend.consecutive_failures = 0
-        backend.half_open = False
+    def request_succeeded(self, backend: Backend, model: str = ANY_MODEL) -> None:
+        breaker = backend.breakers.get(model)
+        if breaker is not None:
+            breaker.consecutive_failures = 0
+            breaker.half_open = False
         backend.last_error = None
 
-    def request_failed(self, backend: Backend, now: float, error: str) -> None:
-        backend.consecutive_failures += 1
+    def request_failed(
+        self, backend: Backend, now: float, error: str, model: str = ANY_MODEL
+    ) -> None:
+        breaker = backend.breaker(model)
+        breaker.consecutive_failures += 1
         backend.last_error = error
-        if backend.half_open or backend.consecutive_failures >= self.failures_to_open:
-            backend.open_until = now + self.cooldown
-            backend.half_open = True
+        if breaker.half_open or breaker.consecutive_failures >= self.failures_to_open:
+            breaker.open_until = now + self.cooldown
+            breaker.half_open = True
 
     def health_checked(self, backend: Backend, ok: bool, error: str | None = None) -> None:
         if ok and not backend.healthy and self.tokenizer_probe is not None:
@@ -187,20 +278,21 @@ class BackendPool:
                 "url": b.url,
                 "healthy": b.healthy,
                 "takes_traffic": b.takes_traffic(now),
-                "breaker": "open"
-                if now < b.open_until
-                else "half-open"
-                if b.half_open
-                else "closed",
+                "breaker": b.breaker_state(now),
+                "breakers": {model: b.breaker_state(now, model) for model in sorted(b.served)},
                 "inflight": b.inflight,
                 "pending_tokens": b.pending_tokens,
                 "load": round(b.load, 3),
                 "reported_waiting": b.reported_waiting,
                 "reported_kv_usage": b.reported_kv_usage,
                 "engine": _engine_block(b.engine),
-                "consecutive_failures": b.consecutive_failures,
+                "consecutive_failures": max(
+                    (breaker.consecutive_failures for breaker in b.breakers.values()), default=0
+                ),
                 "probe_path": b.probe_path,
                 "models": [m.get("id") for m in b.models],
+                "serves": sorted(b.served),
+                "configured": b.configured is not None,
                 "max_model_len": b.max_model_len,
                 "last_error": b.last_error,
                 "tokenizer": b.tokenizer_state,

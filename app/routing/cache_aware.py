@@ -21,6 +21,13 @@ For a request with token ids (SMG's parameter names, Sluice's own defaults):
 Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`);
 prompts shorter than one block: the least-loaded backend.
 
+Each model has its own prefix index (a backend serving two models holds two KV caches, and
+two tokenizers' ids mean different text): the index's entries are held by (model, backend),
+in one `BlockIndex` whose bound counts every model's blocks together. A backend's first
+model (the one it serves alone, in the usual fleet) is held under the backend's bare id,
+which is where its engine's KV events land (`kv_event_index.py`: they carry no model, and
+events of LoRA adapters are not indexed).
+
 Checked against reality (`feedback`): backends report how many prompt tokens their cache
 served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
 it held, and under LRU it also evicted everything it used before them: those entries go.
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from app.routing.backends import Backend
@@ -51,6 +58,16 @@ OUTCOMES = ("hit", "miss", "false-hit", "surprise-hit", "unreported")
 
 def _backend_id(backend: Backend) -> str:
     return backend.id
+
+
+def index_holder(backend: Backend, model: str | None) -> Hashable:
+    """Whose blocks the index keeps: the backend's, for one model (its first model's under
+    its bare id)."""
+    return backend.id if model is None or model == backend.primary else (model, backend.id)
+
+
+def _holder_backend(holder: Hashable) -> str:
+    return holder[1] if isinstance(holder, tuple) else str(holder)
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -90,11 +107,12 @@ class CacheAware:
         hashes = block_hashes(tokens)
         if not hashes:  # shorter than one block: nothing any backend could cache
             return Decision(least_loaded(candidates, turn=self._turn), "least-load")
+        model = request.model
         min_load = min(b.load for b in candidates)
         needed = self.cache_threshold * len(tokens)
         holders: list[tuple[int, Backend]] = []
         for backend in candidates:
-            blocks = self.index.match(backend.id, hashes)
+            blocks = self.index.match(index_holder(backend, model), hashes)
             if blocks and blocks * BLOCK_SIZE > needed:
                 holders.append((blocks, backend))
 
@@ -112,7 +130,7 @@ class CacheAware:
             backend, _ = first_fit(
                 key, others, _backend_id, lambda b: not self.balance.overloaded(b.load, min_load)
             )
-            blocks = self.index.match(backend.id, hashes)
+            blocks = self.index.match(index_holder(backend, model), hashes)
             reason = "spread"
         else:
             key = _token_bytes(tokens[: min(len(hashes), PLACEMENT_BLOCKS) * BLOCK_SIZE])
@@ -122,11 +140,12 @@ class CacheAware:
                 _backend_id,
                 lambda b: not self.balance.overloaded(b.load, min_load),
             )
-            blocks = self.index.match(backend.id, hashes)
+            blocks = self.index.match(index_holder(backend, model), hashes)
             reason = "new-prefix"
-        stamps = tuple(self.index.stamps(backend.id, hashes[:blocks]))
-        self.index.record(backend.id, hashes)
-        return Decision(backend, reason, Prediction(len(tokens), blocks, stamps))
+        holder = index_holder(backend, model)
+        stamps = tuple(self.index.stamps(holder, hashes[:blocks]))
+        self.index.record(holder, hashes)
+        return Decision(backend, reason, Prediction(len(tokens), blocks, stamps, holder))
 
     def feedback(
         self, decision: Decision, cached_tokens: int | None, reported_prompt_tokens: int | None
@@ -158,13 +177,25 @@ class CacheAware:
         self.reported += 1
         kept = int(actual_share * prediction.prompt_tokens) // BLOCK_SIZE
         if actual_share < predicted_share - CORRECTION_MARGIN and kept < len(prediction.stamps):
-            removed = self.index.forget_before(decision.backend.id, prediction.stamps[kept])
+            holder = prediction.holder or decision.backend.id
+            removed = self.index.forget_before(holder, prediction.stamps[kept])
             self.corrections += 1
             self.corrected_blocks += removed
         return outcome
 
     def forget(self, backend: Backend) -> None:
-        self.index.remove_backend(backend.id)
+        """Every model's blocks of a backend that left the pool."""
+        for holder in self.index.backends():
+            if _holder_backend(holder) == backend.id:
+                self.index.remove_backend(holder)
+
+    def _blocks_by_backend(self) -> dict[str, int]:
+        """Index entries by backend id, every model's together."""
+        totals: dict[str, int] = {}
+        for holder in self.index.backends():
+            name = _holder_backend(holder)
+            totals[name] = totals.get(name, 0) + self.index.blocks(holder)
+        return totals
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -176,7 +207,7 @@ class CacheAware:
                 "max_blocks": self.index.max_blocks,
                 "block_size": BLOCK_SIZE,
                 "evictions": self.index.evictions,
-                "by_backend": {b: self.index.blocks(b) for b in self.index.backends()},
+                "by_backend": self._blocks_by_backend(),
             },
             "prediction": {
                 "outcomes": {outcome: self.outcomes[outcome] for outcome in OUTCOMES},

@@ -11,7 +11,7 @@ proxy).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,11 +23,13 @@ from app.routing.block_index import BLOCK_SIZE
 class RouteRequest:
     """What a policy may look at. `token_ids` is None when tokenization was skipped; `text` is
     the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
-    client's `x-session-id` header or the body's `user` field."""
+    client's `x-session-id` header or the body's `user` field; `model` the served model whose
+    pool the candidates are (None: a pool of every backend)."""
 
     token_ids: Sequence[int] | None = None
     text: str | None = None
     session: str | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Prediction:
     prompt_tokens: int
     blocks: int  # leading blocks of the prompt the backend was believed to hold
     stamps: tuple[int, ...]  # their last-use stamps in the index before this request
+    holder: Hashable = None  # whose entries in the index those are (None: the backend's id)
 
     @property
     def cached_tokens(self) -> int:
@@ -56,6 +59,7 @@ class Decision:
     reason: str
     prediction: Prediction | None = None
     pending_tokens: int = 0  # prompt tokens left to prefill, reserved on the backend's load
+    model: str | None = None  # the pool it was chosen in
 
 
 class Policy(Protocol):

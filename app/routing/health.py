@@ -112,4 +112,6 @@ def _store_models(backend: Backend, response: httpx.Response) -> None:
         return
     data = payload.get("data") if isinstance(payload, dict) else None
     if isinstance(data, list):
-        backend.models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        backend.set_models(
+            [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
+        )

@@ -19,15 +19,17 @@ from app.routing.hashing import ConsistentHash
 
 
 class RoundRobin:
+    """Each pool (model) in turn through its own backends."""
+
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = 0
+        self._counters: dict[str | None, int] = {}  # by model: at most MAX_MODELS + 1
 
     def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
-        backend = candidates[self._counter % len(candidates)]
-        self._counter += 1
-        return Decision(backend, "rotation")
+        turn = self._counters.get(request.model, 0)
+        self._counters[request.model] = turn + 1
+        return Decision(candidates[turn % len(candidates)], "rotation")
 
 
 class RandomChoice:

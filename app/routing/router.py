@@ -1,14 +1,15 @@
 """The proxy's one door into routing: admit, choose (waiting for a free slot), release.
 
-`admit` applies the per-key tokens-per-minute limit before anything is forwarded. `choose`
-asks the policy among the backends that take traffic and are under
-`--max-inflight-per-backend`; when every one is at that limit, the request waits in the
-bounded `SlotQueue` (or is refused with `Overloaded`, a 429). The chosen backend's in-flight
-count and pending prompt tokens are reserved at once (no await in between, so two requests
-never both see the last free slot), and `release` gives them back, wakes one waiter and
-feeds the backend's reported usage to the policy (cache_aware checks its prediction) and to
-the token limiter (completion tokens). Backends added or removed at run time go through here
-too, so the index forgets a removed backend.
+Everything is per model pool: `admit` applies the tokens-per-minute limit of the request's (API
+key, model) before anything is forwarded. `choose` asks the policy among the backends of the
+request's model that take traffic and are under `--max-inflight-per-backend`; when every one is
+at that limit, the request waits in its pool's bounded `SlotQueue` (or is refused with
+`Overloaded`, a 429). The chosen backend's in-flight count and pending prompt tokens are
+reserved at once (no await in between, so two requests never both see the last free slot), and
+`release` gives them back, wakes one waiter and feeds the backend's reported usage to the policy
+(cache_aware checks its prediction) and to the token limiter (completion tokens). A backend in
+several pools wakes a waiter of each. Backends added or removed at run time go through here too,
+so the index forgets a removed backend.
 """
 
 from __future__ import annotations
@@ -54,13 +55,12 @@ def estimated_tokens(request: RouteRequest) -> int:
     return len(request.text or "") // CHARS_PER_TOKEN
 
 
-def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets | None:
-    """A process's own buckets, as ever; the shared layer with --redis-url, or with
-    --workers N alone (each worker then holds 1/N of every budget)."""
-    if not settings.tokens_per_minute:
-        return None
+def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets:
+    """Every (key, model) budget, as deep as the key's own limit (--api-keys) or
+    --tokens-per-minute: a process's own buckets, as ever; the shared layer with
+    --redis-url, or with --workers N alone (each worker then holds 1/N of every budget)."""
     if settings.redis_url is None and settings.workers == 1:
-        return TokenBuckets(settings.tokens_per_minute)
+        return TokenBuckets()
     return SharedBudgets(
         settings.tokens_per_minute,
         local_replicas=settings.workers,
@@ -82,7 +82,10 @@ class Router:
         self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
         self.max_inflight = settings.max_inflight_per_backend
         self.reservations = 0  # requests sent to a backend so far: whether traffic flows
-        self.queue = SlotQueue(settings.admission_queue, settings.admission_timeout)
+        self.max_waiting = settings.admission_queue
+        self.queue_timeout = settings.admission_timeout
+        # One per pool (model), made at its first request: at most MAX_MODELS + 1 (no model).
+        self.queues: dict[str | None, SlotQueue] = {}
         self.tokens_per_minute = settings.tokens_per_minute
         self.buckets = budgets_for(settings)
         self.rejected: dict[str, int] = {}
@@ -90,32 +93,49 @@ class Router:
         # told when a request goes there that will make the engine store blocks (silence
         # while such requests flow is a publisher gone).
         self.kv_events: dict[str, BackendKvEvents] = {}
-        metrics.admission_waiting.set_function(lambda: self.queue.waiting)
+        metrics.admission_waiting.set_function(lambda: self.waiting)
         if isinstance(self.policy, CacheAware):
             index = self.policy.index
             metrics.route_index_blocks.set_function(lambda: len(index))
 
-    def admit(self, api_key: str, prompt_tokens: int) -> None:
-        """Take the prompt's tokens from the key's budget, or raise `Overloaded`."""
-        if self.buckets is None:
+    @property
+    def waiting(self) -> int:
+        return sum(queue.waiting for queue in self.queues.values())
+
+    def _queue(self, model: str | None) -> SlotQueue:
+        queue = self.queues.get(model)
+        if queue is None:
+            queue = self.queues[model] = SlotQueue(self.max_waiting, self.queue_timeout)
+        return queue
+
+    def budget(self, per_minute: int | None) -> int:
+        """Tokens per minute for a key: its own limit, else --tokens-per-minute (0: none)."""
+        return per_minute or self.tokens_per_minute
+
+    def admit(
+        self, api_key: str, model: str | None, prompt_tokens: int, per_minute: int | None = None
+    ) -> None:
+        """Take the prompt's tokens from the (key, model) budget, or raise `Overloaded`."""
+        limit = self.budget(per_minute)
+        if not limit:
             return
-        wait = self.buckets.take(api_key, prompt_tokens, trio.current_time())
+        wait = self.buckets.take((api_key, model), prompt_tokens, trio.current_time(), limit)
         if wait == 0.0:
             return
+        scope = "its API key" if model is None else f"its API key and model {model}"
         if math.isinf(wait):
             self._refuse(
                 Overloaded(
                     "request_too_large",
                     f"This request's {prompt_tokens} prompt tokens exceed the limit of "
-                    f"{self.tokens_per_minute} tokens per minute for its API key.",
+                    f"{limit} tokens per minute for {scope}.",
                     60.0,
                 )
             )
         self._refuse(
             Overloaded(
                 "tokens_per_minute",
-                f"Rate limit reached: {self.tokens_per_minute} tokens per minute for this API "
-                f"key; retry in {wait:.1f}s.",
+                f"Rate limit reached: {limit} tokens per minute for {scope}; retry in {wait:.1f}s.",
                 wait,
             )
         )
@@ -123,20 +143,22 @@ class Router:
     async def choose(
         self, request: RouteRequest, exclude: tuple[Backend, ...] = ()
     ) -> Decision | None:
-        """A reserved decision; None when no backend takes traffic at all."""
+        """A reserved decision among the backends of `request.model` (all of them when it is
+        None); None when none takes traffic at all."""
         deadline: float | None = None
+        queue = self._queue(request.model)
         while True:
-            candidates = self.pool.available(trio.current_time(), exclude)
+            candidates = self.pool.available(trio.current_time(), exclude, request.model)
             if not candidates:
                 return None
             open_ = [b for b in candidates if b.inflight < self.max_inflight]
             # Newcomers queue behind waiters; a waiter that was woken may take the slot.
-            if open_ and (deadline is not None or not self.queue.waiting):
+            if open_ and (deadline is not None or not queue.waiting):
                 return self._reserve(self.policy.choose(open_, request), request)
             if deadline is None:
-                deadline = trio.current_time() + self.queue.timeout
+                deadline = trio.current_time() + queue.timeout
             try:
-                await self.queue.wait(deadline, QUEUE_POLL)
+                await queue.wait(deadline, QUEUE_POLL)
             except Overloaded as exc:
                 self._refuse(exc)
 
@@ -152,17 +174,28 @@ class Router:
         if events is not None and prediction is not None and prediction.stores_blocks:
             events.request_sent(trio.current_time())
         self.metrics.backend_inflight.labels(backend=backend.url).inc()
-        return dataclasses.replace(decision, pending_tokens=pending)
+        return dataclasses.replace(decision, pending_tokens=pending, model=request.model)
 
-    def release(self, decision: Decision, usage: Usage | None, api_key: str | None = None) -> None:
+    def release(
+        self,
+        decision: Decision,
+        usage: Usage | None,
+        api_key: str | None = None,
+        per_minute: int | None = None,
+    ) -> None:
         """The exchange with `decision.backend` is over; `usage` is what its answer reported."""
         backend = decision.backend
         backend.inflight -= 1
         backend.pending_tokens -= decision.pending_tokens
         self.metrics.backend_inflight.labels(backend=backend.url).dec()
-        self.queue.wake_one()
-        if usage is not None and usage.completion_tokens and self.buckets and api_key:
-            self.buckets.charge(api_key, usage.completion_tokens, trio.current_time())
+        for model in (None, *backend.served):
+            queue = self.queues.get(model)
+            if queue is not None:
+                queue.wake_one()
+        limit = self.budget(per_minute)
+        if usage is not None and usage.completion_tokens and limit and api_key:
+            key = (api_key, decision.model)
+            self.buckets.charge(key, usage.completion_tokens, trio.current_time(), limit)
         if isinstance(self.policy, CacheAware) and decision.prediction is not None:
             self._check_prediction(self.policy, decision, usage)
 
@@ -214,10 +247,13 @@ class Router:
             "policy": self.policy.name,
             "admission": {
                 "max_inflight_per_backend": self.max_inflight,
-                "waiting": self.queue.waiting,
-                "max_waiting": self.queue.max_waiting,
+                "waiting": self.waiting,
+                "waiting_by_model": {
+                    model: queue.waiting for model, queue in self.queues.items() if model
+                },
+                "max_waiting": self.max_waiting,
                 "tokens_per_minute": self.tokens_per_minute or None,
-                "api_keys": len(self.buckets) if self.buckets else 0,
+                "api_keys": len(self.buckets),
                 "rejected": dict(self.rejected),
             },
         }

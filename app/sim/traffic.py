@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -84,7 +84,11 @@ class Conversations:
                 return
 
 
-def requests(rng: random.Random, conversations: Conversations) -> Iterator[dict[str, Any]]:
+def requests(
+    rng: random.Random, conversations: Conversations, models: Sequence[str]
+) -> Iterator[dict[str, Any]]:
+    """Chat requests, each for one of `models` (the first twice as often as each other)."""
+    weights = [2] + [1] * (len(models) - 1)
     while True:
         roll = rng.random()
         if roll < 0.2:
@@ -103,7 +107,7 @@ def requests(rng: random.Random, conversations: Conversations) -> Iterator[dict[
         else:
             messages = [{"role": "user", "content": _question(rng) * rng.randint(1, 20)}]
         yield {
-            "model": "demo",
+            "model": rng.choices(models, weights)[0],
             "messages": messages,
             "max_tokens": rng.randint(8, 48),
             "stream": rng.random() < 0.5,
@@ -147,6 +151,7 @@ class DemoTraffic:
         self,
         rate: float,
         burst_interval: float,
+        models: Sequence[str],
         *,
         seed: int = 0,
         burst_size: int = BURST_SIZE,
@@ -154,6 +159,7 @@ class DemoTraffic:
     ) -> None:
         self.rate = rate
         self.burst_interval = burst_interval
+        self.models = tuple(models)  # what the requests name; bursts go to the first
         self.burst_size = burst_size
         self.first_burst_after = first_burst_after
         self.bursts_sent = 0
@@ -184,7 +190,7 @@ class DemoTraffic:
         conversations = Conversations(rng)
         limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
         async with trio.open_nursery() as nursery:
-            for body in requests(rng, conversations):
+            for body in requests(rng, conversations, self.models):
                 await trio.sleep(rng.expovariate(self.rate))
                 if limiter.available_tokens == 0:
                     continue
@@ -207,7 +213,7 @@ class DemoTraffic:
             async with trio.open_nursery() as nursery:
                 for index in range(self.burst_size):
                     body = {
-                        "model": "demo",
+                        "model": self.models[0],
                         "prompt": f"Burst {self.bursts_sent}.{index}: summarise this log. {text}",
                         "max_tokens": 8,
                     }

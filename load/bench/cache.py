@@ -71,7 +71,7 @@ async def send_all(url: str, name: str, seed: int, count: int) -> list[Record]:
 def counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     names = ("l0_hits_total", "l0_misses_total", "l1_hits_total", "l1_misses_total")
     out = {name: harness.delta(before, after, PREFIX + name) for name in names}
-    for level in ("l0", "l1"):  # hits by tokens
+    for level in ("l0", "l1"):  # hits by tokens, every model's series summed
         out[f"{level}_hit_tokens_total"] = harness.delta(
             before, after, f"{PREFIX}{level}_hit_tokens_total"
         )

@@ -43,7 +43,7 @@ class Target:
 async def start_targets(bench: Bench) -> dict[str, Target]:
     stack = bench.stack
     # The model is called "sim" on the backend too: SMG routes by the backend's model id.
-    sim = await stack.sim("--model", "sim", instant=True)
+    sim = await stack.sim(instant=True)
     url = await stack.proxy(sim)
     targets = {"direct": Target(sim, None), "sluice": Target(url, stack.pids[url])}
     for kind in ("hypercorn", "h11"):

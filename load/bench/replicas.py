@@ -33,6 +33,7 @@ from load.bench.routing import RATES, SIM_PROFILE, drive
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_line_panels
 from load.processes import Stack, free_port
+from load.routing_workloads import MODEL
 from load.stats import percentile
 
 BACKENDS = 4
@@ -96,7 +97,8 @@ async def start_sims(stack: Stack) -> Sims:
 
     async def start_one(seed: int) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        url = await stack.sim("--seed", str(seed), *SIM_PROFILE, "--kv-events-endpoint", endpoint)
+        flags = ("--seed", str(seed), *SIM_PROFILE, "--kv-events-endpoint", endpoint)
+        url = await stack.sim(*flags, model=MODEL)
         sims[seed] = (url, endpoint)
 
     async with trio.open_nursery() as nursery:  # at once, as the replicas
@@ -164,7 +166,7 @@ async def closed_loop(url: str, duration: float, pace: float) -> dict[str, Any]:
     """BUDGET_CLIENTS clients with one key, each a request every `pace` seconds at most."""
     tallies = {"admitted_tokens": 0, "answered": 0, "refused": 0, "failed": 0}
     words = "budget " * 700  # ~700 prompt tokens (the simulated GPU counts words)
-    body = {"model": "m", "messages": [{"role": "user", "content": words}], "max_tokens": 16}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "max_tokens": 16}
     headers = {"authorization": "Bearer one-key"}
 
     async def client_loop() -> None:

@@ -32,7 +32,7 @@ import trio
 from load import harness
 from load.harness import Bench, Scenario, Table
 from load.processes import SMG_BIN, Stack
-from load.routing_workloads import WORKLOADS, Arrival, Conversations, body, static_plan
+from load.routing_workloads import MODEL, WORKLOADS, Arrival, Conversations, body, static_plan
 from load.stats import percentile
 
 BACKENDS = 4
@@ -156,7 +156,9 @@ async def backend_figures(client: httpx.AsyncClient, sims: list[str]) -> dict[st
 async def run_variant(bench: Bench, workload: str, variant: str, duration: float) -> dict[str, Any]:
     """Fresh backends and router for one run, stopped after it."""
     async with Stack(bench.args.proxy_arg) as stack:
-        sims = [await stack.sim("--seed", str(i), *SIM_PROFILE) for i in range(BACKENDS)]
+        sims = [
+            await stack.sim("--seed", str(i), *SIM_PROFILE, model=MODEL) for i in range(BACKENDS)
+        ]
         if variant == "smg":
             url = await stack.smg(sims, "cache_aware")
             if url is None:

@@ -36,7 +36,6 @@ TOKENS = 200
 INTER_TOKEN_S = 0.02
 PROBE_INTERVAL_S = 0.01
 SIM_FLAGS = (
-    "--model", "sim",
     "--prefill-overhead", "0",
     "--prefill-per-token", "0",
     "--inter-token-latency", str(INTER_TOKEN_S),

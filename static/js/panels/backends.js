@@ -1,10 +1,15 @@
-// Backends: one row each — health, breaker, load, rate, time to first token, errors, why
-// the router picked it, what its engine (vLLM, SGLang, llama.cpp, TGI) reports about
-// itself in its /metrics, when it does, and what the prefix index of it stands on: the
-// engine's KV events (with their lag), or Sluice's own predictions.
+// Backends, grouped by the model they serve: a row per model's pool (its health, load,
+// requests, what its engines report, its caches' hit rates), then a row per backend of that
+// pool — health, breaker for that model, load, rate, time to first token, errors, why the
+// router picked it, what its engine (vLLM, SGLang, llama.cpp, TGI) reports about itself in
+// its /metrics, when it does, and what the prefix index of it stands on: the engine's KV
+// events (with their lag), or Sluice's own predictions. A backend serving two models is
+// under both.
 
 import { COLORS, TimeChart } from "../charts.js";
-import { DASH, count, el, pct, rate, seconds } from "../format.js";
+import { DASH, count, el, ms, pct, rate, seconds } from "../format.js";
+
+const COLUMNS = 14;
 
 function reasons(traffic) {
   const entries = Object.entries(traffic.route_reasons || {});
@@ -39,6 +44,64 @@ function fraction(value) {
   return value === null || value === undefined ? DASH : pct(value * 100);
 }
 
+function backendRow(b, model) {
+  const traffic = b.traffic || {};
+  const engine = b.engine || {};
+  const breaker = model === null ? b.breaker : (b.breakers || {})[model] || "closed";
+  const serving = b.takes_traffic && breaker !== "open";
+  const state = serving ? "up" : b.healthy ? "held back" : "down";
+  return el("tr", { dataset: { backend: b.url, model: model ?? "" } }, [
+    el("td", { class: "mono", title: (b.models || []).join(", ") }, b.url),
+    el("td", { class: serving ? "up" : "down", title: b.last_error || null }, state),
+    el("td", { class: breaker === "closed" ? "" : "down" }, breaker),
+    el("td", { class: "num" }, count(b.inflight)),
+    el("td", { class: "num" }, rate(traffic.requests_per_s)),
+    el("td", { class: "num" }, seconds(traffic.ttft_p50_s)),
+    el("td", { class: "num" }, seconds(traffic.ttft_p99_s)),
+    el("td", { class: "num", title: JSON.stringify(traffic.codes || {}) }, `${count(traffic.errors_total)} / ${count(traffic.requests_total)}`),
+    el("td", {}, reasons(traffic)),
+    el("td", {}, engine.name || DASH),
+    el("td", { class: "num" }, engine.running === undefined ? DASH : `${count(engine.running)} / ${count(engine.waiting)}`),
+    el("td", { class: "num" }, fraction(engine.kv_cache_usage)),
+    el("td", { class: "num" }, fraction(engine.prefix_cache_hit_rate)),
+    kvIndex(b.kv_events),
+  ]);
+}
+
+function stat(field, label, value, title = null, cls = "") {
+  return el("span", { class: `pool-stat ${cls}`, dataset: { field }, title }, [el("span", { class: "label" }, label), value]);
+}
+
+function poolRow(model) {
+  const pool = model.pool;
+  const requests = model.requests;
+  const caches = model.caches;
+  const up = pool.serving_backends;
+  const size = pool.backends.length;
+  const parts = [
+    el("strong", { class: "mono" }, model.name),
+    model.aliases.length ? stat("aliases", "also", model.aliases.join(", ")) : null,
+    stat("health", "pool", `${up}/${size} up${pool.breakers_open ? ` · ${pool.breakers_open} breaker open` : ""}`, null, up ? "up" : "down"),
+    stat("window", "window", model.max_model_len === null ? DASH : count(model.max_model_len)),
+    stat("tokenizer", "tokenizer", (model.tokenizer || DASH).split("/").slice(-2).join("/"), `${model.tokenizer} · template ${model.chat_template || "none"}`),
+    stat("inflight", "in flight", count(pool.inflight)),
+    stat("rate", "req/s", rate(requests.per_s)),
+    stat("errors", "errors", `${count(requests.errors)} / ${count(requests.total)}`, JSON.stringify(requests.codes)),
+    stat("ttft", "TTFT p50", ms(requests.ttft_p50_ms)),
+    stat("engines", "engine", pool.engines.length ? pool.engines.join(", ") : DASH),
+    stat("queue", "running / waiting", pool.engine_running === null ? DASH : `${count(pool.engine_running)} / ${count(pool.engine_waiting)}`),
+    stat("kv", "KV cache", fraction(pool.engine_kv_cache_usage)),
+    stat("prefix", "prefix hits", fraction(pool.engine_prefix_cache_hit_rate)),
+    stat("l0", "L0 hits", pct(caches.l0_hit_pct), "exact-text cache, last 10 s"),
+    stat("l1", "L1 hits", pct(caches.l1_hit_pct), "prefix cache of L0 misses, last 10 s"),
+  ];
+  return el("tr", { class: "pool", dataset: { model: model.name } }, el("td", { colspan: COLUMNS }, parts));
+}
+
+function groupRow(label) {
+  return el("tr", { class: "pool" }, el("td", { colspan: COLUMNS, class: "muted" }, label));
+}
+
 export function createBackendsPanel(root) {
   const table = root.querySelector("table.backends tbody");
   const routing = root.querySelector(".routing");
@@ -53,27 +116,23 @@ export function createBackendsPanel(root) {
   });
 
   return (snapshot) => {
-    const rows = (snapshot.backends || []).map((b) => {
-      const traffic = b.traffic || {};
-      const engine = b.engine || {};
-      const state = b.takes_traffic ? "up" : b.healthy ? "held back" : "down";
-      return el("tr", { dataset: { backend: b.url } }, [
-        el("td", { class: "mono", title: (b.models || []).join(", ") }, b.url),
-        el("td", { class: b.takes_traffic ? "up" : "down", title: b.last_error || null }, state),
-        el("td", { class: b.breaker === "closed" ? "" : "down" }, b.breaker),
-        el("td", { class: "num" }, count(b.inflight)),
-        el("td", { class: "num" }, rate(traffic.requests_per_s)),
-        el("td", { class: "num" }, seconds(traffic.ttft_p50_s)),
-        el("td", { class: "num" }, seconds(traffic.ttft_p99_s)),
-        el("td", { class: "num", title: JSON.stringify(traffic.codes || {}) }, `${count(traffic.errors_total)} / ${count(traffic.requests_total)}`),
-        el("td", {}, reasons(traffic)),
-        el("td", {}, engine.name || DASH),
-        el("td", { class: "num" }, engine.running === undefined ? DASH : `${count(engine.running)} / ${count(engine.waiting)}`),
-        el("td", { class: "num" }, fraction(engine.kv_cache_usage)),
-        el("td", { class: "num" }, fraction(engine.prefix_cache_hit_rate)),
-        kvIndex(b.kv_events),
-      ]);
-    });
+    const backends = snapshot.backends || [];
+    const models = snapshot.models || [];
+    const byId = new Map(backends.map((b) => [b.id, b]));
+    const rows = [];
+    const placed = new Set();
+    for (const model of models) {
+      rows.push(poolRow(model));
+      for (const id of model.pool.backends) {
+        const backend = byId.get(id);
+        if (!backend) continue;
+        rows.push(backendRow(backend, model.name));
+        placed.add(id);
+      }
+    }
+    const rest = backends.filter((b) => !placed.has(b.id));
+    if (rest.length && models.length) rows.push(groupRow("serving no model yet (down, or listing none at /v1/models)"));
+    for (const backend of rest) rows.push(backendRow(backend, null));
     table.replaceChildren(...rows);
     const block = snapshot.routing;
     routing.hidden = !block;

@@ -1,7 +1,8 @@
-// Requests: the live log of the last requests (never their text, never a key), filterable.
-// Rows are added as new records arrive (by `seq`) rather than rebuilt every second.
+// Requests: the live log of the last requests (never their text, never a key), filterable by
+// text, status and model. Rows are added as new records arrive (by `seq`) rather than rebuilt
+// every second. The chart has a line per served model beside the totals.
 
-import { TimeChart } from "../charts.js";
+import { COLORS, TimeChart } from "../charts.js";
 import { DASH, Stats, clock, count, el, ms, rate } from "../format.js";
 
 function statusClass(record) {
@@ -35,6 +36,7 @@ function row(record) {
     .join(" ")
     .toLowerCase();
   node.statusGroup = statusClass(record);
+  node.model = record.model ?? "";
   return node;
 }
 
@@ -46,22 +48,39 @@ export function createRequestsPanel(root) {
     ["classes", "by status"],
   ]);
   const chart = new TimeChart(root.querySelector(".charts"), {
-    title: "Requests (5 s windows)",
+    title: "Requests, all and per model (5 s windows)",
     yLabel: "requests/s",
-    series: [
+    series: (columns) => [
       { key: "requests_per_s", label: "all", color: "#4fc3f7", fmt: (v) => rate(v) },
       { key: "errors_per_s", label: "5xx", color: "#e57373", fmt: (v) => rate(v) },
+      ...Object.keys(columns)
+        .filter((key) => key.startsWith("model_rps:"))
+        .sort()
+        .map((key, i) => ({ key, label: key.slice("model_rps:".length), color: COLORS[(i + 1) % COLORS.length], fmt: (v) => rate(v) })),
     ],
   });
   const table = root.querySelector("table.requests tbody");
   const text = root.querySelector("input.filter-text");
   const status = root.querySelector("select.filter-status");
+  const modelFilter = root.querySelector("select.filter-model");
   const shownCount = root.querySelector(".shown");
   let lastSeq = 0;
+
+  // Served models and those the log shows, each offered once; the choice survives updates.
+  function offerModels(names) {
+    const known = new Set([...modelFilter.options].map((o) => o.value));
+    for (const name of [...names].sort()) {
+      if (!known.has(name)) {
+        modelFilter.append(el("option", { value: name }, name));
+        known.add(name);
+      }
+    }
+  }
 
   function visible(node) {
     const wanted = status.value;
     if (wanted !== "all" && node.statusGroup !== wanted) return false;
+    if (modelFilter.value !== "all" && node.model !== modelFilter.value) return false;
     const needle = text.value.trim().toLowerCase();
     return !needle || node.searchText.includes(needle);
   }
@@ -76,6 +95,7 @@ export function createRequestsPanel(root) {
   }
   text.addEventListener("input", applyFilter);
   status.addEventListener("change", applyFilter);
+  modelFilter.addEventListener("change", applyFilter);
 
   return (snapshot) => {
     const requests = snapshot.requests || {};
@@ -90,6 +110,7 @@ export function createRequestsPanel(root) {
       table.replaceChildren();
       lastSeq = 0;
     }
+    offerModels(new Set([...(snapshot.models || []).map((m) => m.name), ...recent.map((r) => r.model).filter(Boolean)]));
     const fresh = recent.filter((r) => r.seq > lastSeq).reverse();
     for (const record of fresh) {
       const node = row(record);
