@@ -13,9 +13,11 @@ from typing import Any, get_args
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from app.asgi import Receive, Scope, Send, answer_lifespan, send_bytes
 from app.routing.backends import BackendPool
+from app.routing.engine_metrics import EngineLoad
 from app.routing.load_scraper import LoadScraper
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
@@ -165,3 +167,39 @@ async def test_the_snapshot_carries_each_backends_engine_block(
         "kv_cache_usage": None,
         "prefix_cache_hit_rate": None,
     }
+
+
+async def test_traffic_after_a_quiet_spell_is_scraped_within_a_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Idle, the scraper reads the engines every 10 s; once requests flow again it must not
+    finish that sleep first (replicas routed blind to the GPUs' queues for seconds)."""
+    traffic = 0
+    scraped: list[float] = []
+    load_scraper = LoadScraper(
+        healthy_pool(["http://gpu:8000"]), None, timeout=5.0, traffic=lambda: traffic
+    )  # type: ignore[arg-type]
+
+    async def record() -> None:
+        scraped.append(trio.current_time())
+
+    load_scraper.scrape_all = record  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(load_scraper.run)
+        await trio.sleep(25.5)
+        assert scraped == [0.0, 10.0, 20.0]
+        traffic = 1
+        await trio.sleep(1.0)
+        nursery.cancel_scope.cancel()
+    assert scraped[-1] == 26.0
+
+
+def test_a_gpus_load_counts_what_other_replicas_run_on_it() -> None:
+    (backend,) = healthy_pool(["http://gpu:8000"]).backends
+    backend.inflight = 2  # this replica's requests
+    assert backend.load == 2
+    backend.engine = EngineLoad(
+        "vllm", running=8, waiting=5, kv_cache_usage=0.5, prefix_cache_hit_rate=None
+    )
+    backend.reported_waiting = 5
+    assert backend.load == 8 + 5  # the engine's own count, which includes everyone's

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,7 +245,7 @@ class ProxyApp:
                 len(prepared.token_ids)
             )
 
-        request_id = exchange.header(b"x-request-id") or uuid.uuid4().hex.encode()
+        request_id = exchange.header(b"x-request-id") or os.urandom(16).hex().encode()
         headers = upstream_headers(exchange.headers, request_id)
         body = prepared.forward_body or body
         route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")

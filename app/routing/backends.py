@@ -106,7 +106,15 @@ class Backend:
 
     @property
     def load(self) -> float:
-        return self.inflight + self.reported_waiting + self.pending_tokens / TOKENS_PER_LOAD
+        """Requests on it and queued for it, and the prefill they still need. What runs on
+        it is the most of what this process sent and what its engine last reported running:
+        with several replicas each sends only part of a GPU's work, and its engine alone
+        sees the whole (a second stale at most; this process's own count is never)."""
+        running = self.inflight
+        engine = self.engine
+        if engine is not None and engine.running is not None and engine.running > running:
+            running = engine.running
+        return running + self.reported_waiting + self.pending_tokens / TOKENS_PER_LOAD
 
     @property
     def reported_kv_usage(self) -> float | None:
