@@ -1,81 +1,88 @@
-"""`python -m load BENCHMARK [...]`: Sluice's load generator and benchmarks."""
+"""`python -m load VERB`: Sluice's load generator and benchmarks. Results go to --out-dir
+(default ~/.cache/sluice-load), never into the checkout."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from load import (
-    bench,
-    bench_preprocess,
-    burst,
-    compare,
-    dashboard_cost,
-    detector_cost,
-    hardening,
-    overhead,
-    profile,
-    routing,
-    runner,
-    soak,
-)
+from load import bench, compare, harness, profile, runner, soak
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """What every scenario of `bench` takes."""
+    parser.add_argument("--quick", action="store_true", help="finish in under a minute")
+    parser.add_argument("--rounds", type=int, help="alternating rounds (default per scenario)")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=harness.default_out_dir(),
+        help="where the JSON and PNG go (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="one more flag for every `sluice serve` started, e.g. --proxy-arg=--workers=2",
+    )
+
+
+def add_bench(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--list", action="store_true", help="name every scenario and exit")
+    scenarios = parser.add_subparsers(dest="scenario", metavar="NAME")
+    for scenario in bench.all_scenarios():
+        sub = scenarios.add_parser(scenario.name, help=f"{scenario.about} ({scenario.reproduces})")
+        add_common(sub)
+        if scenario.options is not None:
+            scenario.options(sub)
+    add_common(scenarios.add_parser("all", help="every scenario above, one after the other"))
+
+
+def main_bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.list:
+        for scenario in bench.all_scenarios():
+            print(f"{scenario.name:15} {scenario.reproduces:18} {scenario.about}")
+        return
+    if args.scenario is None:
+        parser.error("bench: name a scenario (bench --list shows them)")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("bench: --rounds must be at least 1")
+    if args.scenario != "all":
+        harness.run(bench.scenario(args.scenario), args)
+        return
+    for scenario in bench.all_scenarios():
+        defaults = argparse.ArgumentParser()
+        if scenario.options is not None:
+            scenario.options(defaults)
+        harness.run(scenario, argparse.Namespace(**{**vars(defaults.parse_args([])), **vars(args)}))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m load", description=__doc__)
-    sub = parser.add_subparsers(dest="benchmark", required=True)
-    overhead.add_arguments(
-        sub.add_parser("overhead", help="latency the proxy adds over a direct backend call")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    runner.add_arguments(
+        verbs.add_parser("run", help="load any OpenAI-compatible URL: open or closed loop, sweeps")
     )
-    burst.add_arguments(
-        sub.add_parser(
-            "burst", help="event-loop freeze during a tokenization burst, inline vs offload"
-        )
+    bench_parser = verbs.add_parser(
+        "bench", help="one claim measured side by side (`bench --list` names them)"
     )
-    detector_cost.add_arguments(
-        sub.add_parser("detector-cost", help="proxy throughput with the stall timer on vs off")
-    )
-    dashboard_cost.add_arguments(
-        sub.add_parser("dashboard-cost", help="proxy CPU per request with 0 vs 5 dashboard pages")
-    )
-    sub.add_parser("preprocess", help="tokenizer cache, template and loop micro-benchmarks")
-    hardening.add_arguments(
-        sub.add_parser("hardening", help="long chats, a 12 MB prompt, 1,000 streams: the loop")
-    )
-    runner.add_arguments(sub.add_parser("run", help="open- or closed-loop load against a URL"))
-    bench.add_arguments(sub.add_parser("bench", help="a seed's experiment, variants side by side"))
-    soak.add_arguments(sub.add_parser("soak", help="mixed soak with faults, verdict at the end"))
-    profile.add_arguments(sub.add_parser("profile", help="py-spy profile of the proxy under load"))
-    routing.add_arguments(
-        sub.add_parser("routing", help="routing policies and SMG side by side on 4 simulated GPUs")
+    add_bench(bench_parser)
+    soak.add_arguments(
+        verbs.add_parser("soak", help="mixed traffic with faults for N minutes, a verdict")
     )
     compare.add_arguments(
-        sub.add_parser("compare", help="this checkout's proxy against a git revision's, by turns")
+        verbs.add_parser("compare", help="this checkout's proxy against a git revision's, by turns")
+    )
+    profile.add_arguments(
+        verbs.add_parser("profile", help="py-spy on the proxy under load: where its CPU goes")
     )
     args = parser.parse_args()
-    if args.benchmark == "overhead":
-        overhead.main(args)
-    elif args.benchmark == "burst":
-        burst.main(args)
-    elif args.benchmark == "detector-cost":
-        detector_cost.main(args)
-    elif args.benchmark == "dashboard-cost":
-        dashboard_cost.main(args)
-    elif args.benchmark == "preprocess":
-        bench_preprocess.main()
-    elif args.benchmark == "hardening":
-        hardening.main(args)
-    elif args.benchmark == "run":
-        runner.main(args)
-    elif args.benchmark == "bench":
-        bench.main(args)
-    elif args.benchmark == "soak":
-        soak.main(args)
-    elif args.benchmark == "profile":
-        profile.main(args)
-    elif args.benchmark == "routing":
-        routing.main(args)
-    elif args.benchmark == "compare":
-        compare.main(args)
+    if args.verb == "bench":
+        main_bench(bench_parser, args)
+    else:
+        {"run": runner.main, "soak": soak.main, "compare": compare.main, "profile": profile.main}[
+            args.verb
+        ](args)
 
 
 main()

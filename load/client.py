@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+import trio
 
 from load.workloads import Request
 
@@ -144,3 +146,23 @@ async def send(
 def new_client(connections: int, timeout: float = 300.0) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+
+
+async def send_plan(
+    url: str, plan: Sequence[tuple[float, Request]], stream: bool = False
+) -> list[Record]:
+    """Each request of `plan` at its time (seconds from now), each its own task, so a slow
+    answer never delays the next send; returns once every answer is in."""
+    records: list[Record] = []
+    async with new_client(len(plan) or 1) as client:
+        start = time.perf_counter()
+
+        async def fire(request: Request) -> None:
+            records.append(await send(client, url, request, stream, start))
+
+        async with trio.open_nursery() as nursery:
+            t0 = trio.current_time()
+            for at, request in sorted(plan, key=lambda item: item[0]):
+                await trio.sleep_until(t0 + at)
+                nursery.start_soon(fire, request)
+    return records

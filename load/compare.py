@@ -24,10 +24,12 @@ from typing import Any
 import httpx
 import trio
 
-from load.bench import common
-from load.bench.overhead import Pool, Samples, open_loop, tree_cpu
+from load import harness, rawhttp
+from load.bench.overhead import Samples
+from load.harness import REPO, Table
+from load.processes import Stack, tree_cpu
+from load.stats import Ranged
 
-REPO = Path(__file__).resolve().parent.parent
 PROBE_TICKS = "sluice_event_loop_lag_seconds_count"
 
 
@@ -36,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per target")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of a round")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=harness.default_out_dir(),
+        help="where compare.json goes (default: %(default)s)",
+    )
 
 
 def export(rev: str, into: Path) -> None:
@@ -53,39 +61,43 @@ def export(rev: str, into: Path) -> None:
 
 
 async def ticks(client: httpx.AsyncClient, url: str) -> float:
-    return common.metric(await common.scrape(client, url), PROBE_TICKS) or 0.0
+    return harness.metric(await harness.scrape(client, url), PROBE_TICKS) or 0.0
 
 
 async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     labels = {"this": f"this checkout ({REPO.name})", "rev": args.rev}
-    async with common.Stack() as stack, httpx.AsyncClient(trust_env=False) as client:
-        sim = await stack.sim("--model", "sim", instant=True)
+    async with Stack() as stack, httpx.AsyncClient(trust_env=False) as client:
+        sim = await stack.sim(instant=True)
         urls = {"direct": sim, "this": await stack.proxy(sim)}
         urls["rev"] = await stack.proxy(sim, source=source)
-        pools = {name: Pool(url, {}) for name, url in urls.items()}
-        for pool in pools.values():  # warm connections and first-request costs
-            for _ in range(50):
-                await pool.send()
+        pools = {name: rawhttp.Pool(url) for name, url in urls.items()}
+        for pool in pools.values():
+            await pool.warm()
         samples = {name: Samples() for name in urls}
         probe_ticks = {name: 0.0 for name in urls}
-        for number, name in common.alternate(args.rounds, list(urls)):
+        for number, name in harness.alternate(args.rounds, list(urls)):
+            harness.progress(f"compare: round {number}/{args.rounds}, {name}")
             url = urls[name]
             proxy = name != "direct"
             cpu0 = tree_cpu(stack.pids[url]) if proxy else 0.0
             ticks0 = await ticks(client, url) if proxy else 0.0
-            latencies, errors = await open_loop(pools[name], args.rate, args.seconds, number)
-            samples[name].lat += latencies
+            latencies, errors = await rawhttp.open_loop(
+                pools[name], args.rate, args.seconds, number
+            )
+            samples[name].latencies += latencies
             samples[name].errors += errors
             if proxy:
-                samples[name].cpu += tree_cpu(stack.pids[url]) - cpu0
+                cpu = tree_cpu(stack.pids[url]) - cpu0
+                samples[name].cpu_per_request.append(cpu / max(len(latencies) + errors, 1))
                 probe_ticks[name] += await ticks(client, url) - ticks0
         for pool in pools.values():
             await pool.close()
-    direct = samples["direct"].lat
+    harness.progress("")
+    direct = samples["direct"].latencies
     seconds = args.rounds * args.seconds
     return {
         labels[name]: {
-            **samples[name].report(direct, proxy=True),
+            **samples[name].report(direct),
             "probe_ticks_per_s": probe_ticks[name] / seconds,
         }
         for name in ("this", "rev")
@@ -98,7 +110,13 @@ def main(args: argparse.Namespace) -> None:
         export(args.rev, source)
         result = trio.run(measure, args, source)
     columns = ("cpu_ms_per_request", "added_p50_ms", "added_p99_ms", "probe_ticks_per_s")
-    rows = [[name, *(r[c] for c in columns), r["errors"]] for name, r in result.items()]
-    print(f"\n{args.rate:g} req/s, {args.rounds} alternating rounds of {args.seconds:g} s")
+    rows = [
+        [name, Ranged(r[columns[0]], *r[columns[0] + "_range"]), *(r[c] for c in columns[1:]),
+         r["errors"]]
+        for name, r in result.items()
+    ]  # fmt: skip
+    title = f"{args.rate:g} req/s, {args.rounds} alternating rounds of {args.seconds:g} s"
     headers = ["proxy", "CPU ms/request", "added p50 ms", "added p99 ms", "probe ticks/s"]
-    print(common.table([*headers, "errors"], rows, digits=2))
+    print(harness.table_text(Table(title, [*headers, "errors"], rows, digits=2)))
+    blob = {**harness.provenance(), "rev": args.rev, "rate": args.rate, "result": result}
+    print(f"wrote {harness.write('compare', blob, args.out_dir)}")

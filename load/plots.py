@@ -115,12 +115,31 @@ def plot_lines(
     ylabel: str,
     path: Path,
 ) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, values in series.items():
-        ax.plot(xs, values, "o-", label=label)
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    plot_line_panels({title: series}, xs, xlabel, path, ylabel=ylabel)
+
+
+def plot_line_panels(
+    panels: Mapping[str, Mapping[str, Sequence[float]]],
+    xs: Sequence[float],
+    xlabel: str,
+    path: Path,
+    columns: int = 1,
+    ylabel: str = "",
+    ticks_at_xs: bool = False,
+) -> None:
+    """Line plots over the same `xs`, `columns` panels a row: {panel title: {series: ys}}."""
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7 * columns, 4.2 * rows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels.items(), strict=False):
+        for label, values in series.items():
+            ax.plot(xs, values, "o-", label=label)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        if ticks_at_xs:
+            ax.set_xticks(list(xs))
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

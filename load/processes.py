@@ -1,14 +1,18 @@
-"""Start Sluice and simulated backends as separate processes, as a user would run them.
+"""The processes a benchmark runs, each known by its PID: `sluice serve`, `sluice sim-backend`,
+the floors, the peers (SMG, LiteLLM where installed, Redis) and the /health probe. `async with
+Stack() as stack:` stops them all, whatever happens.
 
-Each binds port 0 and prints its URL; we read the URL from its output, so benchmarks never
+Each of ours binds port 0 and prints its URL; we read the URL from its log, so benchmarks never
 race for ports. Output goes to a log file, not a pipe: a pipe nobody drains would block a
 process that logs a lot (a soak's proxy does), and the log is what a crash report needs.
+CPU and RSS come from /proc (Linux), for a process and everything it started.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,19 +20,19 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import trio
 
 URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:\d+)")
 LOG_DIR = Path(tempfile.gettempdir()) / "sluice-load-logs"
-
+SMG_BIN = Path(os.environ.get("SMG_BIN", "/tmp/venv-smg/bin/smg"))
+LITELLM_BIN = Path(os.environ.get("LITELLM_BIN", "/tmp/venv-litellm/bin/litellm"))
+LITELLM_KEY = "sk-sluice-bench"
 # The model every workload names: the simulated backends serve it under that name (Sluice
 # routes by model, and a name no backend lists is a 404).
 MODEL = "sim"
 # A simulated backend whose GPU time is zero: what remains is HTTP and the proxy's own work.
-INSTANT_SIM = (
-    "sim-backend",
-    "--port", "0",
-    "--model", MODEL,
+INSTANT = (
     "--prefill-overhead", "0",
     "--prefill-per-token", "0",
     "--inter-token-latency", "0",
@@ -47,62 +51,39 @@ def log_path(process: subprocess.Popen[bytes]) -> Path:
     return LOG_DIR / f"{process.pid}.log"
 
 
-async def start_instant_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
-    return await start_process([*INSTANT_SIM, *extra], "Simulated backend", stack)
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def start_sim(stack: list[subprocess.Popen[bytes]], *extra: str) -> str:
-    """`sluice sim-backend` with its default (GPU-like) latency model on a free port."""
-    arguments = ["sim-backend", "--port", "0", "--model", MODEL, *extra]
-    return await start_process(arguments, "Simulated backend", stack)
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of `pid` and its live descendants (render workers; SMG and LiteLLM fork)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += cpu_seconds(current)
+        except OSError:
+            continue
+        todo.extend(children.get(current, []))
+    return total
 
 
-async def start_proxy(
-    stack: list[subprocess.Popen[bytes]],
-    backend: str | Sequence[str],
-    *extra: str,
-    source: Path | None = None,
-) -> str:
-    """`sluice serve` in front of `backend`(s) on free ports, quiet but for warnings;
-    `source`: a directory holding another version's `app/` to run instead."""
-    backends = [backend] if isinstance(backend, str) else list(backend)
-    serve = ["serve", "--port", "0", "--dashboard-port", "0"]
-    for url in backends:
-        serve += ["--backend", url]
-    args = [*serve, "--log-level", "warning", *extra]
-    return await start_process(args, "Sluice proxy", stack, source)
-
-
-async def start_process(
-    args: Sequence[str],
-    marker: str | bytes,
-    stack: list[subprocess.Popen[bytes]],
-    source: Path | None = None,
-) -> str:
-    """Run `python -m app ARGS` (from `source` if given: `-m` looks in the working directory
-    first), wait for the line holding `marker`, return its URL."""
-    if isinstance(marker, bytes):  # the earlier benchmarks pass bytes
-        marker = marker.decode()
-    LOG_DIR.mkdir(exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=LOG_DIR, suffix=".log", delete=False) as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app", *args], stdout=log, stderr=subprocess.STDOUT, cwd=source
-        )
-    os.replace(log.name, log_path(process))
-    stack.append(process)
-    with trio.fail_after(60):
-        while True:
-            text = log_path(process).read_text(errors="replace")
-            for line in text.splitlines():
-                match = URL_PATTERN.search(line)
-                if marker in line and match:
-                    return match.group(1)
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"`sluice {' '.join(args)}` exited ({process.returncode}) before listening:\n"
-                    + text[-2000:]
-                )
-            await trio.sleep(0.05)
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -114,20 +95,202 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def stop_all(stack: list[subprocess.Popen[bytes]]) -> None:
-    for process in reversed(stack):
-        stop(process)
+class Stack:
+    """The processes of one benchmark, stopped in reverse order on exit; `pids` maps each
+    server's URL to the PID whose CPU it is measured by."""
 
+    def __init__(self, proxy_flags: Sequence[str] = ()) -> None:
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.pids: dict[str, int] = {}
+        self.proxy_flags = list(proxy_flags)  # added to every `sluice serve` (--proxy-arg)
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    async def __aenter__(self) -> Stack:
+        return self
 
+    async def __aexit__(self, *exc: object) -> None:
+        for process in reversed(self.processes):
+            stop(process)
 
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process, from /proc (Linux)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    async def sim(self, *flags: str, instant: bool = False, model: str = MODEL) -> str:
+        """`sluice sim-backend` serving `model` on a free port (`instant`: no GPU time at all)."""
+        args = ["sim-backend", "--port", "0", "--model", model, *(INSTANT if instant else ())]
+        return await self.app([*args, *flags], "Simulated backend")
+
+    async def proxy(
+        self, backends: str | Sequence[str], *flags: str, source: Path | None = None
+    ) -> str:
+        """`sluice serve` in front of `backends`, quiet but for warnings; `source`: a directory
+        holding another version's `app/` to run instead of this one."""
+        args = ["serve", "--port", "0", "--dashboard-port", "0", "--log-level", "warning"]
+        for url in [backends] if isinstance(backends, str) else backends:
+            args += ["--backend", url]
+        return await self.app([*args, *self.proxy_flags, *flags], "Sluice proxy", source)
+
+    def dashboard(self, proxy: str) -> str:
+        """The dashboard URL of the `sluice serve` answering at `proxy` (printed just after
+        the proxy's own)."""
+        text = (LOG_DIR / f"{self.pids[proxy]}.log").read_text(errors="replace")
+        for line in text.splitlines():
+            match = URL_PATTERN.search(line)
+            if "Sluice dashboard" in line and match:
+                return match.group(1)
+        raise RuntimeError(f"the proxy at {proxy} printed no dashboard URL")
+
+    async def app(self, args: Sequence[str], marker: str, source: Path | None = None) -> str:
+        """Run `python -m app ARGS` (from `source` if given: `-m` looks in the working
+        directory first), wait for the log line holding `marker`, return its URL."""
+        LOG_DIR.mkdir(exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=LOG_DIR, suffix=".log", delete=False) as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "app", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=source,
+            )
+        os.replace(log.name, log_path(process))
+        self.processes.append(process)
+        with trio.fail_after(60):
+            while True:
+                text = log_path(process).read_text(errors="replace")
+                for line in text.splitlines():
+                    match = URL_PATTERN.search(line)
+                    if marker in line and match:
+                        self.pids[match.group(1)] = process.pid
+                        return match.group(1)
+                if process.poll() is not None:
+                    raise RuntimeError(
+                        f"`sluice {' '.join(args)}` exited ({process.returncode}) before "
+                        f"listening:\n{text[-2000:]}"
+                    )
+                await trio.sleep(0.05)
+
+    def died(self) -> list[str]:
+        """The processes that exited while they were meant to serve, with where their log is."""
+        return [
+            f"pid {p.pid} exited {p.returncode}; its log: "
+            f"{log_path(p) if log_path(p).exists() else 'none (a foreign process)'}"
+            for p in self.processes
+            if p.poll() is not None
+        ]
+
+    def forget(self, process: subprocess.Popen[bytes]) -> None:
+        """A process that died or was killed on purpose: no longer stopped at the end."""
+        self.processes.remove(process)
+
+    def kill(self, url: str) -> None:
+        """SIGKILL the process serving at `url` mid-run (a fault injected on purpose)."""
+        process = next(p for p in self.processes if p.pid == self.pids[url])
+        process.kill()
+        process.wait()
+        self.forget(process)
+
+    async def command(
+        self,
+        argv: Sequence[str],
+        url: str,
+        health: str = "/health",
+        env: dict[str, str] | None = None,
+    ) -> int:
+        """A foreign process serving at `url`; waits (90 s at most) until `health` answers."""
+        process = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+        self.processes.append(process)
+        self.pids[url] = process.pid
+        async with httpx.AsyncClient(trust_env=False, timeout=2) as client:
+            with trio.fail_after(90):
+                while True:
+                    if process.poll() is not None:
+                        raise RuntimeError(f"{argv[0]} exited ({process.returncode})")
+                    try:
+                        if (await client.get(url + health)).status_code < 500:
+                            return process.pid
+                    except httpx.HTTPError:
+                        pass
+                    await trio.sleep(0.2)
+
+    async def redis(self) -> str:
+        """A redis-server of our own (Debian's) on a free port, nothing saved to disk; its
+        redis:// URL once it accepts connections (10 s at most)."""
+        port = free_port()
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.processes.append(process)
+        url = f"redis://127.0.0.1:{port}/0"
+        self.pids[url] = process.pid
+        with trio.fail_after(10):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited ({process.returncode})")
+                try:
+                    await (await trio.open_tcp_stream("127.0.0.1", port)).aclose()
+                    return url
+                except OSError:
+                    await trio.sleep(0.05)
+
+    async def floor(self, kind: str) -> str:
+        """load/floors.py: a server that answers without a backend ("hypercorn" or "h11")."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        await self.command([sys.executable, "-m", "load.floors", kind, str(port)], url)
+        return url
+
+    async def smg(self, workers: Sequence[str], policy: str) -> str | None:
+        """SMG in front of `workers`, once every worker is healthy in its eyes; None when it is
+        not installed or did not start (said on stdout: a peer left out is not an error)."""
+        if not await trio.Path(SMG_BIN).exists():
+            return None
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [str(SMG_BIN), "launch", "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *workers, "--policy", policy, "--log-level", "warn",
+                "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port())]  # fmt: skip
+        try:
+            await self.command(argv, url)
+            async with httpx.AsyncClient(timeout=2, trust_env=False) as client:
+                with trio.fail_after(60):
+                    while True:
+                        try:
+                            listed = (await client.get(url + "/workers")).json().get("workers", [])
+                            if sum(1 for w in listed if w.get("is_healthy")) == len(workers):
+                                return url
+                        except (httpx.HTTPError, ValueError):
+                            pass
+                        await trio.sleep(0.2)
+        except (RuntimeError, trio.TooSlowError) as exc:
+            print(f"smg did not start: {exc}")
+            return None
+
+    async def litellm(self, backend: str, model: str) -> tuple[str, dict[str, str]] | None:
+        """The LiteLLM proxy (one worker) in front of `backend`: its URL and the headers it
+        wants; None when it is not installed or did not start."""
+        if not await trio.Path(LITELLM_BIN).exists():
+            return None
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = Path(tempfile.mkdtemp()) / "litellm.yaml"
+        config.write_text(
+            f"model_list:\n  - model_name: {model}\n    litellm_params:\n"
+            f"      model: openai/{model}\n      api_base: {backend}/v1\n      api_key: unused\n"
+        )
+        env = {
+            "LITELLM_MASTER_KEY": LITELLM_KEY,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # offline: no cost map download
+            "LITELLM_LOG": "ERROR",
+        }
+        argv = [str(LITELLM_BIN), "--config", str(config), "--host", "127.0.0.1",
+                "--port", str(port), "--num_workers", "1"]  # fmt: skip
+        try:
+            await self.command(argv, url, "/health/liveliness", env)
+        except (RuntimeError, trio.TooSlowError) as exc:
+            print(f"litellm did not start: {exc}")
+            return None
+        return url, {"authorization": f"Bearer {LITELLM_KEY}"}

@@ -8,7 +8,7 @@ request from /proc, then the samples by package (of the innermost frame), by own
 innermost frame outside Trio's and the standard library's plumbing: who caused a socket
 call or a task switch), by function (self) and including callees (inclusive: py-spy sees
 only the running part of a coroutine's stack, so this view undercounts). Writes the
-collapsed stacks (flame-graph input) and the summary to `load/results/profile*`.
+collapsed stacks (flame-graph input) and the summary to `--out-dir` (profile*).
 
     python -m load profile --rate 200 --seconds 20 [--proxy-arg=--no-stall-instrument]
 """
@@ -26,9 +26,8 @@ from typing import Any
 
 import trio
 
-from load import processes
-from load.bench import common
-from load.bench.overhead import Pool, open_loop
+from load import harness, rawhttp
+from load.processes import Stack, cpu_seconds
 
 TOP = 25
 
@@ -116,15 +115,14 @@ def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
 
 
 async def drive(args: argparse.Namespace) -> dict[str, Any]:
-    async with common.Stack() as stack:
-        sim = await stack.sim("--model", "sim", instant=True)
-        url = await stack.proxy(sim, *args.proxy_arg)
+    async with Stack(args.proxy_arg) as stack:
+        sim = await stack.sim(instant=True)
+        url = await stack.proxy(sim)
         pid = stack.pids[url]
-        await common.wait_healthy(url)
-        pool = Pool(url, {})
-        for _ in range(100):
-            await pool.send()
-        raw = Path(args.out_dir or common.RESULTS_DIR) / "profile-collapsed.txt"
+        await harness.wait_healthy(url)
+        pool = rawhttp.Pool(url)
+        await pool.warm(100)
+        raw = args.out_dir / "profile-collapsed.txt"
         raw.parent.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen(
             [py_spy(), "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
@@ -132,9 +130,9 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         await trio.sleep(1.0)  # py-spy attaches
-        cpu0 = processes.cpu_seconds(pid)
-        latencies, errors = await open_loop(pool, args.rate, args.seconds - 2, 1)
-        cpu = processes.cpu_seconds(pid) - cpu0
+        cpu0 = cpu_seconds(pid)
+        latencies, errors = await rawhttp.open_loop(pool, args.rate, args.seconds - 2, 1)
+        cpu = cpu_seconds(pid) - cpu0
         await trio.to_thread.run_sync(spy.wait)
         await pool.close()
         if spy.returncode != 0:
@@ -153,7 +151,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the profile")
     parser.add_argument("--proxy-arg", action="append", default=[], help="flag for sluice serve")
-    parser.add_argument("--out-dir", type=Path, help="default: load/results/")
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=harness.default_out_dir(),
+        help="where the profile goes (default: %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -174,6 +177,6 @@ def main(args: argparse.Namespace) -> None:
     print(text)
     out = Path(run["collapsed"]).with_name("profile.txt")
     out.write_text(text + "\n")
-    blob = {"run": run, "samples": samples, "summary": summary}
+    blob = {**harness.provenance(), "run": run, "samples": samples, "summary": summary}
     out.with_suffix(".json").write_text(json.dumps(blob, indent=1))
     print(f"\nwrote {out}, {out.with_suffix('.json')} and {run['collapsed']}")

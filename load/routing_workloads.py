@@ -17,54 +17,14 @@ from typing import Any
 
 MODEL = "deepseek-ai/DeepSeek-V4-sim"
 WORKLOADS = ("rag", "hot", "chat")
-_VOCABULARY = tuple(
-    [
-        "retrieval",
-        "context",
-        "passage",
-        "section",
-        "clause",
-        "figure",
-        "table",
-        "metric",
-        "latency",
-        "budget",
-        "cluster",
-        "region",
-        "replica",
-        "shard",
-        "index",
-        "vector",
-        "embedding",
-        "ranking",
-        "query",
-        "answer",
-        "source",
-        "citation",
-        "policy",
-        "contract",
-        "invoice",
-        "customer",
-        "ticket",
-        "incident",
-        "outage",
-        "deploy",
-        "rollback",
-        "release",
-        "kernel",
-        "memory",
-        "tensor",
-        "layer",
-        "attention",
-        "window",
-        "token",
-        "prefix",
-        "cache",
-        "block",
-        "batch",
-        "decode",
-    ]
-)
+_VOCABULARY = (
+    "retrieval", "context", "passage", "section", "clause", "figure", "table", "metric",
+    "latency", "budget", "cluster", "region", "replica", "shard", "index", "vector",
+    "embedding", "ranking", "query", "answer", "source", "citation", "policy", "contract",
+    "invoice", "customer", "ticket", "incident", "outage", "deploy", "rollback", "release",
+    "kernel", "memory", "tensor", "layer", "attention", "window", "token", "prefix", "cache",
+    "block", "batch", "decode",
+)  # fmt: skip
 
 
 def document(number: int, words: int) -> str:

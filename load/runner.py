@@ -18,53 +18,37 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from load import arrivals
+from load import arrivals, harness
 from load.client import Record, new_client, send
+from load.harness import Ticker
 from load.stats import goodput, parse_slos, percentile, summary
 from load.workloads import WORKLOADS, workload
 
 CLIENT_OVERFLOW = "client_overflow"
 
 
-class Progress:
-    """A one-line live view on stderr, rewritten every second."""
+def progress_line(label: str, records: list[Record], start: float) -> Callable[[], str]:
+    """The progress line of a run: done, errors, rate, and p50/p99 of the last 500."""
 
-    def __init__(self, records: list[Record], label: str, enabled: bool) -> None:
-        self.records = records
-        self.label = label
-        self.enabled = enabled and sys.stderr.isatty()
-
-    async def run(self, start: float) -> None:
-        while self.enabled:
-            await trio.sleep(1.0)
-            self.print(start)
-
-    def print(self, start: float) -> None:
-        if not self.enabled:
-            return
-        done = len(self.records)
-        errors = sum(1 for r in self.records if not r.ok)
-        recent = [r.e2e for r in self.records[-500:] if r.ok and r.e2e is not None]
+    def text() -> str:
+        done = len(records)
+        errors = sum(1 for r in records if not r.ok)
+        recent = [r.e2e for r in records[-500:] if r.ok and r.e2e is not None]
         elapsed = max(time.perf_counter() - start, 1e-9)
-        sys.stderr.write(
-            f"\r{self.label}: {done} done, {errors} errors, {done / elapsed:.1f} req/s, "
-            f"p50 {percentile(recent, 50) * 1e3:.0f} ms, "
-            f"p99 {percentile(recent, 99) * 1e3:.0f} ms   "
+        return (
+            f"{label}: {done} done, {errors} errors, {done / elapsed:.1f} req/s, "
+            f"p50 {percentile(recent, 50) * 1e3:.0f} ms, p99 {percentile(recent, 99) * 1e3:.0f} ms"
         )
-        sys.stderr.flush()
 
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
+    return text
 
 
 async def open_loop(
@@ -91,9 +75,10 @@ async def open_loop(
 
     async with new_client(max_inflight) as client:
         start = time.perf_counter()
-        bar = Progress(records, f"{name} open loop", progress)
+        line = progress_line(f"{name} open loop", records, start)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(bar.run, start)
+            if progress:
+                nursery.start_soon(Ticker(line).run)
             async with trio.open_nursery() as senders:
                 t0 = trio.current_time()
                 for at in times:
@@ -104,8 +89,8 @@ async def open_loop(
                             continue
                         senders.start_soon(one, request)
             nursery.cancel_scope.cancel()
-        bar.print(start)
-        bar.close()
+        if progress:
+            harness.progress(line() + "\n")
         return records, time.perf_counter() - start
 
 
@@ -130,15 +115,16 @@ async def closed_loop(
                 for request in source.next():
                     records.append(await send(client, url, request, stream, start))
 
-        bar = Progress(records, f"{name} closed loop x{concurrency}", progress)
+        line = progress_line(f"{name} closed loop x{concurrency}", records, start)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(bar.run, start)
+            if progress:
+                nursery.start_soon(Ticker(line).run)
             async with trio.open_nursery() as workers:
                 for _ in range(concurrency):
                     workers.start_soon(worker)
             nursery.cancel_scope.cancel()
-        bar.print(start)
-        bar.close()
+        if progress:
+            harness.progress(line() + "\n")
         return records, time.perf_counter() - start
 
 

@@ -31,8 +31,9 @@ import httpx
 import trio
 
 from load import processes
-from load.bench.common import label_values, metric, parse_metrics
 from load.client import Record, new_client, send
+from load.harness import label_values, metric, parse_metrics
+from load.processes import Stack
 from load.soak_inputs import BadInput, catalog
 from load.soak_report import Minute, print_minute, verdict
 from load.workloads import Request, Workload, completion, workload
@@ -58,7 +59,7 @@ class Soak:
         self.minutes = minutes
         self.rng = random.Random(seed)
         self.seed = seed
-        self.stack: list[subprocess.Popen[bytes]] = []
+        self.stack = Stack()
         self.backends: list[str] = []
         self.backend_procs: dict[str, subprocess.Popen[bytes]] = {}
         self.proxy_url = ""
@@ -117,13 +118,12 @@ class Soak:
     # -- processes ---------------------------------------------------------------------
 
     async def start_stack(self) -> None:
-        sim_flags = ("--max-num-seqs", "256")
         for _ in range(2):
-            url = await processes.start_sim(self.stack, *sim_flags)
+            url = await self.stack.sim("--max-num-seqs", "256")
             self.backends.append(url)
-            self.backend_procs[url] = self.stack[-1]
-        self.proxy_url = await processes.start_proxy(self.stack, self.backends, *self.proxy_flags)
-        self.proxy = self.stack[-1]
+            self.backend_procs[url] = self.stack.processes[-1]
+        self.proxy_url = await self.stack.proxy(self.backends, *self.proxy_flags)
+        self.proxy = self.stack.processes[-1]
         port = self.proxy_url.rsplit(":", 1)[1]
         self.proxy_args = [*self.proxy_flags, "--port", port]
 
@@ -140,11 +140,9 @@ class Soak:
             log.replace(kept)
             self.crashes.append(f"t={self.now():.0f}s exit {code}, log {kept}")
             print(f"!! proxy died (exit {code}) at t={self.now():.0f}s; log in {kept}", flush=True)
-            self.stack.remove(self.proxy)
-            self.proxy_url = await processes.start_proxy(
-                self.stack, self.backends, *self.proxy_args
-            )
-            self.proxy = self.stack[-1]
+            self.stack.forget(self.proxy)
+            self.proxy_url = await self.stack.proxy(self.backends, *self.proxy_args)
+            self.proxy = self.stack.processes[-1]
 
     async def kill_backends(self) -> None:
         """Every KILL_EVERY_S, SIGKILL the second backend mid-stream; restart it later."""
@@ -157,11 +155,11 @@ class Soak:
             victim = self.backend_procs[url]
             victim.send_signal(signal.SIGKILL)
             victim.wait()
-            self.stack.remove(victim)
+            self.stack.forget(victim)
             print(f"   t={self.now():.0f}s backend {url} killed", flush=True)
             await trio.sleep(KILL_DOWN_S)
-            await processes.start_sim(self.stack, "--port", port, "--max-num-seqs", "256")
-            self.backend_procs[url] = self.stack[-1]
+            await self.stack.sim("--port", port, "--max-num-seqs", "256")
+            self.backend_procs[url] = self.stack.processes[-1]
             window[1] = self.now() + DOWN_GRACE_S
             print(f"   t={self.now():.0f}s backend {url} restarted", flush=True)
             await trio.sleep(KILL_EVERY_S / 2 - KILL_DOWN_S)
@@ -310,7 +308,7 @@ class Soak:
             print_minute(number, minute)
 
     async def run(self) -> None:
-        try:
+        async with self.stack:
             await self.start_stack()
             print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}", flush=True)
             self.start = time.perf_counter()
@@ -329,8 +327,6 @@ class Soak:
                     nursery.start_soon(job)
                 await trio.sleep_until(self.trio_start + 60.0 * self.minutes + 0.5)
                 nursery.cancel_scope.cancel()
-        finally:
-            processes.stop_all(self.stack)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

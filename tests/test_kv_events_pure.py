@@ -14,6 +14,7 @@ import random
 import pytest
 
 from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
+from app.routing.decision import Prediction
 from app.routing.kv_event_index import (
     SILENT_AFTER_REQUESTS,
     SILENT_AFTER_SECONDS,
@@ -35,7 +36,6 @@ from app.routing.kv_event_wire import (
     split_frames,
     split_replay_frames,
 )
-from app.routing.policies import Prediction
 from app.sim.kv_cache import PrefixKVCache, chained_block_hashes
 
 # --- the wire ---------------------------------------------------------------------------------

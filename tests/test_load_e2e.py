@@ -1,15 +1,21 @@
-"""The load tools end to end, as a user runs them: `python -m load bench submit --quick` starts
-its own proxies and simulated backend as processes and writes its table, JSON and PNG;
-`python -m load run` drives a proxy it did not start, writing its JSON and PNG; and
-`python -m load routing` starts simulated GPUs and a Sluice in front of them and reports the
+"""The load tools end to end, as a user runs them: `python -m load` has five verbs and
+`bench --list` names every scenario module once; `python -m load bench submit --quick` starts
+its own proxies and simulated backend as processes, prints its table and writes its JSON
+(with date, commit and machine) and PNG to the user's cache directory, leaving the checkout
+as it was; `python -m load run` drives a proxy it did not start, writing its JSON and PNG;
+`bench routing` starts simulated GPUs and a Sluice in front of them and reports the
 backends' own prefix-cache hits beside Sluice's predictions; the overhead scenario's two
 floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would;
-`python -m load compare REV` exports a revision that runs as `python -m app`."""
+the replicas scenario's TCP round robin hands each new connection to the next replica, and a
+benchmark's own Redis answers until the stack kills it; `python -m load compare REV` exports
+a revision that runs as `python -m app`."""
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,34 +28,77 @@ from hypercorn.trio import serve
 
 from app.asgi import server_config
 from load import compare, floors
-from load.bench.common import Stack, wait_healthy
+from load.bench import NAMES, replicas
+from load.harness import wait_healthy
+from load.processes import Stack
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHECKOUT = Path(__file__).resolve().parent.parent
 
 
-def run_python(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_python(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python ARGS` as a user runs it; it must exit 0 (its stderr's end tells why not)."""
     completed = subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return completed
 
 
-def test_a_quick_scenario_prints_its_table_and_writes_json_and_png(tmp_path: Path) -> None:
-    completed = run_python(
-        "-m", "load", "bench", "submit", "--quick", "--rounds", "1", "--out-dir", str(tmp_path)
+def git_status() -> str:
+    return subprocess.run(
+        ["git", "-C", str(CHECKOUT), "status", "--porcelain", "--untracked-files=all"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def test_the_tool_has_five_verbs_and_lists_every_scenario_once() -> None:
+    usage = run_python("-m", "load", "--help").stdout
+    verbs = usage.split("positional arguments:")[1].split("options:")[0].split()
+    assert [v for v in verbs if v in ("run", "bench", "soak", "compare", "profile")] == [
+        "run", "bench", "soak", "compare", "profile"
+    ]  # fmt: skip
+    listed = [
+        line.split()[0] for line in run_python("-m", "load", "bench", "--list").stdout.splitlines()
+    ]
+    modules = sorted(
+        p.stem.replace("_", "-")
+        for p in (CHECKOUT / "load" / "bench").glob("*.py")
+        if p.stem != "__init__"
     )
+    assert listed == list(NAMES)
+    assert sorted(listed) == modules
+
+
+def test_a_quick_scenario_writes_outside_the_checkout_and_leaves_it_clean(tmp_path: Path) -> None:
+    before = git_status()
+    completed = run_python(
+        "-m", "load", "bench", "submit", "--quick", "--rounds", "1",
+        env={"XDG_CACHE_HOME": str(tmp_path)},
+    )  # fmt: skip
     assert "seed 003" in completed.stdout
     table_rows = [
         line for line in completed.stdout.splitlines() if line.startswith(("inline", "offload"))
     ]
     assert len(table_rows) == 2
-    result = json.loads((tmp_path / "submit.json").read_text())
-    assert set(result["summary"]) == {"inline", "offload"}
-    assert result["summary"]["offload"]["errors"] == 0
-    assert result["machine"]["cpus"] >= 1
-    assert (tmp_path / "submit.png").read_bytes().startswith(PNG_MAGIC)
+    out = tmp_path / "sluice-load"
+    blob = json.loads((out / "submit.json").read_text())
+    assert set(blob["result"]["summary"]) == {"inline", "offload"}
+    assert blob["result"]["summary"]["offload"]["errors"] == 0
+    assert blob["machine"]["cpus"] >= 1
+    assert blob["date"] and blob["commit"]
+    assert (out / "submit.png").read_bytes().startswith(PNG_MAGIC)
+    assert git_status() == before
 
 
 async def test_run_drives_a_running_proxy_and_writes_its_report(tmp_path: Path) -> None:
@@ -96,12 +145,11 @@ async def test_run_drives_a_running_proxy_and_writes_its_report(tmp_path: Path) 
 def test_the_routing_comparison_runs_a_variant_and_reports_real_cache_hits(
     tmp_path: Path,
 ) -> None:
-    out = tmp_path / "routing.json"
     run_python(
-        "-m", "load", "routing", "--workloads", "rag", "--variants", "cache_aware",
-        "--duration", "2", "--json", str(out),
+        "-m", "load", "bench", "routing", "--workloads", "rag", "--variants", "cache_aware",
+        "--duration", "2", "--out-dir", str(tmp_path),
     )  # fmt: skip
-    [result] = json.loads(out.read_text())
+    [result] = json.loads((tmp_path / "routing.json").read_text())["result"]["runs"]
     assert (result["workload"], result["variant"]) == ("rag", "cache_aware")
     assert result["answered"] > 0
     assert result["errors"] == 0
@@ -132,6 +180,49 @@ async def test_floor_servers_answer_keep_alive_chat_requests(kind: str) -> None:
                 assert response.status_code == 200
                 assert response.json()["object"] == "chat.completion"
         nursery.cancel_scope.cancel()
+
+
+async def test_the_round_robin_hands_each_connection_to_the_next_replica() -> None:
+    async def answer(name: bytes, stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.send_all(name + await stream.receive_some(100))
+
+    async with trio.open_nursery() as nursery:
+        targets = []
+        for name in (b"a", b"b", b"c"):
+            [listener] = await nursery.start(
+                functools.partial(
+                    trio.serve_tcp, functools.partial(answer, name), 0, host="127.0.0.1"
+                )
+            )
+            targets.append(f"http://127.0.0.1:{listener.socket.getsockname()[1]}")
+        async with replicas.round_robin(targets) as url:
+            port = int(url.rsplit(":", 1)[1])
+            heard = []
+            for number in range(6):
+                async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+                    await stream.send_all(str(number).encode())
+                    heard.append(await stream.receive_some(100))
+        nursery.cancel_scope.cancel()
+    assert heard == [b"a0", b"b1", b"c2", b"a3", b"b4", b"c5"]
+
+
+@pytest.mark.skipif(
+    not (shutil.which("redis-server") or Path("/usr/bin/redis-server").exists())
+    and not os.environ.get("CI"),
+    reason="needs redis-server (apt-get install -y redis-server)",
+)
+async def test_a_benchmarks_redis_answers_until_the_stack_kills_it() -> None:
+    async with Stack() as stack:
+        url = await stack.redis()
+        host, port = url.removeprefix("redis://").split("/")[0].split(":")
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            await stream.send_all(b"PING\r\n")
+            assert await stream.receive_some(100) == b"+PONG\r\n"
+        stack.kill(url)
+        assert stack.died() == []  # killed on purpose: not reported as a death
+        with pytest.raises(OSError):
+            await trio.open_tcp_stream(host, int(port))
 
 
 def test_compare_exports_a_revision_that_runs(tmp_path: Path) -> None:

@@ -1,17 +1,29 @@
 """The load generator's pure parts: arrival processes (mean and variance of seeded schedules),
-percentiles against a reference, SLOs and goodput, `server-timing` parsing, and the shapes of
-the workloads."""
+percentiles against a reference and their confidence ranges (coverage checked by
+simulation), summaries of alternating rounds, SLOs and goodput, `server-timing` and
+Prometheus parsing, and the shapes of the workloads."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 
 import pytest
 
-from load import arrivals
+from load import arrivals, harness
 from load.client import parse_server_timing
-from load.stats import goodput, meets, parse_slos, percentile, summary
+from load.stats import (
+    Ranged,
+    by_group,
+    goodput,
+    meets,
+    paired_change,
+    parse_slos,
+    percentile,
+    quantile_range,
+    summary,
+)
 from load.workloads import WORKLOADS, workload
 
 
@@ -141,3 +153,73 @@ def test_long_conversations_have_thousands_of_short_messages() -> None:
     messages = workload("long", seed=2).next()[0].body["messages"]
     assert 1500 <= len(messages) <= 4002
     assert max(len(m["content"]) for m in messages[1:-1]) <= 80
+
+
+@pytest.mark.parametrize(("n", "q"), [(20, 50), (200, 50), (2000, 99)])
+def test_quantile_ranges_hold_the_true_quantile_95_times_in_100(n: int, q: float) -> None:
+    rng = random.Random(n)
+    true = -math.log(1 - q / 100)  # the exponential distribution's quantile, rate 1
+    held = 0
+    for _ in range(400):
+        low, high = quantile_range([rng.expovariate(1.0) for _ in range(n)], q)
+        held += low <= true <= high
+    assert 0.92 <= held / 400 <= 0.995
+
+
+def test_a_quantile_range_of_few_values_is_their_whole_spread() -> None:
+    assert quantile_range([3.0, 1.0, 2.0], 50) == (1.0, 3.0)
+    assert quantile_range([4.0], 99) == (4.0, 4.0)
+    assert all(math.isnan(x) for x in quantile_range([], 50))
+
+
+def test_rounds_alternate_their_order() -> None:
+    assert list(harness.alternate(3, ["a", "b"])) == [
+        (1, "a"), (1, "b"), (2, "b"), (2, "a"), (3, "a"), (3, "b")
+    ]  # fmt: skip
+
+
+def test_rounds_summarise_by_variant_with_medians_ranges_worsts_and_totals() -> None:
+    rows = [
+        {"round": r, "variant": v, "p99": p99, "worst": worst, "errors": e}
+        for r, v, p99, worst, e in [
+            (1, "a", 10.0, 50.0, 0), (1, "b", 20.0, 9.0, 1),
+            (2, "b", 30.0, 7.0, 0), (2, "a", 12.0, 40.0, 2),
+            (3, "a", 11.0, 80.0, 0), (3, "b", float("nan"), 8.0, 0),
+        ]
+    ]  # fmt: skip
+    out = by_group(rows, "variant", ["p99"], worst=["worst"])
+    assert list(out) == ["a", "b"]
+    assert out["a"] == {
+        "rounds": 3,
+        "p99": 11.0,
+        "p99_range": [10.0, 12.0],
+        "worst": 80.0,
+        "errors": 2,
+    }
+    assert out["b"]["p99"] == 25.0  # a NaN round is left out of the median
+    assert paired_change(rows, "p99", "b", "a").value == pytest.approx(
+        (20 / 10 - 1) * 100 / 2 + (30 / 12 - 1) * 100 / 2
+    )
+
+
+def test_ranged_cells_print_their_range_only_when_there_is_one() -> None:
+    assert harness.fmt(Ranged(2.0, 1.0, 3.0)) == "2.0 (1.0-3.0)"
+    assert harness.fmt(Ranged(2.0, 2.0, 2.0)) == "2.0"
+    assert harness.fmt(1234.5) == "1,234.5"
+    assert harness.fmt(float("nan")) == "n/a"
+
+
+def test_prometheus_text_parses_and_lag_buckets_bound_every_sample() -> None:
+    before = harness.parse_metrics('sluice_event_loop_lag_seconds_bucket{le="0.005"} 10\n')
+    after = harness.parse_metrics(
+        "# HELP x\n"
+        'sluice_event_loop_lag_seconds_bucket{le="0.005"} 12\n'
+        'sluice_event_loop_lag_seconds_bucket{le="0.05"} 14\n'
+        'sluice_event_loop_lag_seconds_bucket{le="+Inf"} 14\n'
+        'stalls_total{task="a",cause="gil-wait"} 2\n'
+        'stalls_total{task="b",cause="gil-wait"} 3\n'
+    )
+    assert harness.lag_max_bucket(before, after) == 0.05
+    assert harness.label_values(after, "stalls_total", "cause") == {"gil-wait": 5.0}
+    assert harness.metric(after, "stalls_total") == 5.0
+    assert harness.delta(before, after, "missing") is None

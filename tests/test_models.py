@@ -23,7 +23,7 @@ from app.routing.backends import Backend, BackendPool
 from app.routing.balance import Balance
 from app.routing.cache_aware import CacheAware
 from app.routing.catalog import ModelCatalog, configured_backends
-from app.routing.policies import RouteRequest
+from app.routing.decision import RouteRequest
 
 DIRECTORY = ModelDirectory(
     frozenset({"big", "small"}), {"chat-default": "big"}, {"big": 1000, "small": 64}

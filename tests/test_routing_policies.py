@@ -15,8 +15,9 @@ from app.routing.backends import Backend, BackendPool, backend_id
 from app.routing.balance import Balance
 from app.routing.block_index import block_hashes
 from app.routing.cache_aware import CacheAware
+from app.routing.decision import Decision, Prediction, RouteRequest
 from app.routing.hashing import ConsistentHash
-from app.routing.policies import Decision, Prediction, RouteRequest, RoutingParams, make_policy
+from app.routing.policies import RoutingParams, make_policy
 
 BALANCE = Balance(abs_threshold=4, rel_threshold=1.5)
 

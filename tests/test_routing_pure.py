@@ -8,7 +8,8 @@ import random
 import pytest
 
 from app.routing.backends import BackendPool
-from app.routing.policies import PowerOfTwo, RandomChoice, RoundRobin, RouteRequest, make_policy
+from app.routing.decision import RouteRequest
+from app.routing.policies import PowerOfTwo, RandomChoice, RoundRobin, make_policy
 
 
 def pool(n: int = 3, failures: int = 3, cooldown: float = 10.0) -> BackendPool:

@@ -94,7 +94,7 @@ class _StepTimer(trio.abc.Instrument):
 
     A step starts where the previous one ended, or where the loop came back from waiting
     for I/O, so `after_task_step` alone can time it: the instrument's cost halves (see
-    load/bench_stall_detector.py) and the only thing billed to a step besides its own code
+    `python -m load bench detector-cost`) and the only thing billed to a step besides its own code
     is Trio's bookkeeping between steps (deadline expiry for the batch's first step).
     """
 

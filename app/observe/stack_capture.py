@@ -24,7 +24,7 @@ need not even run on the main thread. Why not block SIGALRM in every other threa
 threads created later (trio's thread cache, threads a Rust or C library starts) inherit
 whatever mask their creator had. Why not `faulthandler.dump_traceback_later`: re-arming it
 joins its watchdog thread and starts a new one, 80-180 µs a tick and up to 14 ms when the
-cores are oversubscribed. Re-arm costs side by side: load/bench_stall_detector.py.
+cores are oversubscribed. Re-arm costs side by side: `python -m load bench detector-cost`.
 
 The costs of a signal: the alarm interrupts whatever system call the loop thread is in
 (Python retries them, PEP 475); it only fires during a stall. One capture per process holds

@@ -75,7 +75,7 @@ class ThreadTimer:
         self._armed = _ITimerSpec(it_value=_Timespec(int(seconds), int(fraction * 1e9)))
         self._disarmed = _ITimerSpec()
         # The re-arm runs on every probe tick, so it is trimmed to the bone (about 10 µs
-        # less a call, load/bench_stall_detector.py): a handle without `use_errno` (ctypes
+        # less a call, `python -m load bench detector-cost`): a handle without `use_errno` (ctypes
         # would swap errno through a thread-local on each call; timer_settime cannot fail
         # on a live timer with a valid spec), raw addresses for arguments, and `arm` bound
         # once as a partial rather than a method that looks them up.

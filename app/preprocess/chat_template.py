@@ -15,12 +15,12 @@ templates of which `default` is used). Sluice adds a last step: a shipped templa
 the special tokens the tokenizer really has — how the bundled DeepSeek tokenizer, whose
 config has no template, gets DeepSeek-V3's format.
 
-Renders are not cached, on measurement (load/bench_preprocess.py). Jinja renders the whole
-message list, and a template's state (namespaces, loop indices, hoisted system prompts) is not
-visible from outside, so a grown conversation cannot be rendered from its new turns alone;
-checking that a cached prefix render is still a prefix needs the full render — the very cost
-to save. An exact-repeat cache would pay a JSON key per request (0.19 ms for 256 messages,
-against a 1.0 ms DeepSeek-V3 render) to win only on verbatim repeats, whose far larger
+Renders are not cached, on measurement (`python -m load bench templating`, `bench cache`). Jinja
+renders the whole message list, and a template's state (namespaces, loop indices, hoisted system
+prompts) is not visible from outside, so a grown conversation cannot be rendered from its new
+turns alone; checking that a cached prefix render is still a prefix needs the full render — the
+very cost to save. An exact-repeat cache would pay a JSON key per request (0.19 ms for 256
+messages, against a 1.0 ms DeepSeek-V3 render) to win only on verbatim repeats, whose far larger
 tokenization cost L0 already removes.
 """
 

@@ -53,7 +53,7 @@ from app.proxy.upstream import UpstreamPool
 from app.routing.admission import Overloaded
 from app.routing.backends import ANY_MODEL, Backend, BackendPool
 from app.routing.catalog import ModelCatalog
-from app.routing.policies import Decision, RouteRequest
+from app.routing.decision import Decision, RouteRequest
 from app.routing.router import Router, estimated_tokens
 from app.routing.tokenizer_check import build_probe
 from app.routing.usage import usage_from_tail

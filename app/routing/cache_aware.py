@@ -43,8 +43,8 @@ from typing import Any
 from app.routing.backends import Backend
 from app.routing.balance import Balance, least_loaded
 from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
+from app.routing.decision import Decision, Prediction, RouteRequest
 from app.routing.hashing import route_without_tokens
-from app.routing.policies import Decision, Prediction, RouteRequest
 from app.routing.rendezvous import first_fit
 
 # A reported hit this much (as a share of the prompt) below the prediction means an eviction.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from app.routing.backends import Backend
 from app.routing.balance import Balance, least_loaded
-from app.routing.policies import Decision, RouteRequest
+from app.routing.decision import Decision, RouteRequest
 from app.routing.rendezvous import first_fit
 
 # About 128 tokens of rendered prompt: the chat template's preamble and the start of the

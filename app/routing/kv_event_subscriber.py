@@ -24,6 +24,7 @@ import zmq
 from app.config import Settings
 from app.routing.backends import BackendPool
 from app.routing.cache_aware import CacheAware
+from app.routing.decision import Policy
 from app.routing.kv_event_index import BackendKvEvents
 from app.routing.kv_event_wire import (
     BadMessage,
@@ -32,7 +33,6 @@ from app.routing.kv_event_wire import (
     split_frames,
     split_replay_frames,
 )
-from app.routing.policies import Policy
 from app.routing.zmq_trio import close_socket, open_socket, receive, send
 
 log = logging.getLogger("sluice.kv_events")

@@ -1,13 +1,14 @@
 """Backends' own load figures, scraped off the request path from their Prometheus `/metrics`.
 
 Every `SCRAPE_INTERVAL` seconds while traffic flows (every `IDLE_SCRAPE_INTERVAL` when none
-does, looking each `SCRAPE_INTERVAL` whether it has started) each healthy backend's exposition is read by `engine_metrics.read_engine`, which knows
-vLLM, SGLang, the llama.cpp server and TGI by their metric names. The result goes to
-`Backend.engine` (engine name, running, waiting, KV use, prefix hit rate) and the waiting
-count to `Backend.reported_waiting`, which the policies see through `Backend.load`: it also
-counts what other proxy replicas send, which local in-flight counts cannot. A backend that
-has no such metrics (404, or none of those names) is asked again only every
-`RETRY_UNSUPPORTED` seconds.
+does, looking each `SCRAPE_INTERVAL` whether it has started) each healthy backend's
+exposition is read by `engine_metrics.read_engine`, which knows vLLM, SGLang, the llama.cpp
+server and TGI by their metric names. The result goes to `Backend.engine` (engine name,
+running, waiting, KV use, prefix hit rate) and the waiting count to
+`Backend.reported_waiting`, which the policies see through `Backend.load`: it also counts
+what other proxy replicas send, which local in-flight counts cannot. A backend that has no
+such metrics (404, or none of those names) is asked again only every `RETRY_UNSUPPORTED`
+seconds.
 """
 
 from __future__ import annotations

@@ -1,70 +1,21 @@
 """Routing policies: given the backends that take traffic, pick one and say why. Pure.
 
-Every policy answers a `Decision`; the reason ends up in the `x-sluice-route` header and in
-`sluice_route_decisions_total{policy,reason}`, so reasons are a small fixed vocabulary:
-prefix-hit, spread, new-prefix, least-load, hash, session (cache_aware and consistent_hash),
-rotation, random, tie, less_loaded, only_candidate (the simple policies), retry (set by the
-proxy).
+The simple policies live here, cache_aware and consistent_hash in their own modules, and
+`make_policy` builds any of them by name; what they all take and answer, and the reasons
+they give, are in decision.py.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from app.routing.backends import Backend
-from app.routing.block_index import BLOCK_SIZE
-
-
-@dataclass(frozen=True)
-class RouteRequest:
-    """What a policy may look at. `token_ids` is None when tokenization was skipped; `text` is
-    the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
-    client's `x-session-id` header or the body's `user` field; `model` the served model whose
-    pool the candidates are (None: a pool of every backend)."""
-
-    token_ids: Sequence[int] | None = None
-    text: str | None = None
-    session: str | None = None
-    model: str | None = None
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What cache_aware believed the chosen backend held, to check against its answer."""
-
-    prompt_tokens: int
-    blocks: int  # leading blocks of the prompt the backend was believed to hold
-    stamps: tuple[int, ...]  # their last-use stamps in the index before this request
-    holder: Hashable = None  # whose entries in the index those are (None: the backend's id)
-
-    @property
-    def cached_tokens(self) -> int:
-        # A backend always recomputes the prompt's last token, so at most this much can hit.
-        return min(self.blocks, max(self.prompt_tokens - 1, 0) // BLOCK_SIZE) * BLOCK_SIZE
-
-    @property
-    def stores_blocks(self) -> bool:
-        """Whether the backend will cache prompt blocks it did not hold, and so tell of
-        them in its KV events (a prompt it held whole may be answered without a new block)."""
-        return self.blocks < self.prompt_tokens // BLOCK_SIZE
-
-
-@dataclass(frozen=True)
-class Decision:
-    backend: Backend
-    reason: str
-    prediction: Prediction | None = None
-    pending_tokens: int = 0  # prompt tokens left to prefill, reserved on the backend's load
-    model: str | None = None  # the pool it was chosen in
-
-
-class Policy(Protocol):
-    name: str
-
-    def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision: ...
+from app.routing.balance import Balance
+from app.routing.cache_aware import CacheAware
+from app.routing.decision import Decision, Policy, RouteRequest
+from app.routing.hashing import ConsistentHash
 
 
 class RoundRobin:
@@ -121,11 +72,6 @@ class RoutingParams:
 def make_policy(
     name: str, rng: random.Random | None = None, params: RoutingParams | None = None
 ) -> Policy:
-    # Imported here: those modules build on this one's types.
-    from app.routing.balance import Balance
-    from app.routing.cache_aware import CacheAware
-    from app.routing.hashing import ConsistentHash
-
     params = params or RoutingParams()
     balance = Balance(params.balance_abs_threshold, params.balance_rel_threshold)
     if name == "cache_aware":

@@ -26,8 +26,9 @@ from app.observe.metrics import Metrics
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
 from app.routing.backends import Backend, BackendPool
 from app.routing.cache_aware import CacheAware
+from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.kv_event_index import BackendKvEvents
-from app.routing.policies import Decision, Policy, RouteRequest, RoutingParams, make_policy
+from app.routing.policies import RoutingParams, make_policy
 from app.routing.shared_budgets import SharedBudgets
 from app.routing.usage import Usage
 

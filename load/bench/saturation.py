@@ -1,35 +1,32 @@
-"""`python -m load bench saturation`: `--saturation wait` vs `bail-out` under overload.
+"""`python -m load bench saturation`: `--saturation wait` vs `bail-out` under overload (seed
+000's capacity-one fallback).
 
-Seed 000's capacity-one fallback: when threads and the fallback are busy, a request either
-waits for its tokens (needed for correctness: billing, context limits) or bails out and is
-routed without them ("a request routed by hash instead of prefix is slightly less optimal
-but doesn't block the event loop"). Two proxies, each in front of its own two simulated
-backends (so each variant's prefix-cache hit rate is its own), with one tokenizer thread and
-a queue of 2 so the tokenizer saturates. Traffic, open loop: RAG requests at 20/s (shared
-system prompts: prefix routing pays) and, every second, a burst of 12 unique ~4k-token
-prompts that miss every cache (more than thread + queue + fallback hold). Variants
-alternate in rounds. Reported: latency of all requests and of the RAG ones, the share
-routed without tokens (`x-sluice-prompt-tokens: estimated`), the backends' prefix-cache hit
-rate (from their `/sim/state`).
+When threads and the fallback are busy, a request either waits for its tokens (needed for
+billing and context limits) or bails out and is routed without them ("a request routed by
+hash instead of prefix is slightly less optimal but doesn't block the event loop"). Two
+proxies, each in front of its own two simulated backends (so each variant's prefix-cache hit
+rate is its own), `--policy cache_aware`, with one tokenizer thread and a queue of 2 so that
+the tokenizer saturates. Open loop: RAG requests at 20/s (shared system prompts: prefix
+routing pays) and every second a burst of 12 unique ~4k-token prompts that miss every cache
+(more than thread + queue + fallback hold). Rounds alternate. Reported: latency of all
+requests, of the RAG ones and of the unique ones, the share routed without tokens
+(`x-sluice-prompt-tokens: estimated`), and the backends' prefix-cache hit rate.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
-import statistics
-import time
+from pathlib import Path
 from typing import Any
 
 import httpx
-import trio
 
-from load import arrivals
-from load.bench import common
-from load.client import Record, new_client, send
+from load import arrivals, harness
+from load.client import send_plan
+from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
-from load.stats import percentile
-from load.workloads import Corpus, completion, nonce, workload
+from load.stats import by_group, percentile, with_range
+from load.workloads import Corpus, Request, completion, nonce, workload
 
 VARIANTS = ("wait", "bail-out")
 SIM_FLAGS = (
@@ -38,141 +35,111 @@ SIM_FLAGS = (
     "--inter-token-latency", "0.001",
     "--max-num-seqs", "256",
 )  # fmt: skip
-BURST, BURST_EVERY_S = 12, 1.0
-PROXY_FLAGS = ("--tokenize-threads", "1", "--tokenize-queue", "2")
-POLICY = ("--policy", "cache_aware")
-SEED_NOTE = (
-    "seed 000: under a burst of misses the fallback semaphore lets the 2nd, 3rd, 4th miss\n"
-    "either wait (latency for those requests) or bail out (routed by hash, prefix locality\n"
-    "lost). Read: bail-out should cut the unique prompts' and RAG p99, at the price of a\n"
-    "share routed without tokens and a lower backend prefix hit rate (`cache_aware` routes\n"
-    "by prefix: a request without tokens is routed by hash)."
-)
+PROXY_FLAGS = ("--tokenize-threads", "1", "--tokenize-queue", "2", "--policy", "cache_aware")
+RATE, BURST, BURST_EVERY_S = 20.0, 12, 1.0
+COLUMNS = ("all_p50_ms", "all_p99_ms", "rag_p99_ms", "unique_p99_ms", "no_tokens_pct",
+           "prefix_hit_pct")  # fmt: skip
 
 
-async def sim_prefix(client: httpx.AsyncClient, sims: list[str]) -> tuple[float, float]:
+async def sim_prefix(sims: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
-    for url in sims:
-        state = (await client.get(url + "/sim/state")).json()
-        hits += state["prefix_cache_hits"]
-        queries += state["prefix_cache_queries"]
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        for url in sims:
+            state = (await client.get(url + "/sim/state")).json()
+            hits += state["prefix_cache_hits"]
+            queries += state["prefix_cache_queries"]
     return hits, queries
 
 
-async def one_round(
-    url: str, sims: list[str], rate: float, seconds: float, seed: int, variant: str
-) -> dict[str, Any]:
+def plan(seconds: float, seed: int) -> list[tuple[float, Request]]:
     rag = workload("rag", 7)  # the same system prompts every round: prefix locality pays
-    rng = random.Random(seed)
-    corpus = Corpus.default()
-    times = arrivals.schedule("poisson", rate, seconds, seed)
-    records: list[Record] = []
-    async with new_client(512) as client:
-        hits0, queries0 = await sim_prefix(client, sims)
-        start = time.perf_counter()
+    rng, corpus = random.Random(seed), Corpus.default()
+    out = [(at, rag.next()[0]) for at in arrivals.schedule("poisson", RATE, seconds, seed)]
+    for k in range(int(seconds / BURST_EVERY_S)):
+        for _ in range(BURST):  # a burst of misses: more than threads + queue + fallback
+            text = f"{nonce(rng)} {corpus.text(rng, 4000)}"
+            out.append((0.5 + k * BURST_EVERY_S, completion(text, 4, "unique")))
+    return out
 
-        async def fire(request: Any) -> None:
-            records.append(await send(client, url, request, False, start))
 
-        async with trio.open_nursery() as nursery:
-            t0 = trio.current_time()
-            next_burst = 0.5
-            for at in times:
-                await trio.sleep_until(t0 + at)
-                if at >= next_burst:  # a burst of misses: more than threads + queue + fallback
-                    next_burst += BURST_EVERY_S
-                    for _ in range(BURST):
-                        text = f"{nonce(rng)} {corpus.text(rng, 4000)}"
-                        nursery.start_soon(fire, completion(text, 4, "unique"))
-                nursery.start_soon(fire, rag.next()[0])
-        hits1, queries1 = await sim_prefix(client, sims)
-    ok = [r for r in records if r.ok]
-    e2e = [r.e2e for r in ok if r.e2e is not None]
-    rag_e2e = [r.e2e for r in ok if r.tag == "chat" and r.e2e is not None]
-    unique_e2e = [r.e2e for r in ok if r.tag == "unique" and r.e2e is not None]
-    estimated = sum(1 for r in ok if r.prompt_tokens == "estimated")
+async def measure(bench: Bench) -> dict[str, Any]:
+    rounds, seconds = bench.rounds(2, 4), bench.pick(5.0, 10.0)
+    sims: dict[str, list[str]] = {}
+    urls: dict[str, str] = {}
+    for variant in VARIANTS:
+        sims[variant] = [await bench.stack.sim(*SIM_FLAGS) for _ in range(2)]
+        urls[variant] = await bench.stack.proxy(
+            sims[variant], *PROXY_FLAGS, "--saturation", variant
+        )
+        await harness.wait_healthy(urls[variant])
+
+    async def one(variant: str, number: int) -> dict[str, Any]:
+        hits0, queries0 = await sim_prefix(sims[variant])
+        records = await send_plan(urls[variant], plan(seconds, number))
+        hits1, queries1 = await sim_prefix(sims[variant])
+        ok = [r for r in records if r.ok and r.e2e is not None]
+
+        def ms(q: float, tag: str | None = None) -> float:
+            return percentile([r.e2e or 0.0 for r in ok if tag in (None, r.tag)], q) * 1e3
+
+        estimated = sum(1 for r in ok if r.prompt_tokens == "estimated")
+        return {
+            "requests": len(records),
+            "errors": len(records) - len(ok),
+            "all_p50_ms": ms(50),
+            "all_p99_ms": ms(99),
+            "rag_p99_ms": ms(99, "chat"),
+            "unique_p99_ms": ms(99, "unique"),
+            "no_tokens_pct": 100 * estimated / len(ok) if ok else float("nan"),
+            "prefix_hit_pct": 100 * (hits1 - hits0) / (queries1 - queries0)
+            if queries1 > queries0
+            else float("nan"),
+        }
+
+    rows = await bench.alternate(rounds, VARIANTS, one)
     return {
-        "variant": variant,
-        "requests": len(records),
-        "errors": len(records) - len(ok),
-        "all_p50_ms": percentile(e2e, 50) * 1e3,
-        "all_p99_ms": percentile(e2e, 99) * 1e3,
-        "rag_p99_ms": percentile(rag_e2e, 99) * 1e3,
-        "unique_p99_ms": percentile(unique_e2e, 99) * 1e3,
-        "no_tokens_pct": 100 * estimated / len(ok) if ok else float("nan"),
-        "prefix_hit_pct": 100 * (hits1 - hits0) / (queries1 - queries0)
-        if queries1 > queries0
-        else float("nan"),
+        "flags": list(PROXY_FLAGS),
+        "summary": by_group(rows, "variant", COLUMNS),
+        "rounds": rows,
     }
 
 
-async def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
-    rounds = args.rounds or (2 if args.quick else 4)
-    seconds = 5.0 if args.quick else 10.0
-    rate = 20.0
-    results = []
-    async with common.Stack() as stack:
-        sims: dict[str, list[str]] = {}
-        urls: dict[str, str] = {}
-        for variant in VARIANTS:
-            sims[variant] = [await stack.sim(*SIM_FLAGS) for _ in range(2)]
-            urls[variant] = await stack.proxy(
-                sims[variant], *PROXY_FLAGS, *POLICY, "--saturation", variant
-            )
-            await common.wait_healthy(urls[variant])
-        for number, variant in common.alternate(rounds, VARIANTS):
-            row = await one_round(urls[variant], sims[variant], rate, seconds, number, variant)
-            results.append({"round": number, **row})
-    return results, " ".join(POLICY)
+def tables(result: dict[str, Any]) -> list[Table]:
+    summary = result["summary"]
+    rounds = next(iter(summary.values()))["rounds"]
+    return [
+        Table(
+            f"{' '.join(result['flags'])}; RAG at {RATE:g}/s + every second {BURST} unique "
+            f"~4k-token prompts at once; medians of {rounds} rounds (range)",
+            ["saturation", "all p50 ms", "all p99 ms", "RAG p99 ms", "unique p99 ms",
+             "no tokens %", "prefix hit %", "errors"],
+            [[v, *(with_range(s, c) for c in COLUMNS), s["errors"]] for v, s in summary.items()],
+        )
+    ]  # fmt: skip
 
 
-COLUMNS = (
-    "all_p50_ms",
-    "all_p99_ms",
-    "rag_p99_ms",
-    "unique_p99_ms",
-    "no_tokens_pct",
-    "prefix_hit_pct",
-)
-
-
-def main(args: argparse.Namespace) -> None:
-    results, policy = trio.run(measure, args)
-    summary = {
-        v: {c: statistics.median(r[c] for r in results if r["variant"] == v) for c in COLUMNS}
-        | {"errors": sum(r["errors"] for r in results if r["variant"] == v)}
-        for v in VARIANTS
-    }
-    png = common.write(
-        "saturation", {"policy": policy, "summary": summary, "rounds": results}, args.out_dir
-    )
+def plot(result: dict[str, Any], png: Path) -> None:
     plot_bars(
         "Saturated tokenizer: wait vs bail-out",
         ["all p50", "all p99", "RAG p99", "unique p99"],
-        {
-            v: [s["all_p50_ms"], s["all_p99_ms"], s["rag_p99_ms"], s["unique_p99_ms"]]
-            for v, s in summary.items()
-        },
+        {v: [s[c] for c in COLUMNS[:4]] for v, s in result["summary"].items()},
         "ms (log)",
         png,
         log=True,
     )
-    headers = [
-        "saturation",
-        "all p50 ms",
-        "all p99 ms",
-        "RAG p99 ms",
-        "unique p99 ms",
-        "no tokens %",
-        "prefix hit %",
-        "errors",
-    ]
-    rows = [[v, *[s[c] for c in COLUMNS], int(s["errors"])] for v, s in summary.items()]
-    common.report(
-        "saturation",
-        SEED_NOTE,
-        f"1 tokenizer thread, queue 2, {policy}; RAG at 20/s + every second {BURST} unique "
-        "~4k-token prompts at once, "
-        f"medians of {len(results) // 2} rounds\n" + common.table(headers, rows),
-        png,
-    )
+
+
+SCENARIO = Scenario(
+    name="saturation",
+    reproduces="seed 000",
+    about="a saturated tokenizer: --saturation wait vs bail-out, latency vs prefix hits",
+    reference=(
+        "seed 000: under a burst of misses the fallback semaphore lets the 2nd, 3rd, 4th miss\n"
+        "either wait (latency for those requests) or bail out (routed by hash, prefix locality\n"
+        "lost). Read: bail-out should cut the unique prompts' and RAG p99, at the price of a\n"
+        "share routed without tokens and of the backends' prefix hit rate."
+    ),
+    measure=measure,
+    tables=tables,
+    plot=plot,
+)

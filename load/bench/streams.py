@@ -18,27 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from load.bench import common, overhead
+from load import harness
+from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
-from load.rawhttp import RawConnection
+from load.processes import tree_cpu
+from load.rawhttp import ONE_TOKEN, RawConnection
 from load.stats import percentile
 
 TOKENS = 200
 INTER_TOKEN_S = 0.02
 PROBE_INTERVAL_S = 0.01
 SIM_FLAGS = (
-    "--model", "sim",
     "--prefill-overhead", "0",
     "--prefill-per-token", "0",
     "--inter-token-latency", str(INTER_TOKEN_S),
@@ -152,36 +149,6 @@ async def client_loop(url: str, request: bytes, window: Window, stop: trio.Event
         await connection.close()
 
 
-@asynccontextmanager
-async def health_probe(url: str) -> AsyncIterator[dict[str, Any]]:
-    """load/probe.py against `url` while the body runs; the dict gets its summary."""
-    summary: dict[str, Any] = {}
-    probe = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "load.probe", url, str(PROBE_INTERVAL_S)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert probe.stdin is not None and probe.stdout is not None
-    try:
-        await _read_line(probe.stdout)  # "ready"
-        yield summary
-        await probe.stdin.send_all(b"stop\n")
-        summary.update(json.loads(await _read_line(probe.stdout)))
-    finally:
-        probe.kill()
-        await probe.wait()
-
-
-async def _read_line(stream: trio.abc.ReceiveStream) -> bytes:
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = await stream.receive_some(1)
-        if not chunk:
-            raise RuntimeError("the /health probe exited early")
-        line += chunk
-    return line
-
-
 async def one_round(
     url: str, pid: int | None, streams: int, warmup: float, seconds: float, samples: Samples
 ) -> None:
@@ -192,14 +159,14 @@ async def one_round(
         for _ in range(streams):
             nursery.start_soon(client_loop, url, request, window, stop)
         await trio.sleep(warmup)  # every stream started, their starts spread over a stream
-        async with health_probe(url) as probe:
-            cpu0 = overhead.tree_cpu(pid) if pid else 0.0
+        async with harness.health_probe(url, PROBE_INTERVAL_S) as probe:
+            cpu0 = tree_cpu(pid) if pid else 0.0
             started = time.perf_counter()
             window.open = True
             await trio.sleep(seconds)
             window.open = False
             elapsed = time.perf_counter() - started
-            cpu = (overhead.tree_cpu(pid) - cpu0) if pid else 0.0
+            cpu = (tree_cpu(pid) - cpu0) if pid else 0.0
         stop.set()
         nursery.cancel_scope.cancel()
     samples.tokens += window.tokens
@@ -212,40 +179,34 @@ async def one_round(
     samples.health_worst = max(samples.health_worst, probe["worst_s"])
 
 
-async def start_targets(
-    stack: common.Stack, sim: str, peers: list[str]
-) -> dict[str, tuple[str, int | None]]:
-    targets: dict[str, tuple[str, int | None]] = {"direct": (sim, None)}
-    url = await stack.proxy(sim, *SLUICE_FLAGS)
-    targets["sluice"] = (url, stack.pids[url])
-    if "smg" in peers:
-        smg = await overhead.start_smg(stack, sim)
-        if smg is not None:
-            targets["smg"] = smg
-    return targets
-
-
-async def measure(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
-    quick = args.quick
-    counts = args.streams or ([50] if quick else [50, 200])
-    rounds = args.rounds or (1 if quick else 3)
-    seconds = 5.0 if quick else 10.0
+async def measure(bench: Bench) -> dict[str, Any]:
+    counts = bench.args.streams or bench.pick([50], [50, 200])
+    rounds, seconds = bench.rounds(1, 3), bench.pick(5.0, 10.0)
     warmup = TOKENS * INTER_TOKEN_S + 1.0
-    async with common.Stack() as stack:
-        sim = await stack.sim(*SIM_FLAGS)
-        targets = await start_targets(stack, sim, peers)
-        for name, (url, _) in list(targets.items()):
-            if not await overhead.answers(url, {}):
-                print(f"{name} never answered a request; left out")
-                del targets[name]
-        by_count: dict[str, dict[str, Any]] = {}
-        for count in counts:
-            samples = {name: Samples() for name in targets}
-            for number, name in common.alternate(rounds, list(targets)):
-                url, pid = targets[name]
-                print(f"  {count} streams, round {number}: {name}", flush=True)
-                await one_round(url, pid, count, warmup, seconds, samples[name])
-            by_count[str(count)] = {name: s.report(name != "direct") for name, s in samples.items()}
+    sim = await bench.stack.sim(*SIM_FLAGS)
+    url = await bench.stack.proxy(sim, *SLUICE_FLAGS)
+    targets: dict[str, tuple[str, int | None]] = {"direct": (sim, None)}
+    targets["sluice"] = (url, bench.stack.pids[url])
+    smg = await bench.stack.smg([sim], "round_robin")
+    if smg is not None:
+        targets["smg"] = (smg, bench.stack.pids[smg])
+    for name, (url, _) in list(targets.items()):
+        if not await harness.answers(url, {}, ONE_TOKEN):
+            print(f"{name} never answered a request; left out")
+            del targets[name]
+    by_count: dict[str, dict[str, Any]] = {}
+    for count in counts:
+        samples = {name: Samples() for name in targets}
+
+        async def one(
+            name: str, _: int, count: int = count, samples: dict[str, Samples] = samples
+        ) -> dict[str, Any]:
+            url, pid = targets[name]
+            await one_round(url, pid, count, warmup, seconds, samples[name])
+            return {}
+
+        await bench.alternate(rounds, list(targets), one, f" {count} streams")
+        by_count[str(count)] = {name: s.report(name != "direct") for name, s in samples.items()}
     return {
         "streams": by_count,
         "tokens_per_stream": TOKENS,
@@ -264,11 +225,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
     plot_bars("Proxy CPU per 1,000 streamed tokens", groups, cpu, "ms", png)
 
 
-def main(args: argparse.Namespace) -> None:
-    peers = ["smg"] if overhead.SMG_BIN.exists() else []
-    result = trio.run(measure, args, peers)
-    png = common.write("streams", result, args.out_dir)
-    plot(result, png)
+def tables(result: dict[str, Any]) -> list[Table]:
     rows = []
     for count, targets in result["streams"].items():
         direct = targets["direct"]["tokens_per_s"] or 1.0
@@ -292,4 +249,25 @@ def main(args: argparse.Namespace) -> None:
         "streams", "target", "tokens/s", "x direct", "CPU ms/1k tok", "CPU share",
         "gap p50 ms", "gap p99 ms", "/health p99 ms", "/health max ms", "errors",
     ]  # fmt: skip
-    common.report("streams", SEED_NOTE, common.table(headers, rows, 2), png)
+    return [Table("", headers, rows, 2)]
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--streams",
+        type=int,
+        action="append",
+        help="concurrent streams (repeatable; default 50 and 200, --quick 50)",
+    )
+
+
+SCENARIO = Scenario(
+    name="streams",
+    reproduces="issue 15",
+    about="relaying N concurrent token streams: direct vs Sluice vs SMG",
+    reference=SEED_NOTE,
+    measure=measure,
+    tables=tables,
+    plot=plot,
+    options=options,
+)

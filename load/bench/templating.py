@@ -2,55 +2,55 @@
 
 1. The chat-history tax (exp 2): Jinja2 render time of the shipped chat templates for a
    conversation of constant total length split into 1, 10, 50, 100 and 1,000 messages.
-2. Threads vs the GIL (exp 4): a fixed amount of work (renders of a 100-message
+2. The render's cost per message, and where the proxy runs it: 1 to 1,024 messages of ~60
+   tokens, measured beside the calibrated cost model's estimate and its verdict (on the
+   loop when the estimate is under RENDER_ON_LOOP_BUDGET, else in a render worker), and what
+   a render cache's key (the messages as JSON) would cost.
+3. Threads vs the GIL (exp 4): a fixed amount of work (renders of a 100-message
    conversation; `encode_batch_fast` of ~4k-token texts, the call Sluice offloads) split over
    1, 2, 4 and 8 threads; speedup = time on 1 thread / time on N. Jinja2 is pure Python and
-   holds the GIL; the tokenizer's Rust core releases it. This machine has 2 cores, so 2x is
-   the tokenizer's ceiling here.
+   holds the GIL; the tokenizer's Rust core releases it; 2 cores cap it at 2x here.
 
 No processes or sockets: these are the costs the proxy's own numbers are built from.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
+import json
 import random
 import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
-from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate
+from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, calibrate_render_cost
 from app.preprocess.encoding import gil_releasing_encoder
+from app.preprocess.pipeline import RENDER_ON_LOOP_BUDGET
 from app.preprocess.tokenizer_loading import load_tokenizer
-from load.bench import common
+from load import harness
+from load.harness import Bench, Scenario, Table
 from load.plots import plot_lines
-from load.workloads import CHARS_PER_TOKEN, Corpus
+from load.workloads import Corpus
 
 TEMPLATES = ("llama3", "deepseek_v3", "chatml")
 TURNS = (1, 10, 50, 100, 1000)
+MESSAGES = (1, 4, 16, 64, 128, 256, 512, 1024)
 THREADS = (1, 2, 4, 8)
-SEED_NOTE = (
-    "seed 002 exp 2 (~100k tokens, Jinja2): 1 turn 11.8 ms, 10 turns 21.4, 50 turns 41.2,\n"
-    "100 turns 58.7 (~5x: cost follows messages, not tokens). exp 4 speedup at 2/4/8/16\n"
-    "threads: Jinja2 0.9/0.85/0.82/0.80x, tokenizer 1.8/3.2/5.1/6.8x. Read: the same shape\n"
-    "here; this machine's 2 cores cap the tokenizer near 2x (less when others use them)."
-)
 
 
 def template(name: str) -> ChatTemplate:
     return ChatTemplate(name, (SHIPPED_DIR / f"{name}.jinja").read_text(), "<s>", "</s>")
 
 
-def conversation(
-    corpus: Corpus, rng: random.Random, tokens: int, turns: int
-) -> list[dict[str, str]]:
-    per_message = max(1, tokens // turns)
-    messages = []
-    for i in range(turns):
-        role = "user" if i % 2 == 0 else "assistant"
-        messages.append({"role": role, "content": corpus.text(rng, per_message)})
+def conversation(tokens_each: int, count: int, rng: random.Random) -> list[dict[str, str]]:
+    corpus = Corpus.default()
+    messages = [
+        {"role": ("user", "assistant")[i % 2], "content": corpus.text(rng, tokens_each)}
+        for i in range(count)
+    ]
     if messages[-1]["role"] != "user":
         messages.append({"role": "user", "content": "And so?"})
     return messages
@@ -66,61 +66,134 @@ def median_seconds(fn: Callable[[], object], repeat: int) -> float:
 
 
 def history_tax(tokens: int, repeat: int) -> dict[str, dict[str, float]]:
-    corpus, rng = Corpus.default(), random.Random(2)
+    rng = random.Random(2)
     out: dict[str, dict[str, float]] = {}
     for name in TEMPLATES:
         compiled = template(name)
         out[name] = {}
         for turns in TURNS:
-            messages = conversation(corpus, rng, tokens, turns)
+            messages = conversation(max(1, tokens // turns), turns, rng)
             render = functools.partial(compiled.render, messages, add_generation_prompt=True)
-            seconds = median_seconds(render, repeat)
-            out[name][str(turns)] = seconds * 1e3
+            out[name][str(turns)] = median_seconds(render, repeat) * 1e3
     return out
 
 
-def scaling(jobs: int, fn: Callable[[], object]) -> dict[str, float]:
-    """Speedup of `jobs` calls of `fn` on N threads over 1 thread (median of 3)."""
-    times: dict[int, float] = {}
-    for threads in THREADS:
-        with ThreadPoolExecutor(threads) as pool:
-
-            def run(pool: ThreadPoolExecutor = pool) -> None:
-                list(pool.map(lambda _: fn(), range(jobs)))
-
-            run()  # warm the threads
-            times[threads] = median_seconds(run, 3)
-    return {str(n): times[1] / t for n, t in times.items()}
-
-
-def main(args: argparse.Namespace) -> None:
-    tokens = 20_000 if args.quick else 100_000
-    repeat = 5 if args.quick else 15
-    tax = history_tax(tokens, repeat)
-    corpus, rng = Corpus.default(), random.Random(4)
-    compiled = template("llama3")
-    messages = conversation(corpus, rng, 20_000, 100)
-    encode = gil_releasing_encoder(load_tokenizer(None).tokenizer)
-    text = corpus.text(rng, 4000)
-    jobs = 16 if args.quick else 48
-    speedups = {
-        "jinja2": scaling(jobs, lambda: compiled.render(messages, add_generation_prompt=True)),
-        "tokenizer": scaling(jobs, lambda: encode(text)),
+def per_message(repeat: int) -> dict[str, Any]:
+    rng = random.Random(3)
+    compiled = {name: template(name) for name in TEMPLATES}
+    costs = {name: calibrate_render_cost(t) for name, t in compiled.items()}
+    rows = []
+    for count in MESSAGES:
+        messages = conversation(60, count, rng)
+        chars = sum(len(m["content"]) for m in messages)
+        row: dict[str, Any] = {"messages": len(messages)}
+        for name, t in compiled.items():
+            render = functools.partial(t.render, messages, add_generation_prompt=True)
+            estimate = costs[name].estimate(len(messages), chars)
+            row[name] = {
+                "ms": median_seconds(render, repeat) * 1e3,
+                "estimate_ms": estimate * 1e3,
+                "on_loop": estimate <= RENDER_ON_LOOP_BUDGET,
+            }
+        row["json_key_ms"] = median_seconds(functools.partial(json.dumps, messages), repeat) * 1e3
+        rows.append(row)
+    calibrated = {
+        name: {"base_us": cost.base * 1e6, "per_message_us": cost.per_message * 1e6}
+        for name, cost in costs.items()
     }
-    png = common.write(
-        "templating",
-        {
-            "tokens": tokens,
-            "render_ms": tax,
-            "speedup": speedups,
-            "chars_per_token": CHARS_PER_TOKEN,
-        },
-        args.out_dir,
-    )
+    return {"rows": rows, "calibrated": calibrated, "budget_ms": RENDER_ON_LOOP_BUDGET * 1e3}
+
+
+def scaling(jobs: int, work: dict[str, Callable[[], object]], repeats: int) -> dict[str, Any]:
+    """Speedup of `jobs` calls of each work on N threads over 1 thread, the thread counts
+    taking turns in a rotated order each repeat (drift falls on all alike); medians."""
+    times: dict[tuple[str, int], list[float]] = {(w, n): [] for w in work for n in THREADS}
+    pools = {n: ThreadPoolExecutor(n) for n in THREADS}
+    try:
+        for repeat in range(repeats + 1):  # the first only starts the threads
+            for n in THREADS[repeat % len(THREADS) :] + THREADS[: repeat % len(THREADS)]:
+                for name, fn in work.items():
+                    started = time.perf_counter()
+                    list(pools[n].map(lambda _, fn=fn: fn(), range(jobs)))
+                    if repeat:
+                        times[(name, n)].append(time.perf_counter() - started)
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
+    return {
+        name: {
+            str(n): statistics.median(times[(name, 1)]) / statistics.median(times[(name, n)])
+            for n in THREADS
+        }
+        for name in work
+    }
+
+
+def in_process(bench: Bench) -> dict[str, Any]:
+    tokens, repeat = bench.pick(20_000, 100_000), bench.pick(5, 15)
+    harness.progress("templating: the history tax")
+    tax = history_tax(tokens, repeat)
+    harness.progress("templating: cost per message")
+    costs = per_message(repeat)
+    harness.progress("templating: threads")
+    rng = random.Random(4)
+    compiled, messages = template("llama3"), conversation(200, 100, rng)
+    encode = gil_releasing_encoder(load_tokenizer(None).tokenizer)
+    text = Corpus.default().text(rng, 4000)
+    jobs = bench.pick(16, 48)
+    work: dict[str, Callable[[], object]] = {
+        "jinja2": lambda: compiled.render(messages, add_generation_prompt=True),
+        "tokenizer": lambda: encode(text),
+    }
+    speedups = scaling(jobs, work, bench.pick(3, 7))
+    return {"tokens": tokens, "render_ms": tax, "per_message": costs, "speedup": speedups}
+
+
+def tables(blob: dict[str, Any]) -> list[Table]:
+    result = blob["in_process"]
+    tax = result["render_ms"]
+    costs = result["per_message"]
+    verdicts = [
+        [row["messages"], *(row[n][k] for n in TEMPLATES for k in ("ms", "estimate_ms", "on_loop")),
+         row["json_key_ms"]]
+        for row in costs["rows"]
+    ]  # fmt: skip
+    return [
+        Table(
+            f"render ms at ~{result['tokens'] // 1000}k tokens, by messages",
+            ["template", *map(str, TURNS), "100 vs 1"],
+            [[n, *tax[n].values(), tax[n]["100"] / tax[n]["1"]] for n in TEMPLATES],
+            digits=2,
+        ),
+        Table(
+            f"render ms of ~60-token messages, measured vs the calibrated estimate; on the loop "
+            f"when the estimate is <= {costs['budget_ms']:g} ms",
+            ["messages", *(f"{n} {k}" for n in TEMPLATES for k in ("ms", "est.", "loop?")),
+             "json key ms"],
+            verdicts,
+            digits=3,
+        ),
+        Table(
+            "the cost model, calibrated at start-up",
+            ["template", "base us", "us per message"],
+            [[n, *c.values()] for n, c in costs["calibrated"].items()],
+            digits=2,
+        ),
+        Table(
+            "speedup over 1 thread, same work",
+            ["work", *(f"{n} threads" for n in THREADS)],
+            [[k, *v.values()] for k, v in result["speedup"].items()],
+            digits=2,
+        ),
+    ]  # fmt: skip
+
+
+def plot(blob: dict[str, Any], png: Path) -> None:
+    result = blob["in_process"]
     plot_lines(
-        f"Render time vs messages at ~{tokens // 1000}k tokens",
+        f"Render time vs messages at ~{result['tokens'] // 1000}k tokens",
         list(TURNS),
-        {name: list(tax[name].values()) for name in TEMPLATES},
+        {name: list(result["render_ms"][name].values()) for name in TEMPLATES},
         "messages",
         "ms",
         png,
@@ -128,19 +201,24 @@ def main(args: argparse.Namespace) -> None:
     plot_lines(
         "Thread speedup (same total work)",
         list(THREADS),
-        {name: list(s.values()) for name, s in speedups.items()},
+        {name: list(s.values()) for name, s in result["speedup"].items()},
         "threads",
         "x faster than 1 thread",
         png.with_name("templating-threads.png"),
     )
-    rows = [[name, *tax[name].values(), tax[name]["100"] / tax[name]["1"]] for name in TEMPLATES]
-    text_out = (
-        f"render ms at ~{tokens // 1000}k tokens, by messages\n"
-        + common.table(["template", *map(str, TURNS), "100 vs 1"], rows, digits=2)
-        + "\n\nspeedup over 1 thread, same work\n"
-        + common.table(
-            ["work", *(f"{n} threads" for n in THREADS)],
-            [[k, *v.values()] for k, v in speedups.items()],
-        )
-    )
-    common.report("templating", SEED_NOTE, text_out, png)
+
+
+SCENARIO = Scenario(
+    name="templating",
+    reproduces="seed 002 exp 2, 4",
+    about="Jinja2 cost vs messages, where renders run; threads: templates vs tokenizer",
+    reference=(
+        "seed 002 exp 2 (~100k tokens, Jinja2): 1 turn 11.8 ms, 10 turns 21.4, 50 turns 41.2,\n"
+        "100 turns 58.7 (~5x: cost follows messages, not tokens). exp 4 speedup at 2/4/8/16\n"
+        "threads: Jinja2 0.9/0.85/0.82/0.80x, tokenizer 1.8/3.2/5.1/6.8x. Read: the same shape\n"
+        "here; this machine's 2 cores cap the tokenizer near 2x (less when others use them)."
+    ),
+    in_process=in_process,
+    tables=tables,
+    plot=plot,
+)
