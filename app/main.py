@@ -407,9 +407,9 @@ def run_until_stopped(
     faulthandler.enable()
     # A worker thread that holds the GIL (the tokenizer turning ids into Python objects) keeps
     # the loop waiting until the interpreter asks it to yield: every 5 ms by default. At 1 ms,
-    # `python -m load hardening long-chats` measured /health p99 8-10 ms instead of 13-20 ms
-    # and a third of the GIL-wait stalls; with no second thread wanting the GIL, it costs
-    # nothing.
+    # `python -m load bench hardening --part long-chats` measured /health p99 8-10 ms instead
+    # of 13-20 ms and a third of the GIL-wait stalls; with no second thread wanting the GIL,
+    # it costs nothing.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     status = 0
     try:

@@ -31,9 +31,9 @@ that cut was, and whose it is), as a plain tuple of ints and bytes. The garbage 
 tracking such a tuple; an `array` is tracked, and so is any NamedTuple, so storing those (a
 segment per message) made each full collection walk every segment: 16-70 ms with the GIL held at
 a few hundred thousand segments, measured as `gil-wait` stalls of the loop in `python -m load
-hardening long-chats`. A conversation costs O(its tokens), not O(tokens x turns). LRU, bounded
-by bytes; a hit refreshes its chain root-last so the shared roots (system prompts) are evicted
-last.
+bench hardening --part long-chats`. A conversation costs O(its tokens), not O(tokens x turns).
+LRU, bounded by bytes; a hit refreshes its chain root-last so the shared roots (system prompts)
+are evicted last.
 
 Called from worker threads and the event loop at once: the entries sit behind a
 `threading.Lock`, held only for dictionary work, never while encoding. Pure: no Trio.

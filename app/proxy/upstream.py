@@ -6,7 +6,7 @@ keep-alive connections are pooled per backend.
 Why not httpx here (it serves everything else: health checks, tests, the load generator):
 measured on these machines, an httpx request costs ~0.55 ms of CPU and httpcore writes the
 request head and body in two syscalls; the proxy's whole budget is ~1 ms. This client sends
-a request in one write and costs a fraction of that (`python -m load overhead`).
+a request in one write and costs a fraction of that (`python -m load bench overhead`).
 """
 
 from __future__ import annotations
