@@ -11,15 +11,11 @@ a label.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import TypeVar
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+import prometheus_client
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 
 from app.observe.request_trace import TrafficRecorder
 
@@ -29,6 +25,54 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+M = TypeVar("M", bound=prometheus_client.metrics.MetricWrapperBase)
+LabelKey = tuple[tuple[object, ...], tuple[tuple[str, object], ...]]
+
+
+def _child(
+    made: dict[LabelKey, M],
+    make: Callable[..., M],
+    values: tuple[object, ...],
+    named: dict[str, object],
+) -> M:
+    """A labelled metric's child, made once: prometheus_client's `labels()` checks its
+    arguments and takes a lock on every call (~2 us), and a request asks for a dozen."""
+    key = (values, tuple(named.items()))
+    child = made.get(key)
+    if child is None:
+        child = made[key] = make(*values, **named)
+    return child
+
+
+class Counter(prometheus_client.Counter):
+    def labels(self, *values: object, **named: object) -> Counter:
+        made: dict[LabelKey, Counter] = self.__dict__.setdefault("_made", {})
+        return _child(made, super().labels, values, named)
+
+    def remove(self, *values: object) -> None:
+        self.__dict__.pop("_made", None)
+        super().remove(*values)
+
+
+class Gauge(prometheus_client.Gauge):
+    def labels(self, *values: object, **named: object) -> Gauge:
+        made: dict[LabelKey, Gauge] = self.__dict__.setdefault("_made", {})
+        return _child(made, super().labels, values, named)
+
+    def remove(self, *values: object) -> None:
+        self.__dict__.pop("_made", None)
+        super().remove(*values)
+
+
+class Histogram(prometheus_client.Histogram):
+    def labels(self, *values: object, **named: object) -> Histogram:
+        made: dict[LabelKey, Histogram] = self.__dict__.setdefault("_made", {})
+        return _child(made, super().labels, values, named)
+
+    def remove(self, *values: object) -> None:
+        self.__dict__.pop("_made", None)
+        super().remove(*values)
 
 
 class Metrics:
