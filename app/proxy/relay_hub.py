@@ -108,6 +108,7 @@ class RelayHub:
         self._epoll = select.epoll()
         self._by_fd: dict[int, HubStream] = {}  # backend fds, and client fds while blocked
         self._streams: set[HubStream] = set()
+        self._first_stream = trio.Event()  # the sweep sleeps while no stream is in the hub
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -129,6 +130,7 @@ class RelayHub:
         stream.last_data = trio.current_time()
         stream._task = trio.lowlevel.current_task()
         self._streams.add(stream)
+        self._first_stream.set()
         self._by_fd[stream.upstream_fd] = stream
         self._epoll.register(stream.upstream_fd, select.EPOLLIN)
 
@@ -219,6 +221,10 @@ class RelayHub:
 
     async def _sweep_idle(self) -> None:
         while True:
+            if not self._streams:
+                # An idle proxy wakes for nothing of ours.
+                self._first_stream = trio.Event()
+                await self._first_stream.wait()
             await trio.sleep(SWEEP_S)
             now = trio.current_time()
             for stream in list(self._streams):
