@@ -11,8 +11,7 @@ a label.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import TypeVar
+from typing import Self, cast
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
@@ -26,53 +25,37 @@ TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
-M = TypeVar("M", bound=prometheus_client.metrics.MetricWrapperBase)
 LabelKey = tuple[tuple[object, ...], tuple[tuple[str, object], ...]]
 
 
-def _child(
-    made: dict[LabelKey, M],
-    make: Callable[..., M],
-    values: tuple[object, ...],
-    named: dict[str, object],
-) -> M:
-    """A labelled metric's child, made once: prometheus_client's `labels()` checks its
-    arguments and takes a lock on every call (~2 us), and a request asks for a dozen."""
-    key = (values, tuple(named.items()))
-    child = made.get(key)
-    if child is None:
-        child = made[key] = make(*values, **named)
-    return child
+class _RemembersChildren:
+    """A labelled metric whose children are made once: prometheus_client's `labels()`
+    checks its arguments and takes a lock on every call (~2 us), and a request asks for a
+    dozen. Bounded by the metric's own label values."""
 
-
-class Counter(prometheus_client.Counter):
-    def labels(self, *values: object, **named: object) -> Counter:
-        made: dict[LabelKey, Counter] = self.__dict__.setdefault("_made", {})
-        return _child(made, super().labels, values, named)
+    def labels(self, *values: object, **named: object) -> Self:
+        made: dict[LabelKey, Self] = self.__dict__.setdefault("_made", {})
+        key = (values, tuple(named.items()))
+        child = made.get(key)
+        if child is None:
+            child = made[key] = cast(Self, super().labels(*values, **named))  # type: ignore[misc]
+        return child
 
     def remove(self, *values: object) -> None:
         self.__dict__.pop("_made", None)
-        super().remove(*values)
+        super().remove(*values)  # type: ignore[misc]
 
 
-class Gauge(prometheus_client.Gauge):
-    def labels(self, *values: object, **named: object) -> Gauge:
-        made: dict[LabelKey, Gauge] = self.__dict__.setdefault("_made", {})
-        return _child(made, super().labels, values, named)
-
-    def remove(self, *values: object) -> None:
-        self.__dict__.pop("_made", None)
-        super().remove(*values)
+class Counter(_RemembersChildren, prometheus_client.Counter):
+    pass
 
 
-class Histogram(prometheus_client.Histogram):
-    def labels(self, *values: object, **named: object) -> Histogram:
-        made: dict[LabelKey, Histogram] = self.__dict__.setdefault("_made", {})
-        return _child(made, super().labels, values, named)
+class Gauge(_RemembersChildren, prometheus_client.Gauge):
+    pass
 
-    def remove(self, *values: object) -> None:
-        self.__dict__.pop("_made", None)
-        super().remove(*values)
+
+class Histogram(_RemembersChildren, prometheus_client.Histogram):
+    pass
 
 
 class Metrics:
