@@ -107,6 +107,11 @@ async def read_answer(client: trio.SocketStream) -> tuple[int, bytes]:
             return status, b"".join(body)
 
 
+async def relay_into(result: list[Relayed], w: Wired, hub: RelayHub, idle: float = 30) -> None:
+    """Relay `w`'s answer through `hub`; what `relay` returned goes into `result`."""
+    result.append(await relay(w.response, w.exchange, [], idle=idle, hub=hub))
+
+
 @asynccontextmanager
 async def running_hub() -> AsyncIterator[tuple[RelayHub, trio.Nursery]]:
     async with trio.open_nursery() as nursery:
@@ -121,10 +126,7 @@ async def test_events_arrive_whole_and_the_stream_leaves_when_the_body_ends() ->
     async with running_hub() as (hub, nursery), wired(nursery) as w:
         result: list[Relayed] = []
 
-        async def relaying() -> None:
-            result.append(await relay(w.response, w.exchange, [], idle=30, hub=hub))
-
-        nursery.start_soon(relaying)
+        nursery.start_soon(relay_into, result, w, hub)
         await trio.testing.wait_all_tasks_blocked()
         assert len(hub) == 1  # the body is the hub's now
         for data in events:
@@ -204,10 +206,7 @@ async def test_a_backend_that_breaks_off_gets_the_client_an_error_event() -> Non
     async with running_hub() as (hub, nursery), wired(nursery) as w:
         result: list[Relayed] = []
 
-        async def relaying() -> None:
-            result.append(await relay(w.response, w.exchange, [], idle=30, hub=hub))
-
-        nursery.start_soon(relaying)
+        nursery.start_soon(relay_into, result, w, hub)
         await w.backend.send_all(chunk(event(1)))
         await w.backend.aclose()  # mid-body: no last chunk
         status, body = await read_answer(w.client)
@@ -223,10 +222,7 @@ async def test_a_silent_backend_is_ended_within_a_sweep_of_its_idle_timeout(
     async with running_hub() as (hub, nursery), wired(nursery) as w:
         result: list[Relayed] = []
 
-        async def relaying() -> None:
-            result.append(await relay(w.response, w.exchange, [], idle=3, hub=hub))
-
-        nursery.start_soon(relaying)
+        nursery.start_soon(relay_into, result, w, hub, 3)
         await w.backend.send_all(chunk(event(1)))
         await trio.testing.wait_all_tasks_blocked()
         silent_from = trio.current_time()
@@ -258,10 +254,7 @@ async def test_the_hubs_end_ends_the_streams_in_it() -> None:
         async with trio.open_nursery() as hub_nursery:
             await hub_nursery.start(hub.run)
 
-            async def relaying() -> None:
-                result.append(await relay(w.response, w.exchange, [], idle=30, hub=hub))
-
-            outer.start_soon(relaying)
+            outer.start_soon(relay_into, result, w, hub)
             await trio.testing.wait_all_tasks_blocked()
             assert len(hub) == 1
             hub_nursery.cancel_scope.cancel()
