@@ -169,7 +169,7 @@ async def test_the_snapshot_carries_each_backends_engine_block(
     }
 
 
-async def test_traffic_after_a_quiet_spell_is_scraped_within_a_second(
+async def test_traffic_after_a_quiet_spell_is_scraped_at_the_next_look(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Idle, the scraper reads the engines every 10 s; once requests flow again it must not
@@ -186,20 +186,35 @@ async def test_traffic_after_a_quiet_spell_is_scraped_within_a_second(
     load_scraper.scrape_all = record  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load_scraper.run)
-        await trio.sleep(25.5)
+        await trio.sleep(25.25)  # between two of its looks (every SCRAPE_INTERVAL, 0.5 s)
         assert scraped == [0.0, 10.0, 20.0]
         traffic = 1
         await trio.sleep(1.0)
         nursery.cancel_scope.cancel()
-    assert scraped[-1] == 26.0
+    assert scraped[-1] == 25.5
+
+
+def engine_load(running: int, waiting: int) -> EngineLoad:
+    return EngineLoad("vllm", running, waiting, kv_cache_usage=0.5, prefix_cache_hit_rate=None)
 
 
 def test_a_gpus_load_counts_what_other_replicas_run_on_it() -> None:
     (backend,) = healthy_pool(["http://gpu:8000"]).backends
     backend.inflight = 2  # this replica's requests
     assert backend.load == 2
-    backend.engine = EngineLoad(
-        "vllm", running=8, waiting=5, kv_cache_usage=0.5, prefix_cache_hit_rate=None
-    )
-    backend.reported_waiting = 5
-    assert backend.load == 8 + 5  # the engine's own count, which includes everyone's
+    backend.engine_reported(engine_load(running=8, waiting=5))
+    assert backend.others_inflight == 8 + 5 - 2
+    assert backend.load == 8 + 5 + 5  # everyone's requests, the queue once more
+    backend.inflight = 3  # ours count at once; others' wait for the next report
+    assert backend.load == 8 + 5 + 5 + 1
+    backend.engine_reported(None)
+    assert (backend.others_inflight, backend.reported_waiting, backend.load) == (0, 0, 3)
+
+
+def test_one_replica_alone_sees_only_its_own_requests_and_the_queue() -> None:
+    (backend,) = healthy_pool(["http://gpu:8000"]).backends
+    backend.inflight = 6
+    backend.engine_reported(engine_load(running=4, waiting=2))  # all six ours
+    assert (backend.others_inflight, backend.load) == (0, 6 + 2)
+    backend.engine_reported(engine_load(running=3, waiting=0))  # ours, still on their way
+    assert (backend.others_inflight, backend.load) == (0, 6)

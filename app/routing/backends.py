@@ -13,11 +13,14 @@ traffic flows again, and the next failure opens it at once while the next succes
 it. Per model, because one model of a server can fail alone (a broken LoRA adapter) while
 its others answer.
 
-Load, for the policies, is `load`: requests in flight plus the prompt tokens they still have
-to prefill (counted locally, in units of `TOKENS_PER_LOAD`), plus the queue the backend
-itself last reported (its engine's waiting count, scraped off the request path by
-`load_scraper.py`: it also sees other proxies' traffic). Backends join and leave at run time
-(`add`, `remove`); a removed backend's requests in flight finish where they are.
+Load, for the policies, is `load`: the requests on the backend, its queue counted once more,
+and the prompt tokens this process's requests still have to prefill (in units of
+`TOKENS_PER_LOAD`). The requests on it are this process's own in flight (exact, at once) plus
+those its engine last reported beyond them (`others_inflight`: other proxy replicas' and
+anyone else's, scraped off the request path by `load_scraper.py`); the queue is the engine's
+waiting count. One replica alone and each of N replicas thus weigh a GPU alike, whatever
+share of its traffic they send. Backends join and leave at run time (`add`, `remove`); a
+removed backend's requests in flight finish where they are.
 
 With `--forward tokens` the pool also requires a tokenizer match: token ids mean something
 only to a model with Sluice's vocabulary, so a backend takes traffic only once its /tokenize
@@ -74,6 +77,7 @@ class Backend:
     inflight: int = 0
     pending_tokens: int = 0  # uncached prompt tokens of the requests in flight
     reported_waiting: int = 0  # the engine's waiting count at the last scrape
+    others_inflight: int = 0  # what its engine ran or queued then beyond our own in flight
     engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
@@ -106,15 +110,22 @@ class Backend:
 
     @property
     def load(self) -> float:
-        """Requests on it and queued for it, and the prefill they still need. What runs on
-        it is the most of what this process sent and what its engine last reported running:
-        with several replicas each sends only part of a GPU's work, and its engine alone
-        sees the whole (a second stale at most; this process's own count is never)."""
-        running = self.inflight
-        engine = self.engine
-        if engine is not None and engine.running is not None and engine.running > running:
-            running = engine.running
-        return running + self.reported_waiting + self.pending_tokens / TOKENS_PER_LOAD
+        """Requests on it, those queued counted once more (a waiting request delays every
+        one behind it), and the prefill this process's requests still need. Our own
+        requests count as they are now, others' as of the engine's last report."""
+        requests = self.inflight + self.others_inflight + self.reported_waiting
+        return requests + self.pending_tokens / TOKENS_PER_LOAD
+
+    def engine_reported(self, engine: EngineLoad | None) -> None:
+        """What its engine's metrics said just now (None: it reports no load). What it ran
+        and queued beyond this process's requests in flight is other senders' work."""
+        self.engine = engine
+        if engine is None:
+            self.reported_waiting = self.others_inflight = 0
+            return
+        self.reported_waiting = engine.waiting or 0
+        on_engine = (engine.running or 0) + self.reported_waiting
+        self.others_inflight = max(on_engine - self.inflight, 0)
 
     @property
     def reported_kv_usage(self) -> float | None:

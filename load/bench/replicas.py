@@ -7,7 +7,10 @@ without; the routing scenario's seeded workloads (rag, chat, hot: load/routing_w
 go through the round robin. Before each run the GPUs' caches are emptied (`POST /sim/evict`),
 and the prefix hit rate is the GPUs' own counters' (`vllm:prefix_cache_hits / queries`) over
 the run. Within a workload the variants take turns: events on with 1, 2, 4 replicas, then
-events off with 4, 2, 1 (the order reversed every other round with `--rounds`).
+events off with 4, 2, 1 (the order reversed every other round with `--rounds`). TTFT p99 is
+given over the whole run and over the requests sent after its first quarter ("warm"): the
+cold start (every prompt a miss on empty GPUs) decides the first, and varies by +-20% from
+run to run of the same variant; the second is the steady state the replicas settle in.
 
 Budgets: 4 replicas with `--redis-url` (a redis-server of our own, fresh for each run) and one
 API key's `--tokens-per-minute`; clients ask for about seven times the budget; admitted tokens
@@ -150,6 +153,8 @@ async def routing_run(
                 samples = await drive(url, workload, duration, seed=0)
                 after = await gpu_counters(client, sims)
     queries = after[1] - before[1]
+    sent = zip(samples.sent, samples.ttft, strict=True)
+    warm = [ttft for at, ttft in sent if at >= duration / 4]
     return {
         "workload": workload,
         "replicas": replicas,
@@ -159,6 +164,7 @@ async def routing_run(
         "hit_rate": (after[0] - before[0]) / queries if queries else 0.0,
         "ttft_p50_ms": percentile(samples.ttft, 50) * 1000,
         "ttft_p99_ms": percentile(samples.ttft, 99) * 1000,
+        "ttft_p99_warm_ms": percentile(warm, 99) * 1000,
     }
 
 
@@ -292,15 +298,16 @@ def targets(result: dict[str, Any]) -> list[str]:
             four_hit = mean_of(runs, "hit_rate", workload=workload, replicas=4, events=events)
             if one_hit is None or four_hit is None:
                 continue
-            one_p99 = mean_of(runs, "ttft_p99_ms", workload=workload, replicas=1, events=events)
-            four_p99 = mean_of(runs, "ttft_p99_ms", workload=workload, replicas=4, events=events)
-            assert one_p99 is not None and four_p99 is not None
             name = "events" if events else "no events"
             got = four_hit / one_hit if one_hit else 0.0
             hit = f"{workload}, {name}: 4 replicas' hit rate {got:.3f}x one's >= {ratio}"
             check(hit, got >= ratio)
-            p99 = four_p99 / one_p99
-            check(f"{workload}, {name}: 4 replicas' p99 TTFT {p99:.2f}x one's <= 1.10", p99 <= 1.1)
+            for key, what in (("ttft_p99_ms", "p99 TTFT"), ("ttft_p99_warm_ms", "warm p99 TTFT")):
+                one_p99 = mean_of(runs, key, workload=workload, replicas=1, events=events)
+                four_p99 = mean_of(runs, key, workload=workload, replicas=4, events=events)
+                assert one_p99 is not None and four_p99 is not None
+                p99 = four_p99 / one_p99
+                check(f"{workload}, {name}: 4 replicas' {what} {p99:.2f}x one's <= 1.1", p99 <= 1.1)
         with_ = mean_of(runs, "hit_rate", workload=workload, replicas=1, events=True)
         without = mean_of(runs, "hit_rate", workload=workload, replicas=1, events=False)
         if with_ is not None and without is not None:
@@ -329,9 +336,10 @@ def tables(result: dict[str, Any]) -> list[Table]:
             f"{result['duration_s']:g} s of arrivals per run ({rates}), {BACKENDS} simulated GPUs "
             "emptied before each run; hit rate from their own prefix-cache counters",
             ["workload", "replicas", "events", "answered", "errors", "hit rate", "TTFT p50 ms",
-             "TTFT p99 ms"],
+             "TTFT p99 ms", "warm p99 ms"],
             [[r["workload"], r["replicas"], "on" if r["events"] else "off", r["answered"],
-              r["errors"], r["hit_rate"], round(r["ttft_p50_ms"]), round(r["ttft_p99_ms"])]
+              r["errors"], r["hit_rate"], round(r["ttft_p50_ms"]), round(r["ttft_p99_ms"]),
+              round(r["ttft_p99_warm_ms"])]
              for r in result["routing"]],
             digits=3,
         ),

@@ -56,6 +56,8 @@ DRAIN_SECONDS = 60.0
 @dataclass
 class Samples:
     ttft: list[float] = field(default_factory=list)
+    sent: list[float] = field(default_factory=list)  # each ttft's request, s after the start
+    began: float = field(default_factory=time.perf_counter)
     errors: int = 0
     censored: int = 0  # no first token by the end of the drain: counted at their wait so far
 
@@ -79,6 +81,7 @@ async def _stream(
                 if first is None:
                     first = time.perf_counter() - started
                     samples.ttft.append(first)
+                    samples.sent.append(started - samples.began)
                 for choice in json.loads(line[6:]).get("choices", []):
                     pieces.append(choice.get("delta", {}).get("content") or "")
     except httpx.HTTPError:
@@ -88,6 +91,7 @@ async def _stream(
         if first is None:
             samples.censored += 1
             samples.ttft.append(time.perf_counter() - started)
+            samples.sent.append(started - samples.began)
         raise
     return "".join(pieces)
 
