@@ -16,11 +16,13 @@ Budgets: 4 replicas with `--redis-url` (a redis-server of our own, fresh for eac
 API key's `--tokens-per-minute`; clients ask for about seven times the budget; admitted tokens
 (usage of the answered requests) against what the budget allows over the run's length (one
 minute's worth plus the refill), beside the same 4 replicas without Redis. Then Redis is
-killed halfway through a run below the budget: every request must still be answered.
+killed halfway through a run below the budget: every request must still be answered. And
+`POST /sim/evict` on a GPU: how soon one replica's index has learned it (`AllBlocksCleared`).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -242,6 +244,35 @@ async def redis_killed_run(bench: Bench, sims: Sims, duration: float) -> dict[st
     return {"redis_killed_at_s": duration / 2, **tallies}
 
 
+async def eviction_run(bench: Bench, sims: Sims, trials: int) -> dict[str, Any]:
+    """How soon after `POST /sim/evict` a replica's index has it: the time until the proxy's
+    `cleared` count moves (polled on its /metrics, so an upper bound), `trials` times."""
+    url, endpoint = sims[0]
+    prompt = [{"role": "user", "content": "evict " * 300}]
+    body: dict[str, Any] = {"model": MODEL, "messages": prompt, "max_tokens": 2}
+    pattern = re.compile(r'sluice_kv_events_applied_total\{backend="[^"]+",type="cleared"\} (\S+)')
+    learned_ms: list[float] = []
+    async with (
+        Stack(bench.args.proxy_arg) as stack,
+        httpx.AsyncClient(timeout=10, trust_env=False) as client,
+    ):
+        proxy = await stack.proxy([url], "--kv-events", f"{url}={endpoint}")
+
+        async def cleared() -> float:
+            match = pattern.search((await client.get(proxy + "/metrics")).text)
+            return float(match.group(1)) if match else 0.0
+
+        for _ in range(trials):
+            (await client.post(proxy + "/v1/chat/completions", json=body)).raise_for_status()
+            before = await cleared()
+            started = time.perf_counter()
+            (await client.post(url + "/sim/evict")).raise_for_status()
+            while await cleared() == before:
+                pass
+            learned_ms.append((time.perf_counter() - started) * 1000)
+    return {"trials": trials, "p50_ms": percentile(learned_ms, 50), "max_ms": max(learned_ms)}
+
+
 def label(replicas: int, events: bool) -> str:
     return f"{replicas} replica{'s' if replicas > 1 else ''}, events {'on' if events else 'off'}"
 
@@ -269,11 +300,14 @@ async def measure(bench: Bench) -> dict[str, Any]:
 
     budget_variants = bench.pick((WITH_REDIS,), (WITH_REDIS, WITHOUT_REDIS))
     budgets = await bench.alternate(bench.rounds(1, 1), budget_variants, budget, " budgets")
+    harness.progress(f"{bench.name}: evictions")
+    eviction = await eviction_run(bench, sims, bench.pick(5, 20))
     harness.progress(f"{bench.name}: Redis killed mid-run")
     killed = await redis_killed_run(bench, sims, bench.pick(6.0, 20.0))
     harness.progress("")
     result = {"duration_s": duration, "routing": routing, "budgets": budgets}
     result["redis_killed"] = killed
+    result["eviction"] = eviction
     result["targets"] = targets(result)
     return result
 
@@ -319,6 +353,10 @@ def targets(result: dict[str, Any]) -> list[str]:
         if run["redis"]:
             ratio = run["admitted_vs_allowed"]
             check(f"4 replicas with Redis admit {ratio:.3f}x the budget <= 1.1", ratio <= 1.1)
+    eviction = result.get("eviction")
+    if eviction:
+        learned = eviction["max_ms"]
+        check(f"an eviction learned within {learned:.1f} ms (worst) <= 100", learned <= 100)
     killed = result.get("redis_killed")
     if killed:
         check(
@@ -357,6 +395,12 @@ def tables(result: dict[str, Any]) -> list[Table]:
             ["killed at s", "answered", "refused", "failed", "admitted tokens"],
             [[killed["redis_killed_at_s"], killed["answered"], killed["refused"],
               killed["failed"], killed["admitted_tokens"]]],
+        ),
+        Table(
+            "POST /sim/evict until one replica's index has it (its /metrics polled)",
+            ["trials", "p50 ms", "worst ms"],
+            [[eviction["trials"], f"{eviction['p50_ms']:.1f}", f"{eviction['max_ms']:.1f}"]]
+            if (eviction := result.get("eviction")) else [],
         ),
         Table("issue 17's targets", ["check"], [[line] for line in result["targets"]]),
     ]  # fmt: skip
