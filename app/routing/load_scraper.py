@@ -6,9 +6,8 @@ exposition is read by `engine_metrics.read_engine`, which knows vLLM, SGLang, th
 server and TGI by their metric names. The result goes to `Backend.engine` (engine name,
 running, waiting, KV use, prefix hit rate) through `Backend.engine_reported`, which the
 policies see in `Backend.load`: it also counts what other proxy replicas send, which local
-in-flight counts cannot. A backend that has no
-such metrics (404, or none of those names) is asked again only every `RETRY_UNSUPPORTED`
-seconds.
+in-flight counts cannot. A backend that has no such metrics (404, or none of those names) is
+asked again only every `RETRY_UNSUPPORTED` seconds.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ class LoadScraper:
     async def run(self) -> None:
         # Looks every SCRAPE_INTERVAL whether traffic flows, and scrapes then (or once every
         # IDLE_SCRAPE_INTERVAL when none does): traffic that starts after a quiet spell is
-        # seen by the policies within a second, not after the rest of a long idle sleep.
+        # seen by the policies at the next look, not after the rest of a long idle sleep.
         # Measured (4 replicas, 4 simulated GPUs): sleeping 10 s after a quiet spell left the
         # replicas blind to the GPUs' queues for the first ~8 s of a burst, one GPU queueing
         # 20-29 requests while the others idled, p50 TTFT 10x one replica's.

@@ -155,8 +155,6 @@ async def routing_run(
                 samples = await drive(url, workload, duration, seed=0)
                 after = await gpu_counters(client, sims)
     queries = after[1] - before[1]
-    sent = zip(samples.sent, samples.ttft, strict=True)
-    warm = [ttft for at, ttft in sent if at >= duration / 4]
     return {
         "workload": workload,
         "replicas": replicas,
@@ -166,7 +164,7 @@ async def routing_run(
         "hit_rate": (after[0] - before[0]) / queries if queries else 0.0,
         "ttft_p50_ms": percentile(samples.ttft, 50) * 1000,
         "ttft_p99_ms": percentile(samples.ttft, 99) * 1000,
-        "ttft_p99_warm_ms": percentile(warm, 99) * 1000,
+        "ttft_p99_warm_ms": percentile(samples.ttft_sent_after(duration / 4), 99) * 1000,
     }
 
 

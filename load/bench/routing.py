@@ -61,6 +61,15 @@ class Samples:
     errors: int = 0
     censored: int = 0  # no first token by the end of the drain: counted at their wait so far
 
+    def record(self, started: float, ttft: float) -> None:
+        """A request sent at `started` (perf_counter) saw its first token after `ttft` s."""
+        self.ttft.append(ttft)
+        self.sent.append(started - self.began)
+
+    def ttft_sent_after(self, seconds: float) -> list[float]:
+        """The times to first token of the requests sent `seconds` or more after the start."""
+        return [ttft for at, ttft in zip(self.sent, self.ttft, strict=True) if at >= seconds]
+
 
 async def _stream(
     client: httpx.AsyncClient, url: str, request: dict[str, Any], samples: Samples
@@ -80,8 +89,7 @@ async def _stream(
                     continue
                 if first is None:
                     first = time.perf_counter() - started
-                    samples.ttft.append(first)
-                    samples.sent.append(started - samples.began)
+                    samples.record(started, first)
                 for choice in json.loads(line[6:]).get("choices", []):
                     pieces.append(choice.get("delta", {}).get("content") or "")
     except httpx.HTTPError:
@@ -90,8 +98,7 @@ async def _stream(
     except trio.Cancelled:
         if first is None:
             samples.censored += 1
-            samples.ttft.append(time.perf_counter() - started)
-            samples.sent.append(started - samples.began)
+            samples.record(started, time.perf_counter() - started)
         raise
     return "".join(pieces)
 
