@@ -7,10 +7,11 @@ without; the routing scenario's seeded workloads (rag, chat, hot: load/routing_w
 go through the round robin. Before each run the GPUs' caches are emptied (`POST /sim/evict`),
 and the prefix hit rate is the GPUs' own counters' (`vllm:prefix_cache_hits / queries`) over
 the run. Within a workload the variants take turns: events on with 1, 2, 4 replicas, then
-events off with 4, 2, 1 (the order reversed every other round with `--rounds`). TTFT p99 is
-given over the whole run and over the requests sent after its first quarter ("warm"): the
-cold start (every prompt a miss on empty GPUs) decides the first, and varies by +-20% from
-run to run of the same variant; the second is the steady state the replicas settle in.
+events off with 4, 2, 1 (the order reversed every other round with `--rounds`), on GPUs
+started afresh for each round (`Placements`). TTFT p99 is given over the whole run and over
+the requests sent after its first quarter ("warm"): the cold start (every prompt a miss on
+empty GPUs) decides the first, and varies by +-20% from run to run of the same variant; the
+second is the steady state the replicas settle in.
 
 Budgets: 4 replicas with `--redis-url` (a redis-server of our own, fresh for each run) and one
 API key's `--tokens-per-minute`; clients ask for about seven times the budget; admitted tokens
@@ -110,6 +111,26 @@ async def start_sims(stack: Stack) -> Sims:
         for seed in range(BACKENDS):
             nursery.start_soon(start_one, seed)
     return [sims[seed] for seed in range(BACKENDS)]
+
+
+class Placements:
+    """Fresh simulated GPUs for each round. Their URLs (random free ports) are the names
+    rendezvous hashing places prefixes by, so one set of GPUs is one draw of where the
+    workload's prefixes land (five of rag's eight on one GPU happens); new GPUs each round
+    average the result over draws instead of repeating one."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.round: int | None = None
+        self.sims: Sims = []
+
+    async def for_round(self, number: int) -> Sims:
+        if number != self.round:
+            for url, _ in self.sims:
+                self.stack.kill(url)
+            self.sims = await start_sims(self.stack)
+            self.round = number
+        return self.sims
 
 
 async def start_replicas(
@@ -283,12 +304,13 @@ async def measure(bench: Bench) -> dict[str, Any]:
         for events in bench.pick((True,), (True, False))
         for replicas in (counts if events else reversed(counts))
     }
-    sims = await start_sims(bench.stack)
+    placements = Placements(bench.stack)
     routing: list[dict[str, Any]] = []
     for workload in bench.pick(("rag",), WORKLOADS):
 
-        async def one(variant: str, _: int, workload: str = workload) -> dict[str, Any]:
+        async def one(variant: str, number: int, workload: str = workload) -> dict[str, Any]:
             replicas, events = variants[variant]
+            sims = await placements.for_round(number)
             return await routing_run(bench, sims, replicas, events, workload, duration)
 
         routing += await bench.alternate(bench.rounds(1, 1), list(variants), one, f" {workload}")
@@ -296,6 +318,7 @@ async def measure(bench: Bench) -> dict[str, Any]:
     async def budget(variant: str, _: int) -> dict[str, Any]:
         return await budget_run(bench, sims, variant == WITH_REDIS, bench.pick(8.0, 30.0))
 
+    sims = placements.sims  # the last round's
     budget_variants = bench.pick((WITH_REDIS,), (WITH_REDIS, WITHOUT_REDIS))
     budgets = await bench.alternate(bench.rounds(1, 1), budget_variants, budget, " budgets")
     harness.progress(f"{bench.name}: evictions")
