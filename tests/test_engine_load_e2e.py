@@ -18,11 +18,7 @@ import trio.testing
 from app.asgi import Receive, Scope, Send, answer_lifespan, send_bytes
 from app.routing.backends import BackendPool
 from app.routing.engine_metrics import EngineLoad
-from app.routing.load_scraper import (
-    SCRAPE_INTERVAL,
-    SINGLE_BACKEND_SCRAPE_INTERVAL,
-    LoadScraper,
-)
+from app.routing.load_scraper import LoadScraper
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
 from tests.conftest import StartASGI, StartSim, StartSluice, wait_until
@@ -190,44 +186,12 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_the_next_look(
     load_scraper.scrape_all = record  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load_scraper.run)
-        await trio.sleep(25.25)  # between two of its looks (one backend: every 0.5 s)
+        await trio.sleep(25.25)  # between two of its looks (every SCRAPE_INTERVAL, 0.5 s)
         assert scraped == [0.0, 10.0, 20.0]
         traffic = 1
         await trio.sleep(1.0)
         nursery.cancel_scope.cancel()
     assert scraped[-1] == 25.5
-
-
-async def test_with_a_choice_to_make_busy_backends_are_scraped_every_tenth_of_a_second(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Two backends: which one is less busy decides routes, so while requests flow the
-    scraper reads them every `SCRAPE_INTERVAL`; alone, a backend's figures only feed the
-    dashboard and are read every `SINGLE_BACKEND_SCRAPE_INTERVAL`."""
-    sent = 0
-
-    def traffic() -> int:
-        nonlocal sent
-        sent += 1  # a request between any two looks
-        return sent
-
-    for urls, interval in (
-        (["http://gpu:8000", "http://gpu:8001"], SCRAPE_INTERVAL),
-        (["http://gpu:8000"], SINGLE_BACKEND_SCRAPE_INTERVAL),
-    ):
-        scraped: list[float] = []
-        load_scraper = LoadScraper(healthy_pool(urls), None, timeout=5.0, traffic=traffic)  # type: ignore[arg-type]
-
-        async def record(scraped: list[float] = scraped) -> None:
-            scraped.append(trio.current_time())
-
-        load_scraper.scrape_all = record  # type: ignore[method-assign]
-        started = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(load_scraper.run)
-            await trio.sleep(interval * 4.5)
-            nursery.cancel_scope.cancel()
-        assert [t - started for t in scraped] == pytest.approx([interval * i for i in range(5)])
 
 
 def engine_load(running: int, waiting: int) -> EngineLoad:
@@ -245,19 +209,6 @@ def test_a_gpus_load_counts_what_other_replicas_run_on_it() -> None:
     assert backend.load == 8 + 5 + 5 + 1
     backend.engine_reported(None)
     assert (backend.others_inflight, backend.reported_waiting, backend.load) == (0, 0, 3)
-
-
-def test_other_replicas_requests_weigh_with_our_own_mean_prefill() -> None:
-    """The engine says how many requests others run, not how much of their prompts is still
-    to prefill: each counts as much as our own requests there do on average."""
-    (backend,) = healthy_pool(["http://gpu:8000"]).backends
-    backend.inflight, backend.pending_tokens = 2, 2 * 2048  # two units of prefill each
-    assert backend.load == 2 + 4
-    backend.engine_reported(engine_load(running=6, waiting=0))
-    assert backend.others_inflight == 4
-    assert backend.load == 6 + 6 * 2
-    backend.inflight, backend.pending_tokens = 0, 0  # ours done: others count as requests
-    assert backend.load == 4
 
 
 def test_one_replica_alone_sees_only_its_own_requests_and_the_queue() -> None:

@@ -14,14 +14,13 @@ it. Per model, because one model of a server can fail alone (a broken LoRA adapt
 its others answer.
 
 Load, for the policies, is `load`: the requests on the backend, its queue counted once more,
-and the prompt tokens still to prefill (in units of `TOKENS_PER_LOAD`). The requests on it are
-this process's own in flight (exact, at once) plus those its engine last reported beyond them
-(`others_inflight`: other proxy replicas' and anyone else's, scraped off the request path by
-`load_scraper.py`); the queue is the engine's waiting count. The prefill is known only for this
-process's own requests; others' requests are taken to need as much as its own on that backend
-do on average (the engine reports no such figure). One replica alone and each of N replicas
-thus weigh a GPU alike, whatever share of its traffic they send. Backends join and leave at run
-time (`add`, `remove`); a removed backend's requests in flight finish where they are.
+and the prompt tokens this process's requests still have to prefill (in units of
+`TOKENS_PER_LOAD`). The requests on it are this process's own in flight (exact, at once) plus
+those its engine last reported beyond them (`others_inflight`: other proxy replicas' and
+anyone else's, scraped off the request path by `load_scraper.py`); the queue is the engine's
+waiting count. One replica alone and each of N replicas thus weigh a GPU alike, whatever
+share of its traffic they send. Backends join and leave at run time (`add`, `remove`); a
+removed backend's requests in flight finish where they are.
 
 With `--forward tokens` the pool also requires a tokenizer match: token ids mean something
 only to a model with Sluice's vocabulary, so a backend takes traffic only once its /tokenize
@@ -112,13 +111,10 @@ class Backend:
     @property
     def load(self) -> float:
         """Requests on it, those queued counted once more (a waiting request delays every
-        one behind it), and the prefill they still need. Our own requests count as they are
-        now, others' as of the engine's last report, each with our own mean prefill there."""
+        one behind it), and the prefill this process's requests still need. Our own
+        requests count as they are now, others' as of the engine's last report."""
         requests = self.inflight + self.others_inflight + self.reported_waiting
-        prefill = self.pending_tokens / TOKENS_PER_LOAD
-        if self.inflight:
-            prefill *= (self.inflight + self.others_inflight) / self.inflight
-        return requests + prefill
+        return requests + self.pending_tokens / TOKENS_PER_LOAD
 
     def engine_reported(self, engine: EngineLoad | None) -> None:
         """What its engine's metrics said just now (None: it reports no load). What it ran

@@ -1,13 +1,13 @@
 """Backends' own load figures, scraped off the request path from their Prometheus `/metrics`.
 
-Every `SCRAPE_INTERVAL` seconds while traffic flows (`SINGLE_BACKEND_SCRAPE_INTERVAL` with one
-backend; every `IDLE_SCRAPE_INTERVAL` when none flows, looking each interval whether it has
-started) each healthy backend's exposition is read by `engine_metrics.read_engine`, which knows
-vLLM, SGLang, the llama.cpp server and TGI by their metric names. The result goes to
-`Backend.engine` (engine name, running, waiting, KV use, prefix hit rate) through
-`Backend.engine_reported`, which the policies see in `Backend.load`: it also counts what other
-proxy replicas send, which local in-flight counts cannot. A backend that has no such metrics
-(404, or none of those names) is asked again only every `RETRY_UNSUPPORTED` seconds.
+Every `SCRAPE_INTERVAL` seconds while traffic flows (every `IDLE_SCRAPE_INTERVAL` when none
+does, looking each `SCRAPE_INTERVAL` whether it has started) each healthy backend's
+exposition is read by `engine_metrics.read_engine`, which knows vLLM, SGLang, the llama.cpp
+server and TGI by their metric names. The result goes to `Backend.engine` (engine name,
+running, waiting, KV use, prefix hit rate) through `Backend.engine_reported`, which the
+policies see in `Backend.load`: it also counts what other proxy replicas send, which local
+in-flight counts cannot. A backend that has no such metrics (404, or none of those names) is
+asked again only every `RETRY_UNSUPPORTED` seconds.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ log = logging.getLogger("sluice.load_scraper")
 
 # Others' share of a GPU's work is as old as the last scrape. Measured (4 replicas, 4
 # simulated GPUs, the hot workload): every second, the replicas piled a hot prefix on the GPUs
-# that looked free a second ago; every 0.5 s, p50 TTFT fell by half; every 0.1 s, with others'
-# requests weighed with our own mean prefill (`Backend.load`), p99 TTFT fell by a third on
-# rag and hot. A scrape of vLLM's ~100 KB exposition costs ~1.1 ms of the loop's CPU (fetch
-# and `read_engine`): ~11 ms/s a backend at 0.1 s, paid only while traffic flows and only
-# where routing has a choice to make: with a single backend the figures feed the dashboard.
-SCRAPE_INTERVAL = 0.1
-SINGLE_BACKEND_SCRAPE_INTERVAL = 0.5
+# that looked free a second ago; every 0.5 s, p50 TTFT fell by half. A scrape of vLLM's ~100 KB
+# exposition costs ~1.1 ms of the loop's CPU (fetch and `read_engine`): ~2 ms/s a backend.
+SCRAPE_INTERVAL = 0.5
 # With no request sent since the last scrape, load figures serve no decision: scrape rarely.
 IDLE_SCRAPE_INTERVAL = 10.0
 RETRY_UNSUPPORTED = 60.0
@@ -54,7 +50,7 @@ class LoadScraper:
         self._last_reading: dict[str, EngineReading] = {}
 
     async def run(self) -> None:
-        # Looks every interval whether traffic flows, and scrapes then (or once every
+        # Looks every SCRAPE_INTERVAL whether traffic flows, and scrapes then (or once every
         # IDLE_SCRAPE_INTERVAL when none does): traffic that starts after a quiet spell is
         # seen by the policies at the next look, not after the rest of a long idle sleep.
         # Measured (4 replicas, 4 simulated GPUs): sleeping 10 s after a quiet spell left the
@@ -69,8 +65,7 @@ class LoadScraper:
                 seen = self._traffic()
                 scraped_at = now
                 await self.scrape_all()
-            choice = len(self.pool.backends) > 1
-            await trio.sleep(SCRAPE_INTERVAL if choice else SINGLE_BACKEND_SCRAPE_INTERVAL)
+            await trio.sleep(SCRAPE_INTERVAL)
 
     async def scrape_all(self) -> None:
         now = trio.current_time()
