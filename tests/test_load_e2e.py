@@ -6,8 +6,9 @@ as it was; `python -m load run` drives a proxy it did not start, writing its JSO
 `bench routing` starts simulated GPUs and a Sluice in front of them and reports the
 backends' own prefix-cache hits beside Sluice's predictions; the overhead scenario's two
 floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would;
-the replicas scenario's TCP round robin hands each new connection to the next replica, and a
-benchmark's own Redis answers until the stack kills it; `python -m load compare REV` exports
+the replicas scenario's TCP round robin hands each new connection to the next replica and
+each of its rounds runs on simulated GPUs of its own, and a benchmark's own Redis answers
+until the stack kills it; `python -m load compare REV` exports
 a revision that runs as `python -m app`."""
 
 from __future__ import annotations
@@ -205,6 +206,32 @@ async def test_the_round_robin_hands_each_connection_to_the_next_replica() -> No
                     heard.append(await stream.receive_some(100))
         nursery.cancel_scope.cancel()
     assert heard == [b"a0", b"b1", b"c2", b"a3", b"b4", b"c5"]
+
+
+async def test_each_round_of_the_replicas_scenario_gets_gpus_of_its_own() -> None:
+    """New GPUs (new ports, so a new draw of where rendezvous puts the prompts) per round;
+    the variants of one round share them, and the last round's are stopped."""
+
+    class Sims:
+        def __init__(self) -> None:
+            self.started: list[str] = []
+            self.killed: list[str] = []
+
+        async def sim(self, *flags: str, model: str) -> str:
+            self.started.append(f"http://127.0.0.1:{9000 + len(self.started)}")
+            return self.started[-1]
+
+        def kill(self, url: str) -> None:
+            self.killed.append(url)
+
+    stack = Sims()
+    placements = replicas.Placements(stack)  # type: ignore[arg-type]
+    first = await placements.for_round(1)
+    assert len(first) == replicas.BACKENDS
+    assert await placements.for_round(1) == first
+    second = await placements.for_round(2)
+    assert {url for url, _ in first}.isdisjoint(url for url, _ in second)
+    assert sorted(stack.killed) == sorted(url for url, _ in first)
 
 
 @pytest.mark.skipif(
