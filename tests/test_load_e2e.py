@@ -8,8 +8,8 @@ backends' own prefix-cache hits beside Sluice's predictions; the overhead scenar
 floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would;
 the replicas scenario's TCP round robin hands each new connection to the next replica and
 each of its rounds runs on simulated GPUs of its own, and a benchmark's own Redis answers
-until the stack kills it; `python -m load compare REV` exports
-a revision that runs as `python -m app`."""
+until the stack kills it; `python -m load compare REV` exports a revision that runs as
+`python -m app`."""
 
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ BUDGET = 60_000  # tokens a minute for the one key
 BUDGET_CLIENTS = 6
 BUDGET_PACE_S = 0.6  # 6 clients, ~716 tokens each every 0.6 s: ~430k tokens a minute, 7x
 WITH_REDIS, WITHOUT_REDIS = "with Redis", "without Redis"
+EVICTION_GIVE_UP_S = 10.0
 Sims = list[tuple[str, str]]  # (URL, KV events endpoint) of each simulated GPU
 
 
@@ -286,8 +287,9 @@ async def eviction_run(bench: Bench, sims: Sims, trials: int) -> dict[str, Any]:
             before = await cleared()
             started = time.perf_counter()
             (await client.post(url + "/sim/evict")).raise_for_status()
-            while await cleared() == before:
-                pass
+            with trio.fail_after(EVICTION_GIVE_UP_S):  # never learned: an error, not a hang
+                while await cleared() == before:
+                    pass
             learned_ms.append((time.perf_counter() - started) * 1000)
     return {"trials": trials, "p50_ms": percentile(learned_ms, 50), "max_ms": max(learned_ms)}
 
@@ -315,10 +317,11 @@ async def measure(bench: Bench) -> dict[str, Any]:
 
         routing += await bench.alternate(bench.rounds(1, 1), list(variants), one, f" {workload}")
 
+    sims = placements.sims  # the last round's
+
     async def budget(variant: str, _: int) -> dict[str, Any]:
         return await budget_run(bench, sims, variant == WITH_REDIS, bench.pick(8.0, 30.0))
 
-    sims = placements.sims  # the last round's
     budget_variants = bench.pick((WITH_REDIS,), (WITH_REDIS, WITHOUT_REDIS))
     budgets = await bench.alternate(bench.rounds(1, 1), budget_variants, budget, " budgets")
     harness.progress(f"{bench.name}: evictions")
