@@ -3,6 +3,8 @@
 - The HF-compatible sandbox: tojson (non-ASCII kept, indent), raise_exception, strftime_now,
   loop controls, trim_blocks/lstrip_blocks, refused attribute escapes and mutation.
 - The shipped DeepSeek-V3 template: system prompts, turns, tool calls and tool outputs.
+- Shipped templates, which render outside the sandbox, render exactly as they do inside it;
+  the default tokenizer's template is the shipped one, unsandboxed; a file's is sandboxed.
 - Bad input, each a ClientError with a clear message: a template's raise_exception, a
   template crashing on the messages, non-text content parts, malformed content, batched and
   out-of-vocabulary completion prompts, reserved chat_template_kwargs, unpaired surrogates
@@ -17,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer, models
 
 from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate
+from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, load_chat_template
+from app.preprocess.encoding import facts_for
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
 from tests.fakes import prepare
@@ -73,8 +77,56 @@ def test_template_crash_and_sandbox_escapes_are_400s() -> None:
         render("{{ messages.append(1) }}", USER)
 
 
-def shipped(name: str) -> ChatTemplate:
-    return ChatTemplate(name, (SHIPPED_DIR / f"{name}.jinja").read_text(), BOS, EOS)
+def shipped(name: str, sandboxed: bool = False) -> ChatTemplate:
+    source = (SHIPPED_DIR / f"{name}.jinja").read_text()
+    return ChatTemplate(name, source, BOS, EOS, shipped=not sandboxed)
+
+
+CALL = {"type": "function", "function": {"name": "get", "arguments": {"city": "Oslo"}}}
+CONVERSATIONS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "héllo ☃"}],
+    [
+        {"role": "system", "content": "A"},
+        {"role": "system", "content": "B"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL, CALL]},
+        {"role": "tool", "content": "rain"},
+        {"role": "tool", "content": "cold"},
+        {"role": "assistant", "content": "wet"},
+        {"role": "user", "content": "{{ 7 * 7 }} {% raw %}"},
+    ],
+]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "llama3", "chatml"])
+def test_shipped_templates_render_outside_the_sandbox_as_inside(name: str) -> None:
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
+    for messages in CONVERSATIONS:
+        for generation_prompt in (True, False):
+            for extra in ({}, {"tools": tools}):
+                renders = [
+                    shipped(name, sandboxed).render(
+                        messages, add_generation_prompt=generation_prompt, **extra
+                    )
+                    for sandboxed in (False, True)
+                ]
+                assert renders[0] == renders[1]
+
+
+def test_only_shipped_templates_leave_the_sandbox(tmp_path: Path) -> None:
+    loaded = load_tokenizer(None)
+    added = facts_for(loaded).added_tokens
+    default = load_chat_template(None, loaded, added)
+    assert default is not None and default.shipped and default.origin == "shipped:deepseek_v3"
+    assert not isinstance(default.template.environment, SandboxedEnvironment)
+    own = tmp_path / "t.jinja"
+    own.write_text((SHIPPED_DIR / "deepseek_v3.jinja").read_text())
+    from_file = load_chat_template(str(own), loaded, added)
+    assert from_file is not None and not from_file.shipped
+    assert isinstance(from_file.template.environment, SandboxedEnvironment)
 
 
 def test_deepseek_template_turns_and_tools() -> None:

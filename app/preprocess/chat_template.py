@@ -1,10 +1,15 @@
-"""Chat templates: discovered like SMG, rendered like Hugging Face, sandboxed.
+"""Chat templates: discovered like SMG, rendered like Hugging Face, sandboxed unless ours.
 
-A template found in a model directory is code from whoever published the model, so it runs in
-Jinja2's `ImmutableSandboxedEnvironment` (no attribute escapes, no mutation of the request's
-lists and dicts). The environment matches `transformers.apply_chat_template`: `trim_blocks`,
-`lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter that keeps non-ASCII text
-and takes `indent`, and the globals `raise_exception` and `strftime_now`. Templates receive
+A template found in a model directory or given as a file is code from whoever published the
+model, so it runs in Jinja2's `ImmutableSandboxedEnvironment` (no attribute escapes, no
+mutation of the request's lists and dicts). The templates shipped here (chat_templates/) are
+ours, so they run in a plain `Environment` with the same settings: the sandbox's check of
+every attribute, item and call took 11 of 24 µs of a one-message DeepSeek-V3 render, ~5% of
+the proxy's CPU for a small chat, and guards nothing that the shipped files do not already
+avoid (tests render each both ways and compare). Either environment matches
+`transformers.apply_chat_template`: `trim_blocks`, `lstrip_blocks`, the `loopcontrols`
+extension, a `tojson` filter that keeps non-ASCII text and takes `indent`, and the globals
+`raise_exception` and `strftime_now`. Templates receive
 `messages`, `add_generation_prompt`, `tools`, `documents`, `bos_token`, `eos_token` and any
 `chat_template_kwargs` the request carries.
 
@@ -36,7 +41,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from jinja2 import Template, TemplateError
+from jinja2 import Environment, Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -87,10 +92,11 @@ class ChatTemplate:
     source: str
     bos_token: str
     eos_token: str
+    shipped: bool = False  # one of chat_templates/: ours, rendered without the sandbox
 
     @property
     def template(self) -> Template:
-        return compile_template(self.source)
+        return compile_template(self.source, sandboxed=not self.shipped)
 
     def render(
         self,
@@ -195,10 +201,9 @@ def _strftime_now(format: str) -> str:
 
 
 @functools.cache
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
+def _environment(sandboxed: bool) -> Environment:
+    kind = ImmutableSandboxedEnvironment if sandboxed else Environment
+    env = kind(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -206,9 +211,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 @functools.lru_cache(maxsize=64)
-def compile_template(source: str) -> Template:
+def compile_template(source: str, *, sandboxed: bool = True) -> Template:
     """Compiled once per distinct source (compiling costs milliseconds; rendering far less)."""
-    return _environment().from_string(source)
+    return _environment(sandboxed).from_string(source)
 
 
 def shipped_family(added_tokens: Collection[str]) -> ShippedFamily | None:
@@ -226,9 +231,9 @@ def load_chat_template(
     found = _find_source(explicit, loaded, added_tokens)
     if found is None:
         return None
-    origin, source = found
+    origin, source, shipped = found
     try:
-        compile_template(source)
+        compile_template(source, sandboxed=not shipped)
     except TemplateError as exc:
         raise TemplateLoadError(f"chat template {origin} does not compile: {exc}") from exc
     family = shipped_family(added_tokens)
@@ -244,12 +249,14 @@ def load_chat_template(
         source=source,
         bos_token=special(loaded.bos_token, family.bos_token if family else None),
         eos_token=special(loaded.eos_token, family.eos_token if family else None),
+        shipped=shipped,
     )
 
 
 def _find_source(
     explicit: str | None, loaded: LoadedTokenizer, added_tokens: Collection[str]
-) -> tuple[str, str] | None:
+) -> tuple[str, str, bool] | None:
+    """Where the template came from, its source, and whether it is one of ours."""
     if explicit is not None:
         return _explicit_source(explicit)
     directory = loaded.directory
@@ -258,31 +265,31 @@ def _find_source(
         if json_file.is_file():
             data = _read_json(json_file)
             field = data.get("chat_template") if isinstance(data, dict) else None
-            return str(json_file), _pick_named(field, json_file)
+            return str(json_file), _pick_named(field, json_file), False
         jinja_files = sorted(directory.glob("*.jinja"))
         preferred = directory / "chat_template.jinja"
         if preferred in jinja_files:
             jinja_files.remove(preferred)
             jinja_files.insert(0, preferred)
         if jinja_files:
-            return str(jinja_files[0]), _read_text(jinja_files[0])
+            return str(jinja_files[0]), _read_text(jinja_files[0]), False
     if loaded.config_chat_template is not None:
         where = f"{loaded.directory or loaded.source}/tokenizer_config.json"
-        return f"{where} (chat_template)", _pick_named(loaded.config_chat_template, where)
+        return f"{where} (chat_template)", _pick_named(loaded.config_chat_template, where), False
     family = shipped_family(added_tokens)
     if family is not None:
         return _shipped_source(family.name)
     return None
 
 
-def _explicit_source(explicit: str) -> tuple[str, str]:
+def _explicit_source(explicit: str) -> tuple[str, str, bool]:
     path = Path(explicit).expanduser()
     if path.is_file():
         if path.suffix == ".json":
             data = _read_json(path)
             field = data.get("chat_template") if isinstance(data, dict) else None
-            return str(path), _pick_named(field, path)
-        return str(path), _read_text(path)
+            return str(path), _pick_named(field, path), False
+        return str(path), _read_text(path), False
     if any(family.name == explicit for family in SHIPPED):
         return _shipped_source(explicit)
     names = ", ".join(family.name for family in SHIPPED)
@@ -291,9 +298,9 @@ def _explicit_source(explicit: str) -> tuple[str, str]:
     )
 
 
-def _shipped_source(name: str) -> tuple[str, str]:
+def _shipped_source(name: str) -> tuple[str, str, bool]:
     path = SHIPPED_DIR / f"{name}.jinja"
-    return f"shipped:{name}", _read_text(path)
+    return f"shipped:{name}", _read_text(path), True
 
 
 def _pick_named(field: Any, where: object) -> str:
