@@ -17,6 +17,8 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
 from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
+from app.proxy.exchange import ClientConnection
+from app.proxy.request_head import RequestHead
 
 
 async def prepare(
@@ -24,6 +26,14 @@ async def prepare(
 ) -> Prepared:
     """`Preprocessor.prepare` on the body a client would send for `payload`."""
     return await preprocessor.prepare(kind, json.dumps(payload).encode(), **options)
+
+
+async def read_request(connection: ClientConnection, deadline: float) -> RequestHead:
+    """The next request's head, as the server's reading task (http_server.py) gets it while
+    another task keeps calling `read_some`."""
+    while (request := connection.next_request()) is None:
+        await connection.wait_for_bytes(deadline)
+    return request
 
 
 class GateTokenizer:

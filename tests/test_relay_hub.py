@@ -27,6 +27,7 @@ from app.proxy.exchange import ClientConnection, ClientGone, Exchange
 from app.proxy.relay import Relayed, relay
 from app.proxy.relay_hub import READ_SIZE, SWEEP_S, RelayHub
 from app.proxy.upstream import UpstreamPool, UpstreamResponse
+from tests.fakes import read_request
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
@@ -80,8 +81,7 @@ async def wired(nursery: trio.Nursery, buffer_bytes: int | None = None) -> Async
 
     nursery.start_soon(keep_reading)
     await client.send_all(REQUEST)
-    request = await connection.next_event(trio.current_time() + 5)
-    assert isinstance(request, h11.Request)
+    request = await read_request(connection, trio.current_time() + 5)
     exchange = Exchange(connection, request, read_timeout=5, closing=lambda: False)
     assert await exchange.read_body(100) == b"{}"
     await backend.send_all(HEAD)

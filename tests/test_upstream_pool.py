@@ -39,6 +39,7 @@ from app.proxy.forward import StreamBroken
 from app.proxy.relay import relay
 from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from app.routing.usage import TAIL_BYTES, Usage, usage_from_tail
+from tests.fakes import read_request
 
 BASE = "http://backend:8000"
 Handler = Callable[[trio.abc.Stream, h11.Connection], Awaitable[None]]
@@ -225,7 +226,7 @@ class Client:
 
 
 async def keep_reading(connection: ClientConnection) -> None:
-    """The reader's role (http_server.py), without a server: feed h11 until the end."""
+    """The reader's role (http_server.py), without a server: read until the end."""
     while not connection.peer_gone:
         await connection.read_some()
 
@@ -243,8 +244,7 @@ async def client_exchange(
         nursery.start_soon(keep_reading, connection)
         request = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
         nursery.start_soon(client_end.send_all, request)
-        event = await connection.next_event(trio.current_time() + 1)
-        assert isinstance(event, h11.Request)
+        event = await read_request(connection, trio.current_time() + 1)
         exchange = Exchange(connection, event, read_timeout=1, closing=lambda: False)
         assert await exchange.read_body(100) == b""
         yield exchange, proxy_bytes, Client(client_end, delay)

@@ -38,7 +38,7 @@ from app.proxy.errors import (
     respond_rate_limited,
     respond_upstream_failure,
 )
-from app.proxy.exchange import Exchange, Headers
+from app.proxy.exchange import Exchange
 from app.proxy.forward import (
     StreamBroken,
     Timeouts,
@@ -46,6 +46,7 @@ from app.proxy.forward import (
     open_upstream,
     upstream_headers,
 )
+from app.proxy.header_fields import Headers
 from app.proxy.relay import Relayed, relay, relay_as_chat
 from app.proxy.relay_hub import RelayHub
 from app.proxy.token_forwarding import plan_forward

@@ -26,10 +26,15 @@ MAX_TRAILER_BYTES = 16384
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?")
 
 LAST_CHUNK = b"0\r\n\r\n"
+MAX_LENGTH_DIGITS = 18
 
 
 class FramingError(ValueError):
     """The body does not follow its declared framing."""
+
+
+class UnsupportedCoding(FramingError):
+    """A transfer coding other than chunked (RFC 9112 §6.1: 501 for a request)."""
 
 
 class BodyDecoder(Protocol):
@@ -56,6 +61,16 @@ def decoder_for(status: int, headers: list[tuple[bytes, bytes]], method: bytes) 
     """The decoder for a response to `method` with this status and (lower-case) headers."""
     if method == b"HEAD" or status in (204, 304) or 100 <= status < 200:
         return LengthDecoder(0)
+    return _declared_decoder(headers) or CloseDelimitedDecoder()
+
+
+def request_decoder(headers: list[tuple[bytes, bytes]]) -> BodyDecoder:
+    """The decoder for a request body with these (lower-case) headers: one without
+    Content-Length or Transfer-Encoding is empty (RFC 9112 §6.3)."""
+    return _declared_decoder(headers) or LengthDecoder(0)
+
+
+def _declared_decoder(headers: list[tuple[bytes, bytes]]) -> BodyDecoder | None:
     transfer_coding = None
     length = None
     for name, value in headers:
@@ -65,20 +80,21 @@ def decoder_for(status: int, headers: list[tuple[bytes, bytes]], method: bytes) 
             transfer_coding = value.strip().lower()
         elif name == b"content-length":
             # Repeated or listed lengths must agree (RFC 9112 §6.3), or the body's end, and
-            # so the next response's start on a kept-alive connection, is ambiguous.
+            # so the next message's start on a kept-alive connection, is ambiguous.
             for listed in value.split(b","):
                 if length is not None and listed.strip() != length:
                     raise FramingError("conflicting Content-Length values")
                 length = listed.strip()
     if transfer_coding is not None:
         if transfer_coding != b"chunked":
-            raise FramingError(f"unsupported transfer coding {transfer_coding!r}")
+            raise UnsupportedCoding(f"unsupported transfer coding {transfer_coding!r}")
         return ChunkedDecoder()
     if length is not None:
-        if not length.isdigit():
-            raise FramingError(f"invalid Content-Length {length!r}")
+        # More digits than any body this side of an exabyte: refused before int() parses it.
+        if not length.isdigit() or len(length) > MAX_LENGTH_DIGITS:
+            raise FramingError(f"invalid Content-Length {length[:40]!r}")
         return LengthDecoder(int(length))
-    return CloseDelimitedDecoder()
+    return None
 
 
 class LengthDecoder:

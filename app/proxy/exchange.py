@@ -1,9 +1,10 @@
-"""One client connection (h11's server side) and the exchanges of request and answer on it.
+"""One client connection (the server side) and the exchanges of request and answer on it.
 
-Two tasks share a connection. A reader task (`ClientConnection.read`) is its only reader: it
-feeds every byte to h11 and, when the client closes while an answer is still being made,
-cancels that request at once, so a client that gives up stops its backend's work too. The
-connection's own task pulls h11 events, runs the handler and writes the answer. One reader
+Two tasks share a connection. A reader task (`ClientConnection.read_some`) is its only
+reader: it buffers every byte and, when the client closes while an answer is still being
+made, cancels that request at once, so a client that gives up stops its backend's work too.
+The connection's own task parses heads (request_head.py) and bodies (body_framing.py), runs
+the handler and writes the answer. One reader
 for the connection's lifetime costs one wake-up per read; a watcher started per request
 cost ~34 µs here (a nursery, a task, its cancellation).
 
@@ -23,14 +24,13 @@ from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any
 
-import h11
 import trio
 
 from app.errors import ClientError, error_body
-from app.proxy.body_framing import LAST_CHUNK, chunk
+from app.proxy.body_framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
-
-Headers = list[tuple[bytes, bytes]]
+from app.proxy.header_fields import Headers
+from app.proxy.request_head import HeadReader, RequestHead
 
 # Bytes of pipelined requests read ahead while an answer is being made; beyond, the reader
 # waits (and a client leaving is noticed by the next write instead).
@@ -43,20 +43,28 @@ class ClientGone(Exception):
 
 
 class ClientConnection:
-    """h11's server side of one connection, shared by its two tasks (http_server.py).
+    """The server side of one connection, shared by its two tasks (http_server.py).
 
-    One task reads: it feeds every byte to h11 (`read_some`), and when the client closes
-    while an answer is being made, it cancels that answer, so a client that gives up stops
-    its backend's work too. The other task answers, or waits to read again (`idle`).
+    One task reads: it appends every byte to the unread buffer (`read_some`), and when the
+    client closes while an answer is being made, it cancels that answer, so a client that
+    gives up stops its backend's work too. The other task answers, or waits to read again
+    (`idle`). The buffer holds the head being read, the body being read, or, while an
+    answer is made, the next pipelined request; beyond PIPELINE_READ_AHEAD unread bytes the
+    reader waits for the answer to take them.
     """
 
     def __init__(self, stream: ByteStream, max_head_bytes: int) -> None:
         self.stream = stream
-        self._max_head_bytes = max_head_bytes
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.unread = b""
+        self._heads = HeadReader(max_head_bytes)
+        # The body of the request being answered; None between requests.
+        self._body: BodyDecoder | None = None
+        self.continue_expected = False  # the client waits for 100 Continue before its body
         self.peer_gone = False
-        # The request being answered: cancelled when the client leaves.
-        self.answering: trio.CancelScope | None = None
+        self.answering = False  # a request is being answered
+        # The connection's scope (http_server.py sets it): cancelled when the client leaves
+        # while its request is being answered, which ends the answer and the connection.
+        self.ended: trio.CancelScope | None = None
         # The reader's wait. Its deadline is the keep-alive or head timeout while nothing is
         # being answered, none while something is; the answer that ends sets it.
         self.reading: trio.CancelScope | None = None
@@ -65,25 +73,59 @@ class ClientConnection:
         self._reading_handed_over = False
         self._arrived = trio.lowlevel.ParkingLot()  # an answer waiting for body bytes
         self._resume_reading = trio.lowlevel.ParkingLot()  # read-ahead used up
-        self._read_ahead = 0
 
     async def read_some(self) -> None:
-        """Feed h11 what has arrived, or the end of input, which cancels an answer in
-        progress. While an answer is made, at most PIPELINE_READ_AHEAD bytes are read."""
-        while self.answering is not None and self._read_ahead > PIPELINE_READ_AHEAD:
+        """Append what has arrived to `unread`, or note the end of input, which cancels an
+        answer in progress. While an answer is made, at most PIPELINE_READ_AHEAD bytes wait."""
+        while self.answering and len(self.unread) > PIPELINE_READ_AHEAD:
             await self._resume_reading.park()
         try:
             data = await self.stream.receive()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             data = b""
-        if self.answering is not None and self.h11.their_state is h11.DONE:
-            self._read_ahead += len(data)  # the next request's, read while answering
-        self.h11.receive_data(data)
+        self.unread += data
         self._arrived.unpark_all()
         if not data:
             self.peer_gone = True
-            if self.answering is not None:
-                self.answering.cancel()
+            if self.answering and self.ended is not None:
+                self.ended.cancel()
+
+    def next_request(self) -> RequestHead | None:
+        """The next request's head once `unread` holds it whole, else None. Raises a
+        `ClientError` for a head that is not HTTP/1.1; the connection must then close."""
+        head, taken = self._heads.parse(self.unread)
+        if taken:
+            self.unread = self.unread[taken:]
+        if head is not None:
+            self._body = head.body_decoder()
+            self.continue_expected = (
+                head.expects_continue and not self._body.done and not self.unread
+            )
+        return head
+
+    @property
+    def request_read(self) -> bool:
+        """Whether the request being answered was read to the end of its body."""
+        return self._body is None or self._body.done
+
+    def take_body(self) -> list[bytes]:
+        """The body bytes `unread` holds for the request being answered (FramingError for a
+        malformed chunked body); what follows its end stays unread."""
+        body = self._body
+        if body is None or body.done or not self.unread:
+            return []
+        self.continue_expected = False
+        pieces = body.feed(self.unread)
+        self.unread = body.leftover
+        body.leftover = b""
+        self._resume_reading.unpark_all()
+        return pieces
+
+    async def wait_for_bytes(self, deadline: float) -> None:
+        """Until the reader appends more (or the client leaves); trio.TooSlowError after
+        `deadline`."""
+        with trio.fail_at(deadline):
+            await self._arrived.park()
 
     def hand_over_reading(self) -> None:
         """The task that read a request answers it: the other one reads meanwhile."""
@@ -96,49 +138,30 @@ class ClientConnection:
             await self._idle.park()
         self._reading_handed_over = False
 
-    async def next_event(
-        self, deadline: float
-    ) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
-        """h11's next event for the answer, waiting for the reader to feed it bytes until
-        `deadline` (trio.TooSlowError after)."""
-        while True:
-            event = self.h11.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            with trio.fail_at(deadline):
-                await self._arrived.park()
-
     def next_cycle(self) -> None:
-        """The request was read and answered whole: parse the next one from what is left.
-        (A fresh parser: h11 reads requests here, the answers are written by `Exchange`.)"""
-        rest, closed = self.h11.trailing_data
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=self._max_head_bytes)
-        if rest:
-            self.h11.receive_data(rest)
-        if closed:
-            self.h11.receive_data(b"")
+        """The request was read and answered whole: the next one starts at `unread`."""
+        self._body = None
 
-    async def refuse(self, status: int, message: str, code: str) -> None:
-        """An error answer to a request h11 could not read; the connection then closes."""
-        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    async def refuse(self, error: ClientError) -> None:
+        """An error answer to a request that could not be read; the connection then closes."""
+        body = json.dumps(error.body()).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(body)),
             CLOSE,
         ]
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.stream.send(response_head(status, headers) + body)
+            await self.stream.send(response_head(error.status, headers) + body)
 
-    def begin_answering(self, scope: trio.CancelScope) -> None:
-        self.answering = scope
-        if self.peer_gone:
-            scope.cancel()
+    def begin_answering(self) -> None:
+        self.answering = True
+        if self.peer_gone and self.ended is not None:
+            self.ended.cancel()
 
     def end_answering(self, reading_deadline: float) -> None:
         """Nothing is being answered now: the reader may take the next request, and waits
         for it until `reading_deadline`."""
-        self.answering = None
-        self._read_ahead = 0
+        self.answering = False
         self._resume_reading.unpark_all()
         if self.reading is not None:
             self.reading.deadline = reading_deadline
@@ -160,6 +183,7 @@ class Exchange:
         "complete",
         "first_byte_at",
         "headers",
+        "http_version",
         "keep_alive",
         "method",
         "path",
@@ -169,7 +193,7 @@ class Exchange:
     def __init__(
         self,
         connection: ClientConnection,
-        request: h11.Request,
+        request: RequestHead,
         *,
         read_timeout: float,
         closing: Callable[[], bool],
@@ -180,15 +204,14 @@ class Exchange:
         self._framing = _NONE
         self.method = request.method.decode("ascii")
         self.path = request.target.partition(b"?")[0].decode("latin-1")
-        self.headers: Headers = list(request.headers)  # names in lower case
+        self.http_version = request.http_version
+        self.headers: Headers = request.headers  # names in lower case
         self.status: int | None = None  # once the answer's head went out
         self.first_byte_at: float | None = None  # perf_counter at the first body byte
         self.complete = False  # the answer's last byte went out
-        # Whether the connection may carry another request after this one: HTTP/1.1 and no
-        # `Connection: close` from the client (RFC 9112 §9.3), until the answer says otherwise.
-        self.keep_alive = request.http_version == b"1.1" and not any(
-            name == b"connection" and b"close" in value.lower() for name, value in self.headers
-        )
+        # Whether the connection may carry another request after this one, until the answer
+        # says otherwise.
+        self.keep_alive = request.keep_alive
         # Told when a write waits for a slow client (the relay's idle timeout pauses).
         self.client_wait: SendWait | None = None
 
@@ -207,17 +230,31 @@ class Exchange:
         any when Content-Length says so), a 408 when the client stops sending for the read
         timeout, a 400 for a malformed body, `ClientGone` when the client left."""
         connection = self._connection
-        protocol = connection.h11
         declared = self.header(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
-        if protocol.they_are_waiting_for_100_continue:
+        if connection.continue_expected:
             await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
         pieces: list[bytes] = []
         size = 0
         while True:
             try:
-                event = await connection.next_event(trio.current_time() + self._read_timeout)
+                arrived = connection.take_body()
+            except FramingError as exc:
+                raise ClientError(
+                    f"Malformed request body: {exc}", code="invalid_body", headers=[CLOSE]
+                ) from None
+            for piece in arrived:
+                size += len(piece)
+                if size > limit:
+                    raise _too_large(limit)
+                pieces.append(piece)
+            if connection.request_read:
+                return b"".join(pieces)
+            if connection.peer_gone:
+                raise ClientGone
+            try:
+                await connection.wait_for_bytes(trio.current_time() + self._read_timeout)
             except trio.TooSlowError:
                 raise ClientError(
                     f"The request body did not arrive within {self._read_timeout:g}s.",
@@ -225,31 +262,19 @@ class Exchange:
                     status=408,
                     headers=[CLOSE],
                 ) from None
-            except h11.RemoteProtocolError as exc:
-                raise ClientError(
-                    f"Malformed request body: {exc}", code="invalid_body", headers=[CLOSE]
-                ) from None
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > limit:
-                    raise _too_large(limit)
-                pieces.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(pieces)
-            else:  # ConnectionClosed
-                raise ClientGone
 
     def _head(self, status: int, headers: Headers, framing: int) -> bytes:
-        protocol = self._connection.h11
-        if protocol.their_state is h11.SEND_BODY:
-            # Answered without reading the body: an empty one ends here and the connection
-            # stays open; data is dropped, and the connection closes.
-            protocol.next_event()
+        connection = self._connection
+        if not connection.request_read:
+            # Answered without reading the body: what has arrived of it is dropped, and
+            # unless that was all of it, the connection ends with this answer.
+            with contextlib.suppress(FramingError):
+                connection.take_body()
         if (
             not self.keep_alive
             or framing == _UNTIL_CLOSE
             or self._closing()
-            or protocol.their_state is not h11.DONE
+            or not connection.request_read
             or CLOSE in headers
         ):
             # The client asked, the body runs until close, the server is shutting down or
@@ -306,7 +331,7 @@ class Exchange:
             framing = _NONE
         elif any(name == b"content-length" for name, _ in headers):
             framing = _COUNTED
-        elif self._connection.h11.their_http_version == b"1.1":
+        elif self.http_version == b"1.1":
             framing = _CHUNKED
         else:
             framing = _UNTIL_CLOSE
@@ -371,8 +396,7 @@ def _as_is(data: bytes) -> bytes:
 
 def response_head(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
     """Status line and header lines; names and values are the proxy's own or came through a
-    parser that validated them (h11's for the client's, upstream_protocol.py's for a
-    backend's)."""
+    parser that validated them (header_fields.py, for a client's and a backend's alike)."""
     lines = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b""))]
     lines.extend(b"%b: %b\r\n" % pair for pair in headers)
     lines.append(b"\r\n")

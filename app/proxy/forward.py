@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import trio
 
 from app.errors import error_body
+from app.proxy.header_fields import Headers
 from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from app.proxy.upstream_protocol import Headers
 
 HOP_BY_HOP = frozenset(
     {

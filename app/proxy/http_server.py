@@ -1,14 +1,17 @@
-"""The proxy port's HTTP/1.1 server: h11 on Trio streams, two tasks per connection.
+"""The proxy port's HTTP/1.1 server: two tasks per connection on Trio streams.
 
 Why not hypercorn, which still serves the dashboard: measured here (`python -m load bench
 overhead`, its floors), hypercorn's Trio worker costs 1.1-1.4 ms of CPU to answer a request
 with no work behind it, h11 on bare Trio streams 0.4-0.6 ms; and every relayed chunk went
-through an ASGI message and hypercorn's send path, ~28% of the relay's CPU.
+through an ASGI message and hypercorn's send path, ~28% of the relay's CPU. Heads are read
+by request_head.py (h11 read them until its per-request ~45 µs showed in the profiles),
+bodies by body_framing.py.
 
 What clients get: keep-alive; pipelined requests answered in order, one at a time (what
 arrives meanwhile is read ahead, bounded); chunked request bodies; `Expect: 100-continue`;
-431 for a head over `max_head_bytes`, 400 for one h11 cannot read, 408 for a head not whole
-within `read_timeout` of its first byte; idle keep-alive connections closed after
+431 for a head over `max_head_bytes`, 400 for one that is not HTTP/1.1 (request_head.py has
+the list), 505 for another version, 501 for a transfer coding other than chunked, 408 for a
+head not whole within `read_timeout` of its first byte; idle keep-alive connections closed after
 `keep_alive_timeout`; HTTP/1.0 clients, answered until close. A slow or silent client costs
 its socket and a parked task, never the loop. A handler's bug costs its own request (500)
 and its connection, nothing else.
@@ -24,12 +27,13 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-import h11
 import trio
 
+from app.errors import ClientError
 from app.proxy.byte_stream import ByteStream, byte_stream
 from app.proxy.errors import respond_internal_error
 from app.proxy.exchange import ClientConnection, ClientGone, Exchange
+from app.proxy.request_head import RequestHead
 from app.proxy.shared_port import reuse_port_listeners
 
 log = logging.getLogger("sluice.proxy")
@@ -96,7 +100,7 @@ class HttpServer:
         self.closing = True
         self._listening.cancel()
         for connection in self._connections:
-            if connection.answering is None and connection.reading is not None:
+            if not connection.answering and connection.reading is not None:
                 connection.reading.cancel()
 
     def _is_closing(self) -> bool:
@@ -119,6 +123,7 @@ class HttpServer:
         self._connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
+                connection.ended = nursery.cancel_scope
                 nursery.start_soon(self._take_turns, connection, nursery.cancel_scope, False)
                 await self._take_turns(connection, nursery.cancel_scope, True)
         finally:
@@ -137,46 +142,46 @@ class HttpServer:
                 return
             reading = False
 
-    async def _read_request(self, connection: ClientConnection) -> h11.Request | None:
+    async def _read_request(self, connection: ClientConnection) -> RequestHead | None:
         """Read until a request's head is whole and nothing is being answered (then the
         caller answers it), or None when the connection should end."""
         while True:
-            if connection.answering is None:
+            if not connection.answering:
                 try:
-                    event = connection.h11.next_event()
-                except h11.RemoteProtocolError as exc:
-                    await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
+                    request = connection.next_request()
+                except ClientError as error:
+                    await connection.refuse(error)
                     return None
-                if isinstance(event, h11.Request):
+                if request is not None:
                     connection.hand_over_reading()
-                    return event
-                if event is not h11.NEED_DATA or connection.peer_gone or self.closing:
+                    return request
+                if connection.peer_gone or self.closing:
                     return None
             with trio.CancelScope() as waiting:
                 connection.reading = waiting
-                if connection.answering is None:
+                if not connection.answering:
                     waiting.deadline = self._reading_deadline(connection)
                 try:
                     await connection.read_some()
                 finally:
                     connection.reading = None
-            if waiting.cancelled_caught and connection.answering is None and not self.closing:
-                if connection.h11.trailing_data[0]:
-                    message = f"The request head did not arrive within {self._read_timeout:g}s."
-                    await connection.refuse(408, message, "request_timeout")
+            if waiting.cancelled_caught and not connection.answering and not self.closing:
+                if connection.unread:
+                    late = f"The request head did not arrive within {self._read_timeout:g}s."
+                    await connection.refuse(ClientError(late, code="request_timeout", status=408))
                 return None
 
     def _reading_deadline(self, connection: ClientConnection) -> float:
         """While nothing is being answered: the keep-alive timeout from now, or the read
         timeout from the first byte of a head."""
-        if not connection.h11.trailing_data[0]:
+        if not connection.unread:
             connection.head_started = None
             return trio.current_time() + self._keep_alive_timeout
         if connection.head_started is None:
             connection.head_started = trio.current_time()
         return connection.head_started + self._read_timeout
 
-    async def _answer_requests(self, connection: ClientConnection, request: h11.Request) -> bool:
+    async def _answer_requests(self, connection: ClientConnection, request: RequestHead) -> bool:
         """Answer `request` and any whole request read behind it; whether the connection
         goes on."""
         while True:
@@ -189,37 +194,33 @@ class HttpServer:
                 return False
             connection.next_cycle()
             try:
-                event = connection.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                await connection.refuse(exc.error_status_hint, str(exc), "bad_request")
+                following = connection.next_request()
+            except ClientError as error:
+                await connection.refuse(error)
                 return False
-            if not isinstance(event, h11.Request):
+            if following is None:
                 connection.end_answering(self._reading_deadline(connection))
-                return event is h11.NEED_DATA
-            request = event
+                return not connection.peer_gone
+            request = following
 
     async def _answer(self, connection: ClientConnection, exchange: Exchange) -> bool:
-        """Run the handler; whether the connection may carry another request."""
+        """Run the handler; whether the connection may carry another request. A client
+        that leaves meanwhile cancels the connection's scope, this answer with it."""
         self.answering += 1
+        connection.begin_answering()
         try:
-            with trio.CancelScope() as answering:
-                connection.begin_answering(answering)
-                try:
-                    await self._handler(exchange)
-                except ClientGone:
-                    return False
-                except Exception:
-                    # A bug of ours must cost this request only, and still answer in
-                    # OpenAI's shape.
-                    log.exception(
-                        "unexpected error while serving %s %s", exchange.method, exchange.path
-                    )
-                    if not exchange.started:
-                        with contextlib.suppress(ClientGone):
-                            await respond_internal_error(exchange)
-                    return False
+            await self._handler(exchange)
+        except ClientGone:
+            return False
+        except Exception:
+            # A bug of ours must cost this request only, and still answer in OpenAI's shape.
+            log.exception("unexpected error while serving %s %s", exchange.method, exchange.path)
+            if not exchange.started:
+                with contextlib.suppress(ClientGone):
+                    await respond_internal_error(exchange)
+            return False
         finally:
             self.answering -= 1
             if not self.answering:
                 self._idle.set()
-        return exchange.complete and not answering.cancelled_caught
+        return exchange.complete

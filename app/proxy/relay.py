@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import trio
 
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.exchange import ClientGone, Exchange, Headers
+from app.proxy.exchange import ClientGone, Exchange
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,
@@ -43,6 +43,7 @@ from app.proxy.forward import (
     is_event_stream,
     sse_error_event,
 )
+from app.proxy.header_fields import Headers
 from app.proxy.relay_hub import Ended, HubStream, RelayHub
 from app.proxy.upstream import UpstreamError, UpstreamResponse
 from app.routing.usage import TAIL_BYTES

@@ -19,7 +19,8 @@ import trio
 
 from app.proxy.body_framing import FramingError, decoder_for
 from app.proxy.byte_stream import ByteStream, byte_stream
-from app.proxy.upstream_protocol import Headers, ProtocolError, ResponseHead, request_bytes
+from app.proxy.header_fields import Headers
+from app.proxy.upstream_protocol import ProtocolError, ResponseHead, request_bytes
 
 # How the pool reaches a backend: (host, port) -> a byte stream. TCP in production; tests
 # pass in-memory streams to drive the pool without ports or clocks.

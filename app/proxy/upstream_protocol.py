@@ -18,14 +18,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-Headers = list[tuple[bytes, bytes]]
+from app.proxy.header_fields import FieldError, Headers, parse_fields
 
 MAX_HEAD_BYTES = 65536
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
-# RFC 9110 §5.1 token; a value of visible characters, spaces and tabs (obs-text allowed).
-_HEADER_LINE = re.compile(
-    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*"
-)
 
 
 class ProtocolError(ValueError):
@@ -73,21 +69,15 @@ class ResponseHead:
 
 
 def _head(text: bytes) -> ResponseHead:
-    lines = text.split(b"\n")
-    status_line = lines[0].rstrip(b"\r")
-    match = _STATUS_LINE.fullmatch(status_line)
+    lines = [line.rstrip(b"\r") for line in text.split(b"\n")]
+    match = _STATUS_LINE.fullmatch(lines[0])
     if match is None:
-        raise ProtocolError(f"invalid status line {status_line[:60]!r}")
-    keep_alive = match.group(1) == b"1"
-    headers: Headers = []
-    for raw in lines[1:]:
-        line = raw.rstrip(b"\r")
-        field = _HEADER_LINE.fullmatch(line)
-        if field is None:
-            raise ProtocolError(f"invalid header line {line[:60]!r}")
-        name = field.group(1).lower()
-        value = field.group(2)
-        if name == b"connection" and b"close" in value.lower():
-            keep_alive = False
-        headers.append((name, value))
+        raise ProtocolError(f"invalid status line {lines[0][:60]!r}")
+    try:
+        headers = parse_fields(lines[1:])
+    except FieldError as exc:
+        raise ProtocolError(str(exc)) from None
+    keep_alive = match.group(1) == b"1" and not any(
+        name == b"connection" and b"close" in value.lower() for name, value in headers
+    )
     return ResponseHead(int(match.group(2)), headers, keep_alive, b"")

@@ -1,0 +1,36 @@
+"""Header fields as HTTP/1.1 writes them (RFC 9110 §5, RFC 9112 §5). Pure: no I/O.
+
+One reading for both directions: the client's request heads (request_head.py) and the
+backends' response heads (upstream_protocol.py). A field is a token, a colon, and a value of
+visible characters, spaces and tabs (obs-text allowed), trimmed of the spaces around it. A
+line that is anything else is refused, which keeps CR, LF and NUL out of every value the
+proxy passes on, and refuses folded lines (obs-fold: a line starting with whitespace), which
+RFC 9112 §5.2 lets a recipient reject.
+"""
+
+from __future__ import annotations
+
+import re
+
+Headers = list[tuple[bytes, bytes]]
+
+# RFC 9110 §5.1 token; a value of visible characters, spaces and tabs (obs-text allowed).
+_FIELD_LINE = re.compile(
+    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*"
+)
+
+
+class FieldError(ValueError):
+    """A header line that is not a field."""
+
+
+def parse_fields(lines: list[bytes]) -> Headers:
+    """The fields of a head's lines (each without its line ending), names in lower case."""
+    headers: Headers = []
+    match = _FIELD_LINE.fullmatch
+    for line in lines:
+        field = match(line)
+        if field is None:
+            raise FieldError(f"invalid header line {line[:60]!r}")
+        headers.append((field.group(1).lower(), field.group(2)))
+    return headers
