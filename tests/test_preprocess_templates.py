@@ -121,12 +121,12 @@ def test_only_shipped_templates_leave_the_sandbox(tmp_path: Path) -> None:
     added = facts_for(loaded).added_tokens
     default = load_chat_template(None, loaded, added)
     assert default is not None and default.shipped and default.origin == "shipped:deepseek_v3"
-    assert not isinstance(default.template.environment, SandboxedEnvironment)
+    assert not isinstance(default.compiled.template.environment, SandboxedEnvironment)
     own = tmp_path / "t.jinja"
     own.write_text((SHIPPED_DIR / "deepseek_v3.jinja").read_text())
     from_file = load_chat_template(str(own), loaded, added)
     assert from_file is not None and not from_file.shipped
-    assert isinstance(from_file.template.environment, SandboxedEnvironment)
+    assert isinstance(from_file.compiled.template.environment, SandboxedEnvironment)
 
 
 def test_deepseek_template_turns_and_tools() -> None:
