@@ -10,7 +10,7 @@ whatever the client sends.
 from __future__ import annotations
 
 from collections import deque
-from typing import TypedDict
+from typing import Protocol, TypedDict
 
 MAX_TEXT = 96  # characters kept of a client-chosen string (model, request id)
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": no response was finished
@@ -48,24 +48,35 @@ def status_class(status: int) -> str:
     return "client_gone" if status == CLIENT_GONE_STATUS else f"{status // 100}xx"
 
 
+class Finished(Protocol):
+    """A finished request as the log keeps it: its record is made only when the dashboard
+    asks, a few times a second, not for each of thousands of requests a second."""
+
+    @property
+    def status(self) -> int: ...
+
+    def record(self, seq: int) -> RequestRecord: ...
+
+
 class RequestLog:
-    """The newest `capacity` records, plus running totals by status class."""
+    """The newest `capacity` finished requests, plus running totals by status class."""
 
     def __init__(self, capacity: int = 200) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
-        self._records: deque[RequestRecord] = deque(maxlen=capacity)
+        self._finished: deque[tuple[int, Finished]] = deque(maxlen=capacity)
         self.total = 0
         self.by_class: dict[str, int] = {}
+        self._classes: dict[int, str] = {}  # status -> its class, named once per status
 
-    def next_seq(self) -> int:
-        return self.total + 1
-
-    def add(self, record: RequestRecord) -> None:
-        self._records.append(record)
+    def add(self, finished: Finished) -> None:
         self.total += 1
-        key = status_class(record["status"])
+        self._finished.append((self.total, finished))
+        status = finished.status
+        key = self._classes.get(status)
+        if key is None:
+            key = self._classes[status] = status_class(status)
         self.by_class[key] = self.by_class.get(key, 0) + 1
 
     @property
@@ -73,8 +84,8 @@ class RequestLog:
         return self.by_class.get("5xx", 0)
 
     def recent(self) -> list[RequestRecord]:
-        """Newest first. The records are shared, not copied: nobody mutates one once added."""
-        return list(reversed(self._records))
+        """Newest first."""
+        return [finished.record(seq) for seq, finished in reversed(self._finished)]
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._finished)

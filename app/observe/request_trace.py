@@ -70,14 +70,10 @@ class TrafficRecorder:
     def trace(self, timing: TimingLike, kind: str) -> RequestTrace:
         return RequestTrace(self, timing, kind)
 
-    def add(self, record: RequestRecord, now: float) -> None:
-        self.log.add(record)
-        backend = record["backend"]
-        if backend is not None:
-            route = record["route"]
-            reason = route.partition(":")[2] if route else None
-            ttft = record["ttft_ms"]
-            self.backends.record(backend, now, None if ttft is None else ttft / 1000, reason)
+    def add(self, trace: RequestTrace, now: float) -> None:
+        self.log.add(trace)
+        if trace.backend is not None:
+            self.backends.record(trace.backend, now, trace.ttft_s, trace.route_reason)
 
     def snapshot(self) -> dict[str, Any]:
         log = self.log
@@ -91,7 +87,9 @@ class TrafficRecorder:
 
 class RequestTrace:
     __slots__ = (
-        "_backend",
+        "_complete",
+        "_ended",
+        "_first_byte_at",
         "_kind",
         "_model",
         "_prompt_tokens",
@@ -101,6 +99,10 @@ class RequestTrace:
         "_stream",
         "_timing",
         "_tokenize_path",
+        "_wall_ended",
+        "backend",
+        "route_reason",
+        "status",
     )
 
     def __init__(self, recorder: TrafficRecorder, timing: TimingLike, kind: str):
@@ -111,14 +113,24 @@ class RequestTrace:
         self._stream: bool | None = None  # unknown until the body was read
         self._prompt_tokens: int | None = None
         self._tokenize_path: str | None = None
-        self._backend: str | None = None
+        self.backend: str | None = None
         self._route: str | None = None
+        self.route_reason: str | None = None
         self._request_id: str | None = None
+        self.status = CLIENT_GONE_STATUS
+        self._first_byte_at: float | None = None
+        self._complete = False
+        self._ended = self._wall_ended = 0.0
 
     @property
     def model(self) -> str | None:
         """The served model, once the request's was resolved (a bounded set of names)."""
         return self._model
+
+    @property
+    def ttft_s(self) -> float | None:
+        first = self._first_byte_at
+        return None if first is None else first - self._timing.started
 
     def prepared(self, prepared: PreparedLike) -> None:
         """What the request asked for and how its prompt was tokenized (never the prompt)."""
@@ -131,27 +143,36 @@ class RequestTrace:
 
     def routed(self, backend: str, route: str, request_id: bytes) -> None:
         """The backend whose answer is being relayed (the last one tried), and why."""
-        self._backend = backend
+        self.backend = backend
         self._route = route
+        self.route_reason = route.partition(":")[2]
         self._request_id = clip(request_id.decode("latin-1"))
 
     def finish(self, answer: AnswerLike) -> None:
         """Record the request. Without its last byte sent, the client left first: 499, or
         the status it had started to receive."""
-        now = time.perf_counter()
-        timing = self._timing
-        duration = now - timing.started
-        first = answer.first_byte_at
+        self._ended = now = time.perf_counter()
+        self._wall_ended = time.time()
         status = answer.status
-        recorder = self._recorder
-        record: RequestRecord = {
-            "seq": recorder.log.next_seq(),
-            "time": round(time.time() - duration, 3),
+        if status is not None:
+            self.status = status
+        self._first_byte_at = answer.first_byte_at
+        self._complete = answer.complete
+        self._recorder.add(self, now)
+
+    def record(self, seq: int) -> RequestRecord:
+        """What the dashboard lists: made when it asks, from what `finish` kept."""
+        timing = self._timing
+        duration = self._ended - timing.started
+        ttft = self.ttft_s
+        return {
+            "seq": seq,
+            "time": round(self._wall_ended - duration, 3),
             "id": self._request_id,
             "kind": self._kind,
             "model": self._model,
             "stream": self._stream,
-            "backend": self._backend,
+            "backend": self.backend,
             "route": self._route,
             "prompt_tokens": self._prompt_tokens,
             "tokenize_path": self._tokenize_path,
@@ -159,9 +180,8 @@ class RequestTrace:
             "template_ms": round(timing.template * 1000, 3),
             "tokenize_ms": round(timing.tokenize * 1000, 3),
             "route_ms": round(timing.route * 1000, 3),
-            "status": CLIENT_GONE_STATUS if status is None else status,
-            "ttft_ms": None if first is None else round((first - timing.started) * 1000, 3),
+            "status": self.status,
+            "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
             "duration_ms": round(duration * 1000, 3),
-            "client_gone": not answer.complete,
+            "client_gone": not self._complete,
         }
-        recorder.add(record, now)

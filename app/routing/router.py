@@ -14,7 +14,6 @@ so the index forgets a removed backend.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from typing import Any
@@ -174,7 +173,7 @@ class Router:
         if events is not None and prediction is not None and prediction.stores_blocks:
             events.request_sent(trio.current_time())
         self.metrics.backend_inflight.labels(backend=backend.url).inc()
-        return dataclasses.replace(decision, pending_tokens=pending, model=request.model)
+        return Decision(backend, decision.reason, prediction, pending, request.model)
 
     def release(
         self,
