@@ -6,11 +6,12 @@ and `autojump_clock` wherever a timeout is the subject. Each request is also fed
 a time (h11's `t_body_reader` habit) and must get the same answer. Covers: keep-alive,
 pipelined requests answered in order, chunked request bodies, `Expect: 100-continue` (and a
 413 instead of the 100 when Content-Length is over the limit), 431 for an oversized head,
-400 for garbage, 408 for a head that trickles past the read timeout, an idle keep-alive
-closed after its timeout, `Connection: close` honoured, HTTP/1.0 clients (a streamed answer
-until close), HEAD, a client that leaves cancelling its request, a handler's bug as a 500
-that costs only its connection, and shutdown: idle connections closed, an answer in flight
-finished and marked the last.
+400 for garbage, 408 for a head that trickles past the read timeout (and for a pipelined
+head left unfinished behind an answer), an idle keep-alive closed after its timeout
+(counted from the end of an answer, however long that took), `Connection: close` honoured,
+HTTP/1.0 clients (a streamed answer until close), HEAD, a client that leaves cancelling its
+request, a handler's bug as a 500 that costs only its connection, and shutdown: idle
+connections closed, an answer in flight finished and marked the last.
 """
 
 from __future__ import annotations
@@ -194,6 +195,36 @@ async def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
         assert await client.read_until_closed() == client.received  # nothing more was said
         await ended.wait()
         assert trio.current_time() - answered == 75
+
+
+async def test_an_answer_longer_than_the_keep_alive_is_not_cut_and_idleness_counts_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def slow(exchange: Exchange) -> None:
+        await exchange.read_body(1000)
+        await trio.sleep(200)
+        await exchange.respond(200, [], b"late")
+
+    async with connected(slow, keep_alive_timeout=75, read_timeout=30) as (client, _, ended):
+        await client.send(post("/slow", b""))
+        await client.read_until(b"late")
+        answered = trio.current_time()
+        assert answered == 200
+        await ended.wait()
+        assert trio.current_time() - answered == 75
+
+
+async def test_a_pipelined_head_left_unfinished_after_an_answer_is_408_after_the_read_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with connected(echo, keep_alive_timeout=75, read_timeout=5) as (client, _, ended):
+        await client.send(post("/one", b"1") + b"POST /two HTTP/1.1\r\n")
+        await client.read_until(b"POST /one 1")
+        answered = trio.current_time()
+        received = await client.read_until_closed()
+        assert received.split(b"POST /one 1", 1)[1].startswith(b"HTTP/1.1 408 ")
+        await ended.wait()
+        assert trio.current_time() - answered == 5
 
 
 async def test_an_http_1_0_client_gets_a_streamed_answer_until_close() -> None:

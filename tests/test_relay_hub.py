@@ -73,7 +73,7 @@ async def wired(nursery: trio.Nursery, buffer_bytes: int | None = None) -> Async
         return upstream_end
 
     pool = UpstreamPool(connect_timeout=5, max_connections=4, open_stream=open_stream)
-    connection = ClientConnection(byte_stream(client_end), 16384)
+    connection = ClientConnection(byte_stream(client_end), 16384, trio.current_time())
 
     async def keep_reading() -> None:  # the reader's role of http_server.py
         while not connection.peer_gone:

@@ -239,7 +239,7 @@ async def client_exchange(
     pair = trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
     client_end, proxy_end = pair
     proxy_bytes = CountingBytes(proxy_end)
-    connection = ClientConnection(proxy_bytes, 16384)
+    connection = ClientConnection(proxy_bytes, 16384, trio.current_time())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(keep_reading, connection)
         request = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"

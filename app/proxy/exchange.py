@@ -53,7 +53,7 @@ class ClientConnection:
     reader waits for the answer to take them.
     """
 
-    def __init__(self, stream: ByteStream, max_head_bytes: int) -> None:
+    def __init__(self, stream: ByteStream, max_head_bytes: int, now: float) -> None:
         self.stream = stream
         self.unread = b""
         self._heads = HeadReader(max_head_bytes)
@@ -65,10 +65,11 @@ class ClientConnection:
         # The connection's scope (http_server.py sets it): cancelled when the client leaves
         # while its request is being answered, which ends the answer and the connection.
         self.ended: trio.CancelScope | None = None
-        # The reader's wait. Its deadline is the keep-alive or head timeout while nothing is
-        # being answered, none while something is; the answer that ends sets it.
-        self.reading: trio.CancelScope | None = None
-        self.head_started: float | None = None  # when the next request's first byte came
+        # What the connection's timer (http_server.py) expires it by: when it last went
+        # idle, when the first byte of a head still unfinished came, and the timer's sleep.
+        self.idle_since = now
+        self.head_started: float | None = None
+        self.timer: trio.CancelScope | None = None
         self._idle = trio.lowlevel.ParkingLot()  # the task that neither reads nor answers
         self._reading_handed_over = False
         self._arrived = trio.lowlevel.ParkingLot()  # an answer waiting for body bytes
@@ -97,6 +98,7 @@ class ClientConnection:
         if taken:
             self.unread = self.unread[taken:]
         if head is not None:
+            self.head_started = None
             self._body = head.body_decoder()
             self.continue_expected = (
                 head.expects_continue and not self._body.done and not self.unread
@@ -158,13 +160,14 @@ class ClientConnection:
         if self.peer_gone and self.ended is not None:
             self.ended.cancel()
 
-    def end_answering(self, reading_deadline: float) -> None:
-        """Nothing is being answered now: the reader may take the next request, and waits
-        for it until `reading_deadline`."""
+    def end_answering(self, now: float) -> None:
+        """Nothing is being answered now: the reader may take the next request, and the
+        connection is idle from `now` (part of the next head may already be here)."""
         self.answering = False
+        self.idle_since = now
+        if self.unread:
+            self.head_started = now
         self._resume_reading.unpark_all()
-        if self.reading is not None:
-            self.reading.deadline = reading_deadline
 
 
 # Framings of an answer's body (Exchange._framing).

@@ -100,8 +100,8 @@ class HttpServer:
         self.closing = True
         self._listening.cancel()
         for connection in self._connections:
-            if not connection.answering and connection.reading is not None:
-                connection.reading.cancel()
+            if not connection.answering and connection.ended is not None:
+                connection.ended.cancel()
 
     def _is_closing(self) -> bool:
         return self.closing
@@ -118,12 +118,14 @@ class HttpServer:
         Two tasks serve a connection and take turns: the one that reads a request's head
         answers it, in the same task step, while the other takes over reading (the client
         leaving, the next pipelined request); an answer that ends leaves its task idle
-        until reading comes back to it. A request costs no hand-off between tasks."""
-        connection = ClientConnection(stream, self._max_head_bytes)
+        until reading comes back to it. A request costs no hand-off between tasks. A third
+        task ends the connection when it has been idle too long (`_expire_when_idle`)."""
+        connection = ClientConnection(stream, self._max_head_bytes, trio.current_time())
         self._connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
                 connection.ended = nursery.cancel_scope
+                nursery.start_soon(self._expire_when_idle, connection)
                 nursery.start_soon(self._take_turns, connection, nursery.cancel_scope, False)
                 await self._take_turns(connection, nursery.cancel_scope, True)
         finally:
@@ -157,29 +159,52 @@ class HttpServer:
                     return request
                 if connection.peer_gone or self.closing:
                     return None
-            with trio.CancelScope() as waiting:
-                connection.reading = waiting
-                if not connection.answering:
-                    waiting.deadline = self._reading_deadline(connection)
-                try:
-                    await connection.read_some()
-                finally:
-                    connection.reading = None
-            if waiting.cancelled_caught and not connection.answering and not self.closing:
-                if connection.unread:
-                    late = f"The request head did not arrive within {self._read_timeout:g}s."
-                    await connection.refuse(ClientError(late, code="request_timeout", status=408))
-                return None
+                if connection.unread and connection.head_started is None:
+                    connection.head_started = trio.current_time()
+                    self._hurry_timer(connection)
+            await connection.read_some()
 
-    def _reading_deadline(self, connection: ClientConnection) -> float:
-        """While nothing is being answered: the keep-alive timeout from now, or the read
-        timeout from the first byte of a head."""
-        if not connection.unread:
-            connection.head_started = None
-            return trio.current_time() + self._keep_alive_timeout
-        if connection.head_started is None:
-            connection.head_started = trio.current_time()
-        return connection.head_started + self._read_timeout
+    def _hurry_timer(self, connection: ClientConnection) -> None:
+        """A head began and is not whole yet: it has the read timeout from its first byte,
+        sooner than the keep-alive timeout the connection's timer may be waiting for."""
+        if connection.timer is not None:
+            connection.timer.deadline = min(connection.timer.deadline, self._expiry(connection))
+
+    def _expiry(self, connection: ClientConnection) -> float:
+        """When the connection ends if nothing is answered meanwhile: the read timeout after
+        the first byte of an unfinished head, else the keep-alive timeout after it went
+        idle."""
+        if connection.head_started is not None:
+            return connection.head_started + self._read_timeout
+        return connection.idle_since + self._keep_alive_timeout
+
+    async def _expire_when_idle(self, connection: ClientConnection) -> None:
+        """The connection's timer: end it, with a 408 when a head was left unfinished, once
+        it has been idle past its expiry.
+
+        A task per connection rather than a deadline on every read: requests move the
+        expiry with a plain assignment (`idle_since`), and the timer wakes about once per
+        timeout period to look, where a cancel scope per read cost every request ~10 µs of
+        Trio's deadline bookkeeping."""
+        while True:
+            if connection.answering:
+                # The earliest an answer that has not ended yet can make it expire.
+                expiry = trio.current_time() + min(self._keep_alive_timeout, self._read_timeout)
+            else:
+                expiry = self._expiry(connection)
+            with trio.CancelScope(deadline=expiry) as sleeping:
+                connection.timer = sleeping
+                await trio.sleep_forever()
+            connection.timer = None
+            if connection.answering or trio.current_time() < self._expiry(connection):
+                continue
+            if connection.unread:
+                late = f"The request head did not arrive within {self._read_timeout:g}s."
+                with trio.move_on_after(self._read_timeout):
+                    await connection.refuse(ClientError(late, code="request_timeout", status=408))
+            if connection.ended is not None:
+                connection.ended.cancel()
+            return
 
     async def _answer_requests(self, connection: ClientConnection, request: RequestHead) -> bool:
         """Answer `request` and any whole request read behind it; whether the connection
@@ -199,7 +224,9 @@ class HttpServer:
                 await connection.refuse(error)
                 return False
             if following is None:
-                connection.end_answering(self._reading_deadline(connection))
+                connection.end_answering(trio.current_time())
+                if connection.head_started is not None:
+                    self._hurry_timer(connection)
                 return not connection.peer_gone
             request = following
 
