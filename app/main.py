@@ -213,8 +213,11 @@ class Sluice:
             )
             nursery.start_soon(scraper.run)
             upstream = UpstreamPool(
-                connect_timeout=settings.connect_timeout, max_connections=settings.max_connections
+                connect_timeout=settings.connect_timeout,
+                first_byte_timeout=settings.first_byte_timeout,
+                max_connections=settings.max_connections,
             )
+            await nursery.start(upstream.expire_late_heads)
             relay_hub = RelayHub()
             await nursery.start(relay_hub.run)
             proxy = ProxyApp(

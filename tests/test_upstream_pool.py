@@ -8,6 +8,8 @@ h11 client on another pair, and `autojump_clock` makes every timeout exact. Cove
   on a fresh connection, and the backend sees it once; a fresh one is never retried;
 - pool exhaustion: the request that finds every connection busy fails after exactly the
   connect timeout, and a freed connection is reused;
+- a response head later than the first-byte timeout fails its exchange at exactly that
+  timeout (the pool's one watcher task aborts the connection), without a retry;
 - coalescing: what arrives from the backend in one read leaves in one write, a whole answer
   in a single write with its head, its connection back in the pool before that write;
 - the idle timeout between chunks ends an event stream with an error event and [DONE],
@@ -181,6 +183,39 @@ async def test_an_exhausted_pool_fails_after_exactly_the_connect_timeout(
         assert await body_of(held) == b"{}"
         assert await read_all(pool) == b"{}"  # the freed connection serves the next request
         assert backend.connections == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_late_head_fails_at_exactly_the_first_byte_timeout_and_is_not_retried(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    delay = [0.0]
+
+    async def answer_after_delay(stream: trio.abc.Stream, protocol: h11.Connection) -> None:
+        await trio.sleep(delay[0])
+        await answer_ok(stream, protocol)
+
+    async with trio.open_nursery() as nursery:
+        backend = FakeBackend(nursery, answer_after_delay)
+        pool = UpstreamPool(
+            connect_timeout=3,
+            first_byte_timeout=5,
+            max_connections=1,
+            open_stream=backend.open_stream,
+        )
+        await nursery.start(pool.expire_late_heads)
+        delay[0] = 4.9
+        assert await read_all(pool) == b"{}"  # in time, on a connection kept for reuse
+        delay[0] = 10
+        started = trio.current_time()
+        with pytest.raises(UpstreamError, match="no response within 5s") as info:
+            await read_all(pool)
+        assert info.value.timeout and trio.current_time() - started == 5
+        assert backend.requests == 2  # the late request, on a reused connection, is not resent
+        delay[0] = 0
+        assert await read_all(pool) == b"{}"  # its slot was given back
+        assert backend.connections == 2  # the late connection was closed, not reused
+        assert not pool._heads_due  # nothing is kept for answered or failed exchanges
         nursery.cancel_scope.cancel()
 
 

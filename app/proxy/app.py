@@ -41,7 +41,6 @@ from app.proxy.errors import (
 from app.proxy.exchange import Exchange
 from app.proxy.forward import (
     StreamBroken,
-    Timeouts,
     UpstreamFailure,
     open_upstream,
     upstream_headers,
@@ -132,7 +131,6 @@ class ProxyApp:
         self.policy = router.policy
         self.upstream = upstream
         self.metrics = metrics
-        self.timeouts = Timeouts(settings.first_byte_timeout, settings.idle_timeout)
         self.active_completions = 0  # what --max-connections bounds
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
@@ -338,7 +336,6 @@ class ProxyApp:
                     outgoing.path,
                     outgoing.body,
                     outgoing.headers,
-                    self.timeouts,
                 )
             except UpstreamFailure as exc:
                 broken = str(exc)
@@ -358,7 +355,7 @@ class ProxyApp:
             relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
                 relayed = await relay_answer(
-                    response, exchange, extra, self.timeouts.idle, hub=self.relay_hub
+                    response, exchange, extra, self.settings.idle_timeout, hub=self.relay_hub
                 )
                 if relayed.broken is not None:
                     broken = relayed.broken

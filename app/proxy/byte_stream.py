@@ -18,9 +18,11 @@ Errors: a reset or broken connection is `trio.BrokenResourceError`, a stream use
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
+from collections.abc import Iterator
 from typing import Protocol
 
 import trio
@@ -55,6 +57,11 @@ class ByteStream:
         """The socket's descriptor while open, for code that does its own waiting (the
         relay hub); None for a stream that is not a socket."""
         return None
+
+    def abort(self) -> None:
+        """Close at once, from another task: a `receive` or `send` waiting on this stream
+        raises trio.ClosedResourceError."""
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         raise NotImplementedError
@@ -136,6 +143,11 @@ class SocketBytes(ByteStream):
     def socket_fd(self) -> int | None:
         return None if self._closed else self._socket.fileno()
 
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._socket.close()  # Trio's close wakes the fd's waiters first
+
     def closed_by_peer(self) -> bool:
         if self._closed:
             return True
@@ -158,21 +170,47 @@ class SocketBytes(ByteStream):
 
 
 class StreamBytes(ByteStream):
-    __slots__ = ("_stream",)
+    """Any Trio stream. A generic stream cannot be closed without waiting, so each operation
+    runs in a cancel scope that `abort` cancels: a cost only the tests' streams pay."""
+
+    __slots__ = ("_aborted", "_operations", "_stream")
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
+        self._operations: set[trio.CancelScope] = set()
+        self._aborted = False
 
     async def receive(self, max_bytes: int = RECEIVE_SIZE) -> bytes:
-        return bytes(await self._stream.receive_some(max_bytes))
+        with self._abortable():
+            return bytes(await self._stream.receive_some(max_bytes))
+        raise trio.ClosedResourceError("the connection was aborted")
 
     async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
         # Whether the peer takes the bytes at once cannot be asked: any send may wait.
         if waiting is not None:
             waiting.pause()
-        await self._stream.send_all(data)
-        if waiting is not None:
-            waiting.resume()
+        with self._abortable():
+            await self._stream.send_all(data)
+            if waiting is not None:
+                waiting.resume()
+            return
+        raise trio.ClosedResourceError("the connection was aborted")
+
+    @contextlib.contextmanager
+    def _abortable(self) -> Iterator[None]:
+        if self._aborted:
+            raise trio.ClosedResourceError("the connection was aborted")
+        with trio.CancelScope() as scope:
+            self._operations.add(scope)
+            try:
+                yield
+            finally:
+                self._operations.discard(scope)
+
+    def abort(self) -> None:
+        self._aborted = True
+        for scope in self._operations:
+            scope.cancel()
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):

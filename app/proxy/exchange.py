@@ -85,7 +85,8 @@ class ClientConnection:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             data = b""
         self.unread += data
-        self._arrived.unpark_all()
+        if self._arrived:  # unpark_all costs ~0.6 µs even with nobody parked
+            self._arrived.unpark_all()
         if not data:
             self.peer_gone = True
             if self.answering and self.ended is not None:
@@ -120,7 +121,8 @@ class ClientConnection:
         pieces = body.feed(self.unread)
         self.unread = body.leftover
         body.leftover = b""
-        self._resume_reading.unpark_all()
+        if self._resume_reading:
+            self._resume_reading.unpark_all()
         return pieces
 
     async def wait_for_bytes(self, deadline: float) -> None:
@@ -132,7 +134,8 @@ class ClientConnection:
     def hand_over_reading(self) -> None:
         """The task that read a request answers it: the other one reads meanwhile."""
         self._reading_handed_over = True
-        self._idle.unpark_all()
+        if self._idle:
+            self._idle.unpark_all()
 
     async def wait_to_read(self) -> None:
         """Until reading is handed over to this task, the idle one."""
@@ -167,7 +170,8 @@ class ClientConnection:
         self.idle_since = now
         if self.unread:
             self.head_started = now
-        self._resume_reading.unpark_all()
+        if self._resume_reading:
+            self._resume_reading.unpark_all()
 
 
 # Framings of an answer's body (Exchange._framing).
