@@ -1,5 +1,6 @@
 """The dashboard's pure pieces, alone: time series (CounterWindow, Columns), the request log,
-per-backend stats, each model's pool row, reading Prometheus collectors back, deriving
+per-backend stats, each model's pool row, reading Prometheus collectors back, our metric
+classes exposing what prometheus_client's do, deriving
 series points from snapshots (per model too), the security verdicts, the loopback rule in
 Settings, and strict JSON."""
 
@@ -11,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from app.config import Settings, is_loopback_host
 from app.dashboard.derive import decorate, derive_point, raw_sample
@@ -19,6 +22,7 @@ from app.dashboard.feed import RecordCache, to_json_bytes
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
 from app.dashboard.worker_snapshots import merge_snapshots
 from app.models import ModelDirectory
+from app.observe import metrics
 from app.observe.backend_stats import BackendStats, backend_rows, quantile
 from app.observe.metric_summaries import counts_by_two_labels, summarize_by_label
 from app.observe.model_stats import model_rows
@@ -427,3 +431,36 @@ def test_workers_snapshots_merge_each_model_by_name() -> None:
     assert (big["requests"]["total"], big["pool"]["inflight"]) == (5, 5)  # each worker's own
     assert (big["pool"]["engine_running"], big["pool"]["serving_backends"]) == (3, 1)  # shared
     assert (big["max_model_len"], big["requests"]["ttft_p50_ms"]) == (100, 30.0)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.floats(min_value=0, max_value=200, allow_nan=False),
+            st.sampled_from(["inc", "dec", "set"]),
+        ),
+        max_size=40,
+    )
+)
+def test_our_metric_classes_expose_what_prometheus_clients_do(
+    updates: list[tuple[str, float, str]],
+) -> None:
+    """app/observe/metrics.py's lock-free Counter, Gauge and Histogram, updated like
+    prometheus_client's own, render the same exposition."""
+    buckets = (0.1, 1.0, 10.0, 100.0)
+    registries = []
+    for counter, gauge, histogram in (
+        (Counter, Gauge, Histogram),
+        (metrics.Counter, metrics.Gauge, metrics.Histogram),
+    ):
+        registry = CollectorRegistry()
+        c = counter("c_total", "c", ["k"], registry=registry)
+        g = gauge("g", "g", ["k"], registry=registry)
+        h = histogram("h_seconds", "h", ["k"], buckets=buckets, registry=registry)
+        for label, value, op in updates:
+            c.labels(k=label).inc(value)
+            h.labels(k=label).observe(value)
+            getattr(g.labels(k=label), op)(value)
+        registries.append(generate_latest(registry))
+    assert registries[0] == registries[1]
