@@ -11,17 +11,22 @@ head left unfinished behind an answer), an idle keep-alive closed after its time
 (counted from the end of an answer, however long that took), `Connection: close` honoured,
 HTTP/1.0 clients (a streamed answer until close), HEAD, a client that leaves cancelling its
 request, a handler's bug as a 500 that costs only its connection, and shutdown: idle
-connections closed, an answer in flight finished and marked the last.
+connections closed, an answer in flight finished and marked the last. Any bytes at all, then
+a close: HTTP/1.1 answers or just the close, never an error in the server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.errors import ClientError
 from app.proxy.byte_stream import StreamBytes
@@ -321,3 +326,45 @@ async def test_a_client_that_asks_to_close_gets_its_answer_then_the_close() -> N
         assert received.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close" in received
         assert received.endswith(b"POST /last 1")
         await ended.wait()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                b"POST /x HTTP/1.1\r\n",
+                b"GET / HTTP/1.0\r\n",
+                b"host: x\r\n",
+                b"content-length: 3\r\n",
+                b"content-length: 99999999999999999999\r\n",
+                b"transfer-encoding: chunked\r\n",
+                b"expect: 100-continue\r\n",
+                b"connection: close\r\n",
+                b"\r\n",
+                b"3\r\nabc\r\n0\r\n\r\n",
+                b"abc",
+                b" x",
+                b"\x00\xff",
+            ]
+        )
+        | st.binary(max_size=12),
+        max_size=12,
+    )
+)
+def test_any_bytes_get_answers_or_a_close_and_never_break_the_server(parts: list[bytes]) -> None:
+    """Whatever a client sends and then closes, the server answers in HTTP/1.1 (zero or more
+    whole responses), or closes, and its connection task ends without an error."""
+
+    async def main() -> bytes:
+        server = HttpServer(echo)
+        client_end, server_end = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_connection, StreamBytes(server_end))
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await client_end.send_all(b"".join(parts))
+                await client_end.send_eof()
+            return await Client(client_end).read_until_closed()
+
+    received = trio.run(main)
+    assert received == b"" or re.match(rb"HTTP/1\.1 [1-5][0-9][0-9] ", received)
