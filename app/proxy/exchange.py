@@ -29,7 +29,7 @@ import trio
 from app.errors import ClientError, error_body
 from app.proxy.body_framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
-from app.proxy.header_fields import Headers
+from app.proxy.header_fields import Headers, field
 from app.proxy.request_head import HeadReader, RequestHead
 
 # Bytes of pipelined requests read ahead while an answer is being made; beyond, the reader
@@ -223,10 +223,7 @@ class Exchange:
         self.client_wait: SendWait | None = None
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return field(self.headers, name)
 
     @property
     def started(self) -> bool:

@@ -34,3 +34,11 @@ def parse_fields(lines: list[bytes]) -> Headers:
             raise FieldError(f"invalid header line {line[:60]!r}")
         headers.append((field.group(1).lower(), field.group(2)))
     return headers
+
+
+def field(headers: Headers, name: bytes) -> bytes | None:
+    """The value of the first field named `name` (lower case), or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from app.errors import ClientError
 from app.proxy.body_framing import BodyDecoder, FramingError, UnsupportedCoding, request_decoder
-from app.proxy.header_fields import FieldError, Headers, parse_fields
+from app.proxy.header_fields import FieldError, Headers, field, parse_fields
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 # RFC 9112 §3: method SP request-target SP HTTP-version; the target is visible characters.
@@ -55,10 +55,7 @@ class RequestHead:
     headers: Headers  # names in lower case, values trimmed
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return field(self.headers, name)
 
     @property
     def keep_alive(self) -> bool:

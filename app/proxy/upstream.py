@@ -20,7 +20,7 @@ import trio
 
 from app.proxy.body_framing import FramingError, decoder_for
 from app.proxy.byte_stream import ByteStream, byte_stream
-from app.proxy.header_fields import Headers
+from app.proxy.header_fields import Headers, field
 from app.proxy.upstream_protocol import ProtocolError, ResponseHead, request_bytes
 
 # How the pool reaches a backend: (host, port) -> a byte stream. TCP in production; tests
@@ -76,10 +76,7 @@ class UpstreamResponse:
         self.complete = self._decoder.done  # the whole body has been decoded
 
     def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
+        return field(self.headers, name)
 
     def take_arrived(self) -> bytes:
         """The content of the body bytes that came with the head (b"" if none); never
