@@ -1,14 +1,18 @@
 """`python -m load compare REV`: this checkout's proxy against another version's, side by side.
 
     python -m load compare HEAD~3 --rate 100 --rounds 5
+    python -m load compare HEAD~3 --clients 32 --rounds 8 --seconds 3
 
 Exports REV's `app/` with `git archive` into a temporary directory, starts both versions of
 `sluice serve` (default flags) in front of one instant simulated backend, and sends the
-overhead scenario's one-token chats at a fixed open-loop rate, the two taking turns round by
-round (these machines are noisy: only a ratio measured in one run means anything). Reports
-for each: CPU per request (the process and its render workers, from /proc), added p50 and
-p99 over calling the backend directly in the same rounds, and how often the stall
-detector's lag probe ticked under that load.
+overhead scenario's one-token chats, the two taking turns round by round (these machines are
+noisy: only a ratio measured in one run means anything). At a fixed open-loop rate
+(`--rate`) it reports for each: CPU per request (the process and its render workers, from
+/proc), added p50 and p99 over calling the backend directly in the same rounds, and how often
+the stall detector's lag probe ticked under that load. With `--clients N`, N closed-loop
+clients instead (`bench overhead`'s throughput test, where the proxy's one core is the
+limit): requests per second and CPU per request, medians over the rounds, and the median of
+each round's ratio this/REV.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from load import harness, rawhttp
 from load.bench.overhead import Samples
 from load.harness import REPO, Table
 from load.processes import Stack, tree_cpu
-from load.stats import Ranged
+from load.stats import Ranged, ranged
 
 PROBE_TICKS = "sluice_event_loop_lag_seconds_count"
 
@@ -36,6 +40,9 @@ PROBE_TICKS = "sluice_event_loop_lag_seconds_count"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("rev", help="the git revision to compare with (e.g. HEAD~1, a tag)")
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second")
+    parser.add_argument(
+        "--clients", type=int, default=0, help="closed-loop clients instead of --rate"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="rounds per target")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of a round")
     parser.add_argument(
@@ -104,10 +111,49 @@ async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     }
 
 
+async def measure_closed_loop(args: argparse.Namespace, source: Path) -> dict[str, Any]:
+    labels = {"this": f"this checkout ({REPO.name})", "rev": args.rev}
+    async with Stack() as stack:
+        sim = await stack.sim(instant=True)
+        urls = {"this": await stack.proxy(sim), "rev": await stack.proxy(sim, source=source)}
+        pools = {name: rawhttp.Pool(url) for name, url in urls.items()}
+        for pool in pools.values():
+            await pool.warm(200)
+        per_s: dict[str, list[float]] = {name: [] for name in urls}
+        cpu: dict[str, list[float]] = {name: [] for name in urls}
+        errors = dict.fromkeys(urls, 0)
+        for number, name in harness.alternate(args.rounds, list(urls)):
+            harness.progress(f"compare: round {number}/{args.rounds}, {name}")
+            pid = stack.pids[urls[name]]
+            cpu0 = tree_cpu(pid)
+            done, failed, wall = await rawhttp.closed_loop(pools[name], args.clients, args.seconds)
+            per_s[name].append(done / wall)
+            cpu[name].append((tree_cpu(pid) - cpu0) / max(done, 1))
+            errors[name] += failed
+    harness.progress("")
+    ratios = [this / rev for this, rev in zip(per_s["this"], per_s["rev"], strict=True)]
+    result: dict[str, Any] = {}
+    for name in urls:
+        throughput, cost = ranged(per_s[name]), ranged(cpu[name])
+        result[labels[name]] = {
+            "requests_per_s": throughput.value,
+            "requests_per_s_range": [throughput.low, throughput.high],
+            "cpu_ms_per_request": cost.value * 1e3,
+            "cpu_ms_per_request_range": [cost.low * 1e3, cost.high * 1e3],
+            "errors": errors[name],
+        }
+    result["round_ratio_this_to_rev"] = ranged(ratios)._asdict()
+    return result
+
+
 def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="sluice-compare-") as directory:
         source = Path(directory)
         export(args.rev, source)
+        if args.clients:
+            closed = trio.run(measure_closed_loop, args, source)
+            report_closed_loop(args, closed)
+            return
         result = trio.run(measure, args, source)
     columns = ("cpu_ms_per_request", "added_p50_ms", "added_p99_ms", "probe_ticks_per_s")
     rows = [
@@ -119,4 +165,27 @@ def main(args: argparse.Namespace) -> None:
     headers = ["proxy", "CPU ms/request", "added p50 ms", "added p99 ms", "probe ticks/s"]
     print(harness.table_text(Table(title, [*headers, "errors"], rows, digits=2)))
     blob = {**harness.provenance(), "rev": args.rev, "rate": args.rate, "result": result}
+    print(f"wrote {harness.write('compare', blob, args.out_dir)}")
+
+
+def report_closed_loop(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    ratio = result["round_ratio_this_to_rev"]
+    rows = [
+        [
+            name,
+            Ranged(r["requests_per_s"], *r["requests_per_s_range"]),
+            Ranged(r["cpu_ms_per_request"], *r["cpu_ms_per_request_range"]),
+            r["errors"],
+        ]
+        for name, r in result.items()
+        if name != "round_ratio_this_to_rev"
+    ]
+    title = (
+        f"{args.clients} closed-loop clients, {args.rounds} alternating rounds of "
+        f"{args.seconds:g} s; this/rev requests/s by round: "
+        f"{ratio['value']:.3f} ({ratio['low']:.3f}-{ratio['high']:.3f})"
+    )
+    headers = ["proxy", "requests/s", "CPU ms/request", "errors"]
+    print(harness.table_text(Table(title, headers, rows, digits=3)))
+    blob = {**harness.provenance(), "rev": args.rev, "clients": args.clients, "result": result}
     print(f"wrote {harness.write('compare', blob, args.out_dir)}")

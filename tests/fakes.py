@@ -29,10 +29,10 @@ async def prepare(
 
 
 async def read_request(connection: ClientConnection, deadline: float) -> RequestHead:
-    """The next request's head, as the server's reading task (http_server.py) gets it while
-    another task keeps calling `read_some`."""
-    while (request := connection.next_request()) is None:
-        await connection.wait_for_bytes(deadline)
+    """The next request's head, read as the server's task (http_server.py) reads it."""
+    with trio.fail_at(deadline):
+        while (request := connection.next_request()) is None:
+            await connection.read_some()
     return request
 
 

@@ -10,7 +10,8 @@ pipelined requests answered in order, chunked request bodies, `Expect: 100-conti
 head left unfinished behind an answer), an idle keep-alive closed after its timeout
 (counted from the end of an answer, however long that took), `Connection: close` honoured,
 HTTP/1.0 clients (a streamed answer until close), HEAD, a client that leaves cancelling its
-request, a handler's bug as a 500 that costs only its connection, and shutdown: idle
+request and a pipelined one cancelling nothing (over a socket pair: departures are watched
+on sockets), a handler's bug as a 500 that costs only its connection, and shutdown: idle
 connections closed, an answer in flight finished and marked the last. Any bytes at all, then
 a close: HTTP/1.1 answers or just the close, never an error in the server.
 """
@@ -29,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.errors import ClientError
-from app.proxy.byte_stream import StreamBytes
+from app.proxy.byte_stream import StreamBytes, byte_stream
 from app.proxy.exchange import Exchange
 from app.proxy.http_server import HttpServer
 
@@ -259,6 +260,24 @@ async def test_head_gets_the_headers_without_the_body() -> None:
         assert (await client.read_until(b'{"status":"ok"}')).endswith(b'{"status":"ok"}')
 
 
+@asynccontextmanager
+async def connected_socket(handler: Handler) -> AsyncIterator[tuple[trio.SocketStream, trio.Event]]:
+    """A client on a socket pair the server serves, departures watched as `serve` does."""
+    server = HttpServer(handler)
+    client_socket, server_socket = trio.socket.socketpair()
+    ended = trio.Event()
+
+    async def serve() -> None:
+        await server.serve_connection(byte_stream(trio.SocketStream(server_socket)))
+        ended.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.departures.run)
+        nursery.start_soon(serve)
+        yield trio.SocketStream(client_socket), ended
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_client_that_leaves_cancels_its_request() -> None:
     cancelled = trio.Event()
 
@@ -269,12 +288,31 @@ async def test_a_client_that_leaves_cancels_its_request() -> None:
         finally:
             cancelled.set()
 
-    async with connected(forever) as (client, _, ended):
-        await client.send(post("/wait", b"{}"))
+    async with connected_socket(forever) as (client, ended):
+        await client.send_all(post("/wait", b"{}"))
         await trio.testing.wait_all_tasks_blocked()
-        await client.stream.aclose()
+        await client.aclose()
         await cancelled.wait()
         await ended.wait()
+
+
+async def test_a_pipelined_request_waits_and_cancels_nothing() -> None:
+    release = trio.Event()
+
+    async def slow_echo(exchange: Exchange) -> None:
+        await release.wait()
+        await echo(exchange)
+
+    async with connected_socket(slow_echo) as (socket_client, ended):
+        client = Client(socket_client)
+        await client.send(post("/one", b"1"))
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(post("/two", b"2"))  # while the first is being answered
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+        received = await client.read_until(b"POST /two 2")
+        assert received.index(b"POST /one 1") < received.index(b"POST /two 2")
+        assert not ended.is_set()
 
 
 async def test_a_handler_bug_is_a_500_that_costs_only_its_connection() -> None:

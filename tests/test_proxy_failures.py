@@ -1,7 +1,8 @@
 """Backends failing under the proxy: a killed backend costs no request, all backends down
-gives a fast OpenAI error and recovery follows, a client that disconnects mid-stream frees
-the backend's slot, a stream that breaks ends with an SSE error event, timeouts are 504,
-backends without /health are probed on /v1/models, and shutdown drains in-flight streams."""
+gives a fast OpenAI error and recovery follows, a client that disconnects mid-stream, or
+before a non-streamed answer, frees the backend's slot, a stream that breaks ends with an
+SSE error event, timeouts are 504, backends without /health are probed on /v1/models, and
+shutdown drains in-flight streams."""
 
 from __future__ import annotations
 
@@ -77,6 +78,33 @@ async def test_client_disconnect_mid_stream_frees_the_backend(
             if line.startswith("data: "):
                 break
         assert backend.inflight == 1
+
+    async def freed() -> bool:
+        state = (await client.get(sim.url + "/sim/state")).json()
+        return backend.inflight == 0 and state["running"] == 0
+
+    await wait_until(freed)
+
+
+async def test_client_leaving_before_its_answer_frees_the_backend(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    """Not streamed: nothing is written to the client before the whole answer, so only the
+    departure watcher can notice that it left."""
+    sim = await start_sim(inter_token_latency=0.1)
+    running = await start_sluice([sim.url])
+    backend = running.sluice.pool.backends[0]
+    host, port = running.proxy_url.removeprefix("http://").split(":")
+    body = json.dumps({**CHAT, "max_tokens": 200}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n"
+    stream = await trio.open_tcp_stream(host, int(port))
+    await stream.send_all(head.encode() + body)
+
+    async def running_on_the_backend() -> bool:
+        return (await client.get(sim.url + "/sim/state")).json()["running"] == 1
+
+    await wait_until(running_on_the_backend)
+    await stream.aclose()
 
     async def freed() -> bool:
         state = (await client.get(sim.url + "/sim/state")).json()

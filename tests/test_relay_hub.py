@@ -74,12 +74,6 @@ async def wired(nursery: trio.Nursery, buffer_bytes: int | None = None) -> Async
 
     pool = UpstreamPool(connect_timeout=5, max_connections=4, open_stream=open_stream)
     connection = ClientConnection(byte_stream(client_end), 16384, trio.current_time())
-
-    async def keep_reading() -> None:  # the reader's role of http_server.py
-        while not connection.peer_gone:
-            await connection.read_some()
-
-    nursery.start_soon(keep_reading)
     await client.send_all(REQUEST)
     request = await read_request(connection, trio.current_time() + 5)
     exchange = Exchange(connection, request, read_timeout=5, closing=lambda: False)

@@ -260,12 +260,6 @@ class Client:
                 return status, b"".join(body)
 
 
-async def keep_reading(connection: ClientConnection) -> None:
-    """The reader's role (http_server.py), without a server: read until the end."""
-    while not connection.peer_gone:
-        await connection.read_some()
-
-
 @contextlib.asynccontextmanager
 async def client_exchange(
     lockstep: bool = False, delay: float = 0.0
@@ -276,7 +270,6 @@ async def client_exchange(
     proxy_bytes = CountingBytes(proxy_end)
     connection = ClientConnection(proxy_bytes, 16384, trio.current_time())
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(keep_reading, connection)
         request = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
         nursery.start_soon(client_end.send_all, request)
         event = await read_request(connection, trio.current_time() + 1)

@@ -1,12 +1,10 @@
 """One client connection (the server side) and the exchanges of request and answer on it.
 
-Two tasks share a connection. A reader task (`ClientConnection.read_some`) is its only
-reader: it buffers every byte and, when the client closes while an answer is still being
-made, cancels that request at once, so a client that gives up stops its backend's work too.
-The connection's own task parses heads (request_head.py) and bodies (body_framing.py), runs
-the handler and writes the answer. One reader
-for the connection's lifetime costs one wake-up per read; a watcher started per request
-cost ~34 µs here (a nursery, a task, its cancellation).
+One task serves a connection: it reads a request's head and body (request_head.py,
+body_framing.py), runs the handler, writes the answer and reads the next request. While it
+answers, a client that leaves is noticed by the server's one departure watcher
+(departures.py), which cancels the answer so that its backend stops working too. A second
+task per connection, reading while the first answered, did that for a wake-up per request.
 
 What a handler sees is an `Exchange`: the request line and headers, `read_body` (bounded,
 with `Expect: 100-continue` answered and a read timeout), and one of two ways to answer:
@@ -29,12 +27,10 @@ import trio
 from app.errors import ClientError, error_body
 from app.proxy.body_framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
+from app.proxy.departures import Departures
 from app.proxy.header_fields import Headers, field
 from app.proxy.request_head import HeadReader, RequestHead
 
-# Bytes of pipelined requests read ahead while an answer is being made; beyond, the reader
-# waits (and a client leaving is noticed by the next write instead).
-PIPELINE_READ_AHEAD = 65536
 CLOSE = (b"connection", b"close")
 
 
@@ -43,17 +39,21 @@ class ClientGone(Exception):
 
 
 class ClientConnection:
-    """The server side of one connection, shared by its two tasks (http_server.py).
+    """The server side of one connection, served by one task (http_server.py).
 
-    One task reads: it appends every byte to the unread buffer (`read_some`), and when the
-    client closes while an answer is being made, it cancels that answer, so a client that
-    gives up stops its backend's work too. The other task answers, or waits to read again
-    (`idle`). The buffer holds the head being read, the body being read, or, while an
-    answer is made, the next pipelined request; beyond PIPELINE_READ_AHEAD unread bytes the
-    reader waits for the answer to take them.
+    The task reads a request's head and body into the unread buffer (`read_some`), answers
+    it, and reads the next; what a client pipelines meanwhile waits in the kernel. While an
+    answer is made, `departures` watches the socket: a client that leaves cancels the
+    connection's scope (`ended`), the answer with it, so its backend stops working too.
     """
 
-    def __init__(self, stream: ByteStream, max_head_bytes: int, now: float) -> None:
+    def __init__(
+        self,
+        stream: ByteStream,
+        max_head_bytes: int,
+        now: float,
+        departures: Departures | None = None,
+    ) -> None:
         self.stream = stream
         self.unread = b""
         self._heads = HeadReader(max_head_bytes)
@@ -65,32 +65,24 @@ class ClientConnection:
         # The connection's scope (http_server.py sets it): cancelled when the client leaves
         # while its request is being answered, which ends the answer and the connection.
         self.ended: trio.CancelScope | None = None
+        self._departures = departures
+        self._watched: int | None = None  # the socket `departures` watches
         # What the connection's timer (http_server.py) expires it by: when it last went
         # idle, when the first byte of a head still unfinished came, and the timer's sleep.
         self.idle_since = now
         self.head_started: float | None = None
         self.timer: trio.CancelScope | None = None
-        self._idle = trio.lowlevel.ParkingLot()  # the task that neither reads nor answers
-        self._reading_handed_over = False
-        self._arrived = trio.lowlevel.ParkingLot()  # an answer waiting for body bytes
-        self._resume_reading = trio.lowlevel.ParkingLot()  # read-ahead used up
 
     async def read_some(self) -> None:
-        """Append what has arrived to `unread`, or note the end of input, which cancels an
-        answer in progress. While an answer is made, at most PIPELINE_READ_AHEAD bytes wait."""
-        while self.answering and len(self.unread) > PIPELINE_READ_AHEAD:
-            await self._resume_reading.park()
+        """Append what has arrived to `unread`, or note the end of input (`peer_gone`)."""
         try:
             data = await self.stream.receive()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             data = b""
-        self.unread += data
-        if self._arrived:  # unpark_all costs ~0.6 µs even with nobody parked
-            self._arrived.unpark_all()
-        if not data:
+        if data:
+            self.unread += data
+        else:
             self.peer_gone = True
-            if self.answering and self.ended is not None:
-                self.ended.cancel()
 
     def next_request(self) -> RequestHead | None:
         """The next request's head once `unread` holds it whole, else None. Raises a
@@ -121,27 +113,7 @@ class ClientConnection:
         pieces = body.feed(self.unread)
         self.unread = body.leftover
         body.leftover = b""
-        if self._resume_reading:
-            self._resume_reading.unpark_all()
         return pieces
-
-    async def wait_for_bytes(self, deadline: float) -> None:
-        """Until the reader appends more (or the client leaves); trio.TooSlowError after
-        `deadline`."""
-        with trio.fail_at(deadline):
-            await self._arrived.park()
-
-    def hand_over_reading(self) -> None:
-        """The task that read a request answers it: the other one reads meanwhile."""
-        self._reading_handed_over = True
-        if self._idle:
-            self._idle.unpark_all()
-
-    async def wait_to_read(self) -> None:
-        """Until reading is handed over to this task, the idle one."""
-        while not self._reading_handed_over:
-            await self._idle.park()
-        self._reading_handed_over = False
 
     def next_cycle(self) -> None:
         """The request was read and answered whole: the next one starts at `unread`."""
@@ -159,19 +131,32 @@ class ClientConnection:
             await self.stream.send(response_head(error.status, headers) + body)
 
     def begin_answering(self) -> None:
+        if self.answering:
+            return  # the next of pipelined requests: still watched
         self.answering = True
-        if self.peer_gone and self.ended is not None:
-            self.ended.cancel()
+        if self.peer_gone:
+            if self.ended is not None:
+                self.ended.cancel()
+            return
+        fd = self.stream.socket_fd()
+        if fd is not None and self._departures is not None and self.ended is not None:
+            self._departures.watch(fd, self.ended)
+            self._watched = fd
 
     def end_answering(self, now: float) -> None:
-        """Nothing is being answered now: the reader may take the next request, and the
-        connection is idle from `now` (part of the next head may already be here)."""
+        """Nothing is being answered now: the connection is idle from `now` (part of the
+        next head may already be here)."""
         self.answering = False
+        self.stop_watching()
         self.idle_since = now
         if self.unread:
             self.head_started = now
-        if self._resume_reading:
-            self._resume_reading.unpark_all()
+
+    def stop_watching(self) -> None:
+        """No more departures watched for this connection: before its socket closes."""
+        if self._watched is not None and self._departures is not None:
+            self._departures.forget(self._watched)
+            self._watched = None
 
 
 # Framings of an answer's body (Exchange._framing).
@@ -258,7 +243,8 @@ class Exchange:
             if connection.peer_gone:
                 raise ClientGone
             try:
-                await connection.wait_for_bytes(trio.current_time() + self._read_timeout)
+                with trio.fail_after(self._read_timeout):
+                    await connection.read_some()
             except trio.TooSlowError:
                 raise ClientError(
                     f"The request body did not arrive within {self._read_timeout:g}s.",

@@ -1,4 +1,4 @@
-"""The proxy port's HTTP/1.1 server: two tasks per connection on Trio streams.
+"""The proxy port's HTTP/1.1 server: one task per connection on Trio streams.
 
 Why not hypercorn, which still serves the dashboard: measured here (`python -m load bench
 overhead`, its floors), hypercorn's Trio worker costs 1.1-1.4 ms of CPU to answer a request
@@ -8,12 +8,13 @@ by request_head.py (h11 read them until its per-request ~45 µs showed in the pr
 bodies by body_framing.py.
 
 What clients get: keep-alive; pipelined requests answered in order, one at a time (what
-arrives meanwhile is read ahead, bounded); chunked request bodies; `Expect: 100-continue`;
-431 for a head over `max_head_bytes`, 400 for one that is not HTTP/1.1 (request_head.py has
-the list), 505 for another version, 501 for a transfer coding other than chunked, 408 for a
-head not whole within `read_timeout` of its first byte; idle keep-alive connections closed after
+arrives meanwhile waits in the kernel); a client that leaves mid-answer cancels its request
+(departures.py); chunked request bodies; `Expect: 100-continue`; 431 for a head over
+`max_head_bytes`, 400 for one that is not HTTP/1.1 (request_head.py has the list), 505 for
+another version, 501 for a transfer coding other than chunked, 408 for a head not whole
+within `read_timeout` of its first byte; idle keep-alive connections closed after
 `keep_alive_timeout`; HTTP/1.0 clients, answered until close. A slow or silent client costs
-its socket and a parked task, never the loop. A handler's bug costs its own request (500)
+its socket and two parked tasks, never the loop. A handler's bug costs its own request (500)
 and its connection, nothing else.
 
 Shutdown (`close`): stop accepting, close connections waiting for a request, let answers in
@@ -31,6 +32,7 @@ import trio
 
 from app.errors import ClientError
 from app.proxy.byte_stream import ByteStream, byte_stream
+from app.proxy.departures import Departures
 from app.proxy.errors import respond_internal_error
 from app.proxy.exchange import ClientConnection, ClientGone, Exchange
 from app.proxy.request_head import RequestHead
@@ -67,6 +69,9 @@ class HttpServer:
         self._connections: set[ClientConnection] = set()
         self.answering = 0  # requests being answered now
         self._idle = trio.Event()
+        # Clients that leave mid-answer: `serve` runs it (tests of `serve_connection` alone
+        # may start `departures.run` themselves).
+        self.departures = Departures()
 
     async def serve(
         self,
@@ -82,9 +87,12 @@ class HttpServer:
         else:
             listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
         bound_port = listeners[0].socket.getsockname()[1]
-        async with trio.open_nursery() as connections:
-            connections.start_soon(self._accept, listeners, connections)
-            task_status.started(f"http://{host}:{bound_port}")
+        async with trio.open_nursery() as watching:
+            await watching.start(self.departures.run)
+            async with trio.open_nursery() as connections:
+                connections.start_soon(self._accept, listeners, connections)
+                task_status.started(f"http://{host}:{bound_port}")
+            watching.cancel_scope.cancel()
 
     async def _accept(
         self, listeners: list[trio.SocketListener], connections: trio.Nursery
@@ -115,53 +123,41 @@ class HttpServer:
     async def serve_connection(self, stream: ByteStream) -> None:
         """Answer the requests of one connection until it ends, then close it.
 
-        Two tasks serve a connection and take turns: the one that reads a request's head
-        answers it, in the same task step, while the other takes over reading (the client
-        leaving, the next pipelined request); an answer that ends leaves its task idle
-        until reading comes back to it. A request costs no hand-off between tasks. A third
-        task ends the connection when it has been idle too long (`_expire_when_idle`)."""
-        connection = ClientConnection(stream, self._max_head_bytes, trio.current_time())
+        One task reads each request and answers it; a client that leaves meanwhile is
+        noticed by `departures`. A second task ends the connection when it has been idle
+        too long (`_expire_when_idle`)."""
+        now = trio.current_time()
+        connection = ClientConnection(stream, self._max_head_bytes, now, self.departures)
         self._connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
                 connection.ended = nursery.cancel_scope
                 nursery.start_soon(self._expire_when_idle, connection)
-                nursery.start_soon(self._take_turns, connection, nursery.cancel_scope, False)
-                await self._take_turns(connection, nursery.cancel_scope, True)
+                while True:
+                    request = await self._read_request(connection)
+                    if request is None or not await self._answer_requests(connection, request):
+                        break
+                nursery.cancel_scope.cancel()
         finally:
             self._connections.discard(connection)
+            connection.stop_watching()
             await stream.aclose()
 
-    async def _take_turns(
-        self, connection: ClientConnection, ended: trio.CancelScope, reading: bool
-    ) -> None:
-        while True:
-            if not reading:
-                await connection.wait_to_read()
-            request = await self._read_request(connection)
-            if request is None or not await self._answer_requests(connection, request):
-                ended.cancel()
-                return
-            reading = False
-
     async def _read_request(self, connection: ClientConnection) -> RequestHead | None:
-        """Read until a request's head is whole and nothing is being answered (then the
-        caller answers it), or None when the connection should end."""
+        """Read until a request's head is whole, or None when the connection should end."""
         while True:
-            if not connection.answering:
-                try:
-                    request = connection.next_request()
-                except ClientError as error:
-                    await connection.refuse(error)
-                    return None
-                if request is not None:
-                    connection.hand_over_reading()
-                    return request
-                if connection.peer_gone or self.closing:
-                    return None
-                if connection.unread and connection.head_started is None:
-                    connection.head_started = trio.current_time()
-                    self._hurry_timer(connection)
+            try:
+                request = connection.next_request()
+            except ClientError as error:
+                await connection.refuse(error)
+                return None
+            if request is not None:
+                return request
+            if connection.peer_gone or self.closing:
+                return None
+            if connection.unread and connection.head_started is None:
+                connection.head_started = trio.current_time()
+                self._hurry_timer(connection)
             await connection.read_some()
 
     def _hurry_timer(self, connection: ClientConnection) -> None:
