@@ -131,7 +131,7 @@ class HttpServer:
         self._connections.add(connection)
         try:
             async with trio.open_nursery() as nursery:
-                connection.ended = nursery.cancel_scope
+                connection.start_watching(nursery.cancel_scope)
                 nursery.start_soon(self._expire_when_idle, connection)
                 while True:
                     request = await self._read_request(connection)
