@@ -23,6 +23,10 @@ from app.proxy.byte_stream import ByteStream, byte_stream
 from app.proxy.header_fields import Headers, field
 from app.proxy.upstream_protocol import ProtocolError, ResponseHead, request_bytes
 
+# An idle connection younger than this is reused without asking its socket whether the
+# backend closed it (see `_checkout`).
+TRUST_IDLE_S = 1.0
+
 # How the pool reaches a backend: (host, port) -> a byte stream. TCP in production; tests
 # pass in-memory streams to drive the pool without ports or clocks.
 OpenStream = Callable[[str, int], Awaitable[trio.abc.Stream]]
@@ -47,6 +51,7 @@ class _Connection:
     stream: ByteStream
     reused: bool = False
     late: bool = False  # aborted: its response head missed the first-byte timeout
+    idle_since: float = 0.0  # when it was last given back to the pool
 
     async def close(self) -> None:
         await self.stream.aclose()
@@ -188,6 +193,7 @@ class UpstreamPool:
         if len(idle) >= self.max_idle_per_backend:
             await connection.close()
             return
+        connection.idle_since = trio.current_time()
         idle.append(connection)
 
     async def discard(self, connection: _Connection) -> None:
@@ -224,7 +230,12 @@ class UpstreamPool:
             idle = self._idle.get(base_url)
             while idle:
                 connection = idle.pop()
-                if not connection.stream.closed_by_peer():
+                # A connection given back moments ago is taken as it is: asking the socket
+                # costs a system call a request, and a backend that closed it so soon is
+                # caught by the retry on a fresh connection. Servers' keep-alive timeouts
+                # run to seconds (uvicorn's, vLLM's: 5 s).
+                recent = trio.current_time() - connection.idle_since < TRUST_IDLE_S
+                if recent or not connection.stream.closed_by_peer():
                     return connection
                 await connection.close()
             return await self._connect(base_url)
