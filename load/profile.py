@@ -131,14 +131,18 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
         await trio.sleep(1.0)  # py-spy attaches
         cpu0 = cpu_seconds(pid)
-        latencies, errors = await rawhttp.open_loop(pool, args.rate, args.seconds - 2, 1)
+        if args.clients:
+            answered, errors, _ = await rawhttp.closed_loop(pool, args.clients, args.seconds - 2)
+        else:
+            latencies, errors = await rawhttp.open_loop(pool, args.rate, args.seconds - 2, 1)
+            answered = len(latencies)
         cpu = cpu_seconds(pid) - cpu0
         await trio.to_thread.run_sync(spy.wait)
         await pool.close()
         if spy.returncode != 0:
             assert spy.stderr is not None
             raise SystemExit(f"profile: py-spy failed: {spy.stderr.read().decode()[-500:]}")
-    requests = len(latencies) + errors
+    requests = answered + errors
     return {
         "requests": requests,
         "errors": errors,
@@ -149,6 +153,9 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second")
+    parser.add_argument(
+        "--clients", type=int, default=0, help="closed-loop clients instead of --rate"
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the profile")
     parser.add_argument("--proxy-arg", action="append", default=[], help="flag for sluice serve")
     parser.add_argument(
@@ -165,8 +172,9 @@ def main(args: argparse.Namespace) -> None:
     run = trio.run(drive, args)
     samples, summary = summarize(Path(run["collapsed"]).read_text())
     total = samples or 1
+    load_shape = f"{args.clients} closed-loop clients" if args.clients else f"{args.rate:g}/s"
     lines = [
-        f"{run['requests']:.0f} requests at {args.rate:g}/s, {run['errors']:.0f} errors; proxy CPU "
+        f"{run['requests']:.0f} requests, {load_shape}, {run['errors']:.0f} errors; proxy CPU "
         f"{run['cpu_ms_per_request']:.2f} ms/request; {total} samples (py-spy, non-idle)"
     ]
     for title in ("packages", "owner", "self", "inclusive"):
