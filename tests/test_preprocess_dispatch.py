@@ -8,6 +8,8 @@ and events order the rest — no sleeps as synchronisation. Covers:
   `wait` <-> `bail-out` at runtime changing what the next saturated request does;
 - a saturated waiter taking a thread when one frees first;
 - inline mode, the phase hook, long conversations rendered off the loop;
+- large bodies handed to the render worker through a file, removed afterwards whether the
+  render succeeded, refused the body or was cancelled;
 - texts of a few dozen tokens encoded on the loop at once, even with every thread busy;
   texts too big for the fallback never take it (bail-out at once, or wait for a thread);
 - the context-window check and the bail-out result (`estimated=True`, no tokens).
@@ -15,8 +17,10 @@ and events order the rest — no sleeps as synchronisation. Covers:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +30,8 @@ import trio.testing
 from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess.pipeline import Prepared, Preprocessor
+from app.preprocess import spooled_bodies
+from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Prepared, Preprocessor
 from app.preprocess.tokenization import FALLBACK_MAX_CHARS
 from app.preprocess.tokenizer_loading import load_tokenizer
 from tests.fakes import GateTokenizer, prepare
@@ -203,6 +208,63 @@ async def test_long_conversations_render_off_the_loop() -> None:
     prepared = await prepare(preprocessor, "chat", {"model": "m", "messages": long_turns})
     assert log == ["template"]  # rendered in a worker process: no on-loop template phase
     assert prepared.prompt is not None and prepared.prompt.endswith("turn 3000<｜Assistant｜>")  # noqa: RUF001
+
+
+class Spool:
+    """Records the files `spooled_bodies` writes; `written` is set once one is."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+        self.paths: list[str] = []
+        self.written = trio.Event()
+        write = spooled_bodies._write
+
+        def recording_write(body: bytes, _directory: str | None) -> str:
+            path = write(body, str(directory))
+            self.paths.append(path)
+            trio.from_thread.run_sync(self.written.set)
+            return path
+
+        # Bodies over 64 KiB already go to a worker; spool them from 1 KiB, not 1 MiB.
+        monkeypatch.setattr(spooled_bodies, "SPOOL_MIN_BYTES", 1024)
+        monkeypatch.setattr(spooled_bodies, "_write", recording_write)
+
+    def left(self) -> list[str]:
+        return [path for path in self.paths if os.path.exists(path)]
+
+
+def long_chat(turns: int, tail: str = "") -> dict[str, Any]:
+    messages = [
+        {"role": ("user", "assistant")[i % 2], "content": f"turn {i} {tail}"} for i in range(turns)
+    ]
+    return {"model": "m", "messages": messages}
+
+
+async def test_a_large_body_reaches_its_render_worker_through_a_file_then_removed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spool = Spool(monkeypatch, tmp_path)
+    preprocessor = Preprocessor(Settings(), Metrics())
+    payload = long_chat(3001)
+    assert len(str(payload)) > PARSE_ON_LOOP_BYTES
+    prepared = await prepare(preprocessor, "chat", payload)
+    assert prepared.prompt is not None and prepared.prompt.endswith("turn 3000 <｜Assistant｜>")  # noqa: RUF001
+    assert len(spool.paths) == 1 and spool.left() == []
+    broken = b'{"model": "m", "messages": [' + b'{"role": "user", "content": "x"},' * 5000
+    with pytest.raises(ClientError) as info:
+        await preprocessor.prepare("chat", broken)
+    assert info.value.status == 400 and len(spool.paths) == 2 and spool.left() == []
+
+
+async def test_a_spooled_body_is_removed_when_its_request_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spool = Spool(monkeypatch, tmp_path)
+    preprocessor = Preprocessor(Settings(), Metrics())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(prepare, preprocessor, "chat", long_chat(3001))
+        await spool.written.wait()
+        nursery.cancel_scope.cancel()
+    assert len(spool.paths) == 1 and spool.left() == []
 
 
 async def test_fallback_marks_its_phase() -> None:

@@ -45,9 +45,9 @@ from app.preprocess.rendering import (
     RenderedRequest,
     RenderPlan,
     render_picked,
-    render_request,
     warm_up,
 )
+from app.preprocess.spooled_bodies import render_job
 from app.preprocess.tokenization import NO_MODEL, dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
@@ -227,18 +227,18 @@ class Preprocessor:
     async def _render_off_loop(
         self, kind: Kind, body: bytes, plan: RenderPlan
     ) -> RenderedRequest | None:
-        job = functools.partial(render_request, kind, body, plan)
         # Without its parse, a request can go on only where the model needs no resolving.
         directory = plan.models
         may_bail = directory is None or (
             not directory.needs_body() and (plan.allowed is None or directory.only in plan.allowed)
         )
         try:
-            # Bodies parsed on the loop already, whose render was estimated over the loop's
-            # budget, may fall back to the loop; larger ones never.
-            dispatched = await self._renders.run(
-                job, inline_ok=len(body) <= PARSE_ON_LOOP_BYTES, may_bail=may_bail
-            )
+            async with render_job(kind, body, plan) as job:
+                # Bodies parsed on the loop already, whose render was estimated over the
+                # loop's budget, may fall back to the loop; larger ones never.
+                dispatched = await self._renders.run(
+                    job, inline_ok=len(body) <= PARSE_ON_LOOP_BYTES, may_bail=may_bail
+                )
         except RecursionError:
             # JSON within the parser's depth can still be too deep to pickle back.
             raise request_bodies.nested_too_deeply() from None
