@@ -1,7 +1,9 @@
 """Engines' own load figures end to end: one simulated backend per metrics style (vLLM, SGLang,
 llama.cpp server, TGI), the load scraper reading each over HTTP into the backend's state, the
 prefix hit rate over a scrape interval, a backend without engine metrics, and the dashboard's
-`/api/snapshot` carrying each backend's `engine` block."""
+`/api/snapshot` carrying each backend's `engine` block. Then, pure: how a GPU's load counts
+other replicas' requests, as reported and, between reports, moving as ours do in the fleet's
+proportion of theirs to ours."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import trio
 import trio.testing
 
 from app.asgi import Receive, Scope, Send, answer_lifespan, send_bytes
-from app.routing.backends import BackendPool
+from app.routing.backends import MAX_OTHERS_PER_OWN, BackendPool
 from app.routing.engine_metrics import EngineLoad
 from app.routing.load_scraper import LoadScraper
 from app.sim.server import SimServer, create_sim_app, serve_sim
@@ -79,6 +81,8 @@ async def test_the_scraper_reads_every_engines_queue_and_kv_use(
         with trio.fail_after(5):
             for _, app in sims:
                 await app.engine.wait_until(lambda app=app: (app.running, app.waiting) == (1, 1))
+        for backend in pool.backends:
+            backend.inflight = 1  # one of the two is taken to be this replica's
         await scraper(pool, client).scrape_all()
         # Before the clients leave and free their blocks.
         usages = [app.engine.kv_cache.usage for _, app in sims]
@@ -89,6 +93,7 @@ async def test_the_scraper_reads_every_engines_queue_and_kv_use(
         assert engine is not None, style
         assert (engine.name, engine.running, engine.waiting) == (style, 1, 1)
         assert backend.reported_waiting == 1
+        assert (backend.others_inflight, backend.others_per_own) == (1, 1.0)
         if style == "tgi":
             assert engine.kv_cache_usage is None
         else:
@@ -218,3 +223,39 @@ def test_one_replica_alone_sees_only_its_own_requests_and_the_queue() -> None:
     assert (backend.others_inflight, backend.load) == (0, 6 + 2)
     backend.engine_reported(engine_load(running=3, waiting=0))  # ours, still on their way
     assert (backend.others_inflight, backend.load) == (0, 6)
+
+
+def test_between_reports_others_move_as_ours_do_in_the_fleets_proportion() -> None:
+    pool = healthy_pool(["http://gpu-a:8000", "http://gpu-b:8000"])
+    a, b = pool.backends
+    a.inflight, b.inflight = 2, 1
+    a.engine_reported(engine_load(running=8, waiting=0))  # 6 of others beside our 2
+    b.engine_reported(engine_load(running=4, waiting=0))  # 3 beside our 1
+    pool.engines_reported()
+    assert a.others_per_own == b.others_per_own == (6 + 3) / (2 + 1)
+    assert a.load == 8
+    a.inflight = 4  # two more of ours since: the other replicas are taken to send six more
+    assert a.load == 4 + 6 + 3 * 2
+    a.inflight = 0  # all ours answered: so are, presumably, the others' beside them
+    assert a.load == 0
+    b.inflight = 2
+    assert b.load == 2 + 3 + 3 * 1
+
+
+def test_one_replica_alone_or_with_no_report_extrapolates_nothing() -> None:
+    pool = healthy_pool(["http://gpu-a:8000", "http://gpu-b:8000"])
+    a, b = pool.backends
+    a.inflight = 3
+    a.engine_reported(engine_load(running=3, waiting=0))  # all ours
+    pool.engines_reported()
+    a.inflight = 9
+    assert (a.others_per_own, a.load) == (0.0, 9)
+    a.engine_reported(engine_load(running=50, waiting=0))
+    b.engine_reported(None)
+    a.inflight_at_report = a.inflight = 0  # none of ours then: no proportion to go by
+    pool.engines_reported()
+    assert a.others_per_own == 0.0
+    a.inflight, a.inflight_at_report = 1, 1
+    a.engine_reported(engine_load(running=101, waiting=0))  # 100 others beside one of ours
+    pool.engines_reported()
+    assert a.others_per_own == MAX_OTHERS_PER_OWN

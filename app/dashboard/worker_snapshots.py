@@ -55,6 +55,8 @@ SAME = frozenset(
         "per_message_seconds",
         "reported_kv_usage",
         "reported_waiting",
+        "others_inflight",
+        "others_per_own",
         "load",
         "consecutive_failures",
         "sync_interval_s",

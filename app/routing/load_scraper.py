@@ -4,10 +4,11 @@ Every `SCRAPE_INTERVAL` seconds while traffic flows (every `IDLE_SCRAPE_INTERVAL
 does, looking each `SCRAPE_INTERVAL` whether it has started) each healthy backend's
 exposition is read by `engine_metrics.read_engine`, which knows vLLM, SGLang, the llama.cpp
 server and TGI by their metric names. The result goes to `Backend.engine` (engine name,
-running, waiting, KV use, prefix hit rate) through `Backend.engine_reported`, which the
-policies see in `Backend.load`: it also counts what other proxy replicas send, which local
-in-flight counts cannot. A backend that has no such metrics (404, or none of those names) is
-asked again only every `RETRY_UNSUPPORTED` seconds.
+running, waiting, KV use, prefix hit rate) through `Backend.engine_reported`, and after
+each round the fleet's ratio of others' requests to ours (`BackendPool.engines_reported`).
+The policies see both in `Backend.load`: it also counts what other proxy replicas send,
+which local in-flight counts cannot. A backend that has no such metrics (404, or none of
+those names) is asked again only every `RETRY_UNSUPPORTED` seconds.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class LoadScraper:
             for backend in self.pool.backends:
                 if backend.healthy and self._unsupported_until.get(backend.id, 0.0) <= now:
                     nursery.start_soon(self.scrape, backend)
+        self.pool.engines_reported()
 
     async def scrape(self, backend: Backend) -> None:
         try:
