@@ -1,17 +1,18 @@
 """The load generator's pure parts: arrival processes (mean and variance of seeded schedules),
 percentiles against a reference and their confidence ranges (coverage checked by
 simulation), summaries of alternating rounds, SLOs and goodput, `server-timing` and
-Prometheus parsing, and the shapes of the workloads."""
+Prometheus parsing, the shapes of the workloads, and `compare --replicas`' summary."""
 
 from __future__ import annotations
 
 import math
 import random
 import statistics
+from typing import Any
 
 import pytest
 
-from load import arrivals, harness
+from load import arrivals, compare_replicas, harness
 from load.client import parse_server_timing
 from load.stats import (
     Ranged,
@@ -223,3 +224,27 @@ def test_prometheus_text_parses_and_lag_buckets_bound_every_sample() -> None:
     assert harness.label_values(after, "stalls_total", "cause") == {"gil-wait": 5.0}
     assert harness.metric(after, "stalls_total") == 5.0
     assert harness.delta(before, after, "missing") is None
+
+
+def test_compare_replicas_averages_rounds_and_sets_four_replicas_against_one() -> None:
+    def run(round_: int, version: str, replicas: int, hit: float, p99: float) -> dict[str, Any]:
+        return {
+            "round": round_, "workload": "hot", "version": version, "replicas": replicas,
+            "hit_rate": hit, "ttft_p50_ms": 50.0, "ttft_p99_ms": p99,
+            "ttft_p99_warm_ms": p99 / 2, "errors": round_ - 1,
+        }  # fmt: skip
+
+    runs = [
+        run(1, "this", 1, 0.90, 100.0), run(1, "this", 4, 0.80, 200.0),
+        run(2, "this", 1, 0.94, 300.0), run(2, "this", 4, 0.90, 400.0),
+        run(1, "rev", 1, 0.90, 100.0), run(1, "rev", 4, 0.90, 100.0),
+        run(2, "rev", 1, 0.90, 100.0), run(2, "rev", 4, 0.90, 100.0),
+    ]  # fmt: skip
+    result = compare_replicas.summary(runs)
+    this = result["hot this"]
+    assert this["means"][1]["hit_rate"] == pytest.approx(0.92)
+    assert this["means"][4]["ttft_p99_ms"] == pytest.approx(300.0)
+    assert this["means"][4]["errors"] == 1
+    assert this["many_to_one"]["hit_rate"] == pytest.approx(0.85 / 0.92)
+    assert this["many_to_one"]["ttft_p99_ms"] == pytest.approx(1.5)
+    assert result["hot rev"]["many_to_one"]["hit_rate"] == pytest.approx(1.0)

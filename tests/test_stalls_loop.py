@@ -6,8 +6,8 @@ Covers: stalls from `time.sleep`, a pure-Python busy loop and a GIL-holding C ca
 thread, holding the GIL while the loop wants to run, is `gil-wait`, with the instrument on
 or off; an idle loop records no stall but what the OS preempts; the probe ticks several
 times faster while another thread is on a CPU than while the loop works alone; phases tag
-only the stall they contain; a second monitor in the process, or a SIGALRM someone else
-uses, leaves stalls counted without stacks; with the instrument off the probe still catches
+only the stall they contain; a second monitor in the process, a SIGALRM someone else uses,
+or a loop off the main thread leaves stalls counted without stacks; with the instrument off the probe still catches
 stalls; stopping a monitor removes everything it installed (instrument, signal handler,
 POSIX timer); reports are rate-limited; the snapshot is JSON.
 
@@ -379,3 +379,24 @@ async def test_snapshot_is_json_with_lag_and_stall_histograms(monitor: LoopMonit
     assert stalls["count"] >= 1
     assert stalls["sum"] >= STALL_S
     assert stalls["p50"] >= THRESHOLD_MS / 1000
+
+
+def test_a_loop_off_the_main_thread_counts_stalls_without_stacks() -> None:
+    """Python runs signal handlers on the main thread only: the capture is not claimed."""
+    seen: dict[str, Any] = {}
+
+    async def off_main() -> None:
+        monitor = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(monitor.run)
+            await stall_and_finish_step(block_in_sleep)
+            seen.update(monitor.snapshot())
+            seen["recent"] = recent(monitor)
+            nursery.cancel_scope.cancel()
+
+    thread = threading.Thread(target=trio.run, args=(off_main,))
+    thread.start()
+    thread.join()
+    assert seen["stacks"] is False and "main thread" in seen["stacks_off_reason"]
+    assert max(record["max_duration_s"] for record in seen["recent"]) >= STALL_S
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None)

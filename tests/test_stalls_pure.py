@@ -1,7 +1,7 @@
 """The stall detector's pure parts, without Trio or real time.
 
-Covers (app/observe/stalls.py): parsing faulthandler's single-thread dumps (captured text and
-a live dump), keeping only a task's frames, the ring's de-duplication (cause included) and
+Covers (app/observe/stalls.py, and stack_capture.own_stack): the stack of a live frame,
+innermost first, keeping only a task's frames, the ring's de-duplication (cause included) and
 bound, the log rate limiter and the label budget with an injected clock, the recent-max
 window, histogram quantiles and the report text, which names the cause and never blames a
 task for a stall the GIL or the OS caused.
@@ -9,12 +9,12 @@ task for a stall the GIL or the OS caused.
 
 from __future__ import annotations
 
-import faulthandler
 import json
-import tempfile
+import sys
 
 import pytest
 
+from app.observe.stack_capture import own_stack
 from app.observe.stalls import (
     BoundedLabels,
     Frame,
@@ -24,61 +24,26 @@ from app.observe.stalls import (
     estimate_quantile,
     format_stall_report,
     frames_of_task,
-    parse_own_stack,
     summarize_histogram,
 )
 
-# Two dumps from faulthandler's SIGALRM handler with all_threads=False (CPython 3.11) in one
-# file: a stale one, then one taken inside a C call, with lines that carry no frame.
-CAPTURED_DUMPS = """\
-Stack (most recent call first):
-  File "/srv/old.py", line 1 in stale
 
-Stack (most recent call first):
-  File "/srv/app/preprocess.py", line 88 in tokenize_inline
-  File "/srv/app/proxy.py", line 41 in handle
-  <invalid frame>
-  File "<frozen runpy>", line ??? in ???
-  File "/srv/trio/_core/_run.py", line 2498 in unrolled_run
-  ...
-"""
+def _called_from_here() -> list[Frame]:
+    return own_stack(sys._getframe())
 
 
-def test_parser_takes_the_latest_dump_innermost_first() -> None:
-    stack = parse_own_stack(CAPTURED_DUMPS)
+def test_a_live_frames_stack_is_read_innermost_first() -> None:
+    stack = _called_from_here()
 
-    assert stack == [
-        Frame("/srv/app/preprocess.py", 88, "tokenize_inline"),
-        Frame("/srv/app/proxy.py", 41, "handle"),
-        Frame("<frozen runpy>", None, "???"),
-        Frame("/srv/trio/_core/_run.py", 2498, "unrolled_run"),
-    ]
-    assert str(stack[0]) == "/srv/app/preprocess.py:88 tokenize_inline"
-    assert str(stack[2]) == "<frozen runpy>:? ???"
-
-
-def test_parser_reports_no_stack_without_a_header() -> None:
-    assert parse_own_stack("") is None
-    assert parse_own_stack('  File "/srv/old.py", line 1 in stale\n') is None
-    assert parse_own_stack("Stack (most recent call first):\n  <no Python frame>\n") == []
-
-
-def _dump_this_thread() -> str:
-    with tempfile.TemporaryFile() as file:
-        faulthandler.dump_traceback(file, all_threads=False)
-        file.seek(0)
-        return file.read().decode()
-
-
-def test_parser_reads_a_live_dump_of_the_current_thread() -> None:
-    stack = parse_own_stack(_dump_this_thread())
-
-    assert stack is not None
     assert [frame.func for frame in stack[:2]] == [
-        "_dump_this_thread",
-        "test_parser_reads_a_live_dump_of_the_current_thread",
+        "_called_from_here",
+        "test_a_live_frames_stack_is_read_innermost_first",
     ]
-    assert stack[0].file == __file__
+    assert (
+        stack[0].file == __file__ and stack[0].line == _called_from_here.__code__.co_firstlineno + 1
+    )
+    assert str(stack[0]) == f"{__file__}:{stack[0].line} _called_from_here"
+    assert own_stack(None) == []
 
 
 def test_frames_of_task_cuts_at_the_root_coroutine_and_rejects_foreign_dumps() -> None:

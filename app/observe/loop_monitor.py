@@ -9,9 +9,9 @@
   IDLE_PROBE_INTERVAL_S while nothing runs.
 - an instrument times every task step; a step longer than the threshold is a stall:
   counted per task and cause, timed, tied to the request phase (`phase`) and, when the
-  alarm of `stack_capture` fired inside that step, to the stack it dumped. The instrument
+  alarm of `stack_capture` fired inside that step, to the stack it took. The instrument
   starts the alarm's countdown each time the loop comes back from waiting for I/O and
-  pauses it when the loop goes to sleep, so the alarm fires, and the loop thread dumps its
+  pauses it when the loop goes to sleep, so the alarm fires, and the loop thread takes its
   own stack, only when one run of steps outlasts the threshold. With the instrument off,
   the probe re-arms the alarm at every tick instead.
 - each stall gets a cause, `blocking`, `gil-wait` or `preempted` (stall_causes.py), from

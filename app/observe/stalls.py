@@ -1,7 +1,7 @@
 """Pure bookkeeping for event-loop stalls: no Trio, no clocks of its own, no I/O.
 
-- `parse_own_stack` reads the stack out of faulthandler's dump of the thread it ran on;
-  `frames_of_task` keeps the frames of one task and proves the dump was taken inside it.
+- `frames_of_task` keeps the frames of one task from the loop thread's stack and proves the
+  stack was taken inside it.
 - `StallRing` keeps the last N distinct stalls, folding equal ones into a count.
 - `RateLimiter` lets a few reports a minute through (Seastar allows 5) and counts the rest.
 - `BoundedLabels` caps Prometheus label cardinality for unbounded task names.
@@ -12,7 +12,6 @@ Times are passed in by the caller, so every piece is tested with an injected clo
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,32 +29,10 @@ class Frame(NamedTuple):
         return f"{self.file}:{'?' if self.line is None else self.line} {self.func}"
 
 
-# faulthandler's single-thread format (`all_threads=False`, CPython 3.11-3.14,
-# Python/traceback.c): a "Stack (most recent call first):" header, then one "  File" line per
-# frame, innermost first. Other lines ("  <no Python frame>", "  ...", "plus N frames",
-# "  <invalid frame>") carry no frame.
-_STACK_HEADER = "Stack (most recent call first):"
-_FRAME_LINE = re.compile(r'  File "(.*)", line (\d+|\?\?\?) in (.*)')
-
-
-def parse_own_stack(dump: str) -> list[Frame] | None:
-    """The stack in faulthandler's single-thread `dump`, innermost frame first.
-
-    When the text holds several dumps the latest wins; None when there is none.
-    """
-    found: list[Frame] | None = None
-    for line in dump.splitlines():
-        if line == _STACK_HEADER:
-            found = []
-        elif found is not None and (frame := _FRAME_LINE.fullmatch(line)):
-            found.append(Frame(frame[1], None if frame[2] == "???" else int(frame[2]), frame[3]))
-    return found
-
-
 def frames_of_task(frames: Sequence[Frame], root_file: str, root_func: str) -> list[Frame] | None:
     """The frames from the innermost out to the task's root coroutine, dropping the scheduler.
 
-    None when the root coroutine is not on the stack: the dump was taken outside that task
+    None when the root coroutine is not on the stack: it was taken outside that task
     (an alarm that fired earlier, during another step), so it says nothing about this stall.
     """
     for index in range(len(frames) - 1, -1, -1):

@@ -4,7 +4,7 @@
 Linux hands a process-directed signal to the thread-group leader only if that thread
 "wants" it (not blocked, and running or without a signal already pending), otherwise to
 any other thread. The stall detector needs the alarm on the event-loop thread every time,
-because that thread dumps its own stack from the signal handler (see stack_capture.py).
+because that thread takes its own stack in the signal's handler (see stack_capture.py).
 
 `timer_create(CLOCK_MONOTONIC, SIGEV_THREAD_ID)` names the receiving thread by its kernel
 thread id, and `timer_settime` re-arms the countdown. Both come from glibc (libc since
