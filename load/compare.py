@@ -2,6 +2,7 @@
 
     python -m load compare HEAD~3 --rate 100 --rounds 5
     python -m load compare HEAD~3 --clients 32 --rounds 8 --seconds 3
+    python -m load compare HEAD~1 --replicas hot,rag --rounds 3 --seconds 20
 
 Exports REV's `app/` with `git archive` into a temporary directory, starts both versions of
 `sluice serve` (default flags) in front of one instant simulated backend, and sends the
@@ -12,7 +13,8 @@ noisy: only a ratio measured in one run means anything). At a fixed open-loop ra
 the stall detector's lag probe ticked under that load. With `--clients N`, N closed-loop
 clients instead (`bench overhead`'s throughput test, where the proxy's one core is the
 limit): requests per second and CPU per request, medians over the rounds, and the median of
-each round's ratio this/REV.
+each round's ratio this/REV. With `--replicas WORKLOADS`, routing across replicas instead
+(compare_replicas.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from typing import Any
 import httpx
 import trio
 
-from load import harness, rawhttp
+from load import compare_replicas, harness, rawhttp
 from load.bench.overhead import Samples
+from load.bench.replicas import WORKLOADS
 from load.harness import REPO, Table
 from load.processes import Stack, tree_cpu
 from load.stats import Ranged, ranged
@@ -43,8 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--clients", type=int, default=0, help="closed-loop clients instead of --rate"
     )
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per target")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of a round")
+    parser.add_argument(
+        "--replicas",
+        metavar="WORKLOADS",
+        help="routing across 1 and 4 replicas instead, on these of bench replicas' workloads "
+        "(comma-separated: rag, chat, hot)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="rounds per target (default 4; with --replicas, 3)"
+    )
+    parser.add_argument(
+        "--seconds", type=float, help="length of a round (default 5; with --replicas, 20)"
+    )
     parser.add_argument(
         "--out-dir",
         type=Path,
@@ -147,9 +160,19 @@ async def measure_closed_loop(args: argparse.Namespace, source: Path) -> dict[st
 
 
 def main(args: argparse.Namespace) -> None:
+    replicas = args.replicas is not None
+    if replicas and not set(args.replicas.split(",")) <= set(WORKLOADS):
+        raise SystemExit(f"python -m load compare: --replicas takes some of {', '.join(WORKLOADS)}")
+    if args.rounds is None:
+        args.rounds = 3 if replicas else 4
+    if args.seconds is None:
+        args.seconds = 20.0 if replicas else 5.0
     with tempfile.TemporaryDirectory(prefix="sluice-compare-") as directory:
         source = Path(directory)
         export(args.rev, source)
+        if replicas:
+            compare_replicas.main(args, source)
+            return
         if args.clients:
             closed = trio.run(measure_closed_loop, args, source)
             report_closed_loop(args, closed)
