@@ -20,53 +20,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from load import harness
-from load.bench.replicas import LEAN, Placements, Sims, gpu_counters, round_robin
-from load.bench.routing import drive
+from load.bench.replicas import Placements, fleet_run
 from load.harness import Table
 from load.processes import Stack
-from load.stats import percentile
 
 REPLICAS = (1, 4)
 MEASURES = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_warm_ms")
-
-
-async def one_run(
-    sims: Sims, replicas: int, source: Path | None, workload: str, seconds: float
-) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-        for url, _ in sims:
-            (await client.post(url + "/sim/evict")).raise_for_status()
-        async with Stack() as stack:
-            flags = list(LEAN)
-            for url, endpoint in sims:
-                flags += ["--kv-events", f"{url}={endpoint}"]
-            backends = [url for url, _ in sims]
-            urls: list[str] = []
-
-            async def start_one() -> None:
-                url = await stack.proxy(backends, *flags, source=source)
-                await harness.wait_healthy(url)
-                urls.append(url)
-
-            async with trio.open_nursery() as nursery:
-                for _ in range(replicas):
-                    nursery.start_soon(start_one)
-            async with round_robin(urls) as url:
-                before = await gpu_counters(client, sims)
-                samples = await drive(url, workload, seconds, seed=0)
-                after = await gpu_counters(client, sims)
-    queries = after[1] - before[1]
-    return {
-        "hit_rate": (after[0] - before[0]) / queries if queries else 0.0,
-        "ttft_p50_ms": percentile(samples.ttft, 50) * 1000,
-        "ttft_p99_ms": percentile(samples.ttft, 99) * 1000,
-        "ttft_p99_warm_ms": percentile(samples.ttft_sent_after(seconds / 4), 99) * 1000,
-        "errors": samples.errors + samples.censored,
-    }
 
 
 async def measure(args: argparse.Namespace, source: Path) -> list[dict[str, Any]]:
@@ -86,7 +48,9 @@ async def measure(args: argparse.Namespace, source: Path) -> list[dict[str, Any]
                             f"compare: round {number}/{args.rounds}, {workload}, "
                             f"{replicas} replica(s), {version}"
                         )
-                        run = await one_run(sims, replicas, tree, workload, args.seconds)
+                        run = await fleet_run(
+                            sims, replicas, True, workload, args.seconds, source=tree
+                        )
                         runs.append(
                             {"round": number, "workload": workload, "replicas": replicas,
                              "version": version, **run}

@@ -135,8 +135,15 @@ class Placements:
 
 
 async def start_replicas(
-    stack: Stack, sims: Sims, replicas: int, events: bool, extra: Sequence[str] = ()
+    stack: Stack,
+    sims: Sims,
+    replicas: int,
+    events: bool,
+    extra: Sequence[str] = (),
+    source: Path | None = None,
 ) -> list[str]:
+    """`replicas` proxies in front of `sims`, started at once; `source`: another version's
+    `app/` to run (`python -m load compare --replicas`)."""
     flags = list(LEAN)
     if events:
         for url, endpoint in sims:
@@ -145,7 +152,7 @@ async def start_replicas(
     urls: list[str] = []
 
     async def start_one() -> None:
-        url = await stack.proxy(backends, *flags, *extra)
+        url = await stack.proxy(backends, *flags, *extra, source=source)
         await harness.wait_healthy(url)
         urls.append(url)
 
@@ -167,11 +174,25 @@ async def gpu_counters(client: httpx.AsyncClient, sims: Sims) -> tuple[float, fl
 async def routing_run(
     bench: Bench, sims: Sims, replicas: int, events: bool, workload: str, duration: float
 ) -> dict[str, Any]:
+    return await fleet_run(sims, replicas, events, workload, duration, bench.args.proxy_arg)
+
+
+async def fleet_run(
+    sims: Sims,
+    replicas: int,
+    events: bool,
+    workload: str,
+    duration: float,
+    proxy_flags: Sequence[str] = (),
+    source: Path | None = None,
+) -> dict[str, Any]:
+    """One run of `workload` through `replicas` proxies behind a round robin, on GPUs whose
+    caches were emptied first: the GPUs' own prefix hit rate and the clients' TTFT."""
     async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
         for url, _ in sims:
             (await client.post(url + "/sim/evict")).raise_for_status()
-        async with Stack(bench.args.proxy_arg) as stack:
-            urls = await start_replicas(stack, sims, replicas, events)
+        async with Stack(proxy_flags) as stack:
+            urls = await start_replicas(stack, sims, replicas, events, source=source)
             async with round_robin(urls) as url:
                 before = await gpu_counters(client, sims)
                 samples = await drive(url, workload, duration, seed=0)
