@@ -7,9 +7,9 @@ thread, holding the GIL while the loop wants to run, is `gil-wait`, with the ins
 or off; an idle loop records no stall but what the OS preempts; the probe ticks several
 times faster while another thread is on a CPU than while the loop works alone; phases tag
 only the stall they contain; a second monitor in the process, a SIGALRM someone else uses,
-or a loop off the main thread leaves stalls counted without stacks; with the instrument off the probe still catches
-stalls; stopping a monitor removes everything it installed (instrument, signal handler,
-POSIX timer); reports are rate-limited; the snapshot is JSON.
+or a loop off the main thread leaves stalls counted without stacks; with the instrument off
+the probe still catches stalls; stopping a monitor removes everything it installed
+(instrument, signal handler, POSIX timer); reports are rate-limited; the snapshot is JSON.
 
 Durations are lower bounds: real stalls on a shared machine only ever run long. Causes are
 asserted where the task's own time alone reaches the threshold (`blocking`) or where another
