@@ -171,12 +171,6 @@ async def gpu_counters(client: httpx.AsyncClient, sims: Sims) -> tuple[float, fl
     return hits, queries
 
 
-async def routing_run(
-    bench: Bench, sims: Sims, replicas: int, events: bool, workload: str, duration: float
-) -> dict[str, Any]:
-    return await fleet_run(sims, replicas, events, workload, duration, bench.args.proxy_arg)
-
-
 async def fleet_run(
     sims: Sims,
     replicas: int,
@@ -334,7 +328,7 @@ async def measure(bench: Bench) -> dict[str, Any]:
         async def one(variant: str, number: int, workload: str = workload) -> dict[str, Any]:
             replicas, events = variants[variant]
             sims = await placements.for_round(number)
-            return await routing_run(bench, sims, replicas, events, workload, duration)
+            return await fleet_run(sims, replicas, events, workload, duration, bench.args.proxy_arg)
 
         routing += await bench.alternate(bench.rounds(1, 1), list(variants), one, f" {workload}")
 
