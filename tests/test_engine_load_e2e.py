@@ -259,3 +259,4 @@ def test_one_replica_alone_or_with_no_report_extrapolates_nothing() -> None:
     a.engine_reported(engine_load(running=101, waiting=0))  # 100 others beside one of ours
     pool.engines_reported()
     assert a.others_per_own == MAX_OTHERS_PER_OWN
+    assert b.others_per_own == 0.0  # its engine reports nothing: its load is ours alone

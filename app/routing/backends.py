@@ -215,13 +215,14 @@ class BackendPool:
         next round. Replicas behind one load balancer send alike, so between two reports
         others' requests on a GPU come and go as ours do, N-1 of theirs for each of ours;
         counted as still, N replicas piled onto whichever GPU looked free at the last report
-        (4 replicas, hot workload: p50 TTFT 131 ms against one replica's 77). Alone, it is 0."""
+        (4 replicas, hot workload: p50 TTFT 131 ms against one replica's 77). Alone, it is 0,
+        and so it is for a backend whose engine reports nothing: no others to move."""
         reported = [b for b in self.backends if b.engine is not None]
         own = sum(b.inflight_at_report for b in reported)
         others = sum(b.others_inflight for b in reported)
         ratio = min(others / own, MAX_OTHERS_PER_OWN) if own else 0.0
         for backend in self.backends:
-            backend.others_per_own = ratio
+            backend.others_per_own = ratio if backend.engine is not None else 0.0
 
     def add(self, url: str, models: tuple[str, ...] | None = None) -> Backend:
         """A new backend, unhealthy until its first health check passes; it serves `models`,
