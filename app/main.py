@@ -22,6 +22,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from app.allocator import fix_mmap_threshold
 from app.asgi import server_config
 from app.config import ConfigError, Saturation, Settings
 from app.dashboard.app import create_dashboard
@@ -414,6 +415,7 @@ def run_until_stopped(
     # of 13-20 ms and a third of the GIL-wait stalls; with no second thread wanting the GIL,
     # it costs nothing.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    fix_mmap_threshold()
     status = 0
     try:
         trio.run(main, settings)
