@@ -29,10 +29,11 @@ def fix_mmap_threshold() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - present in glibc only
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
         return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc's own symbol: not musl's mallopt
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
