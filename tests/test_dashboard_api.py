@@ -153,6 +153,16 @@ async def test_snapshot_schema(
     assert all(len(column) == len(series["t"]) for column in series.values())
     window = data["window"]
     assert set(window) == {"seconds", "lag", "stalls", "tokenize"}
+    assert {"l0_hit_pct", "l1_hit_pct"} <= set(model["caches"])
+
+    # What a supervisor merges: the counts alone, nothing derived from this feed's window.
+    response = await client.get(running.dashboard_url + "/api/snapshot?counters=1")
+    counters = response.json()
+    assert not {"series", "window", "dashboard"} & set(counters)
+    (model,) = counters["models"]
+    assert all(isinstance(n, int) for n in model["caches"].values())
+    assert "per_s" not in counters["requests"]
+    assert "requests_per_s" not in counters["backends"][0]["traffic"]
 
 
 async def test_series_fill_in_once_a_tick(

@@ -157,6 +157,8 @@ async def test_workers_share_the_port_restart_when_killed_and_stop_together(
         supervised.process.send_signal(signal.SIGTERM)
         assert await supervised.wait_exit(timeout=30) == 0
         assert not any(alive(pid) for pid in now_pids)
+        # The merged page was built every tick without a failure.
+        assert "tick failed" not in supervised.log.read_text()
     finally:
         if supervised.process.poll() is None:
             supervised.process.kill()

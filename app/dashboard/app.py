@@ -3,7 +3,8 @@ the two writes an operator has: the saturation policy and, in the demo, a burst.
 
     GET  /                the page (templates/dashboard.html, static/)
     GET  /api/snapshot    one JSON snapshot (schema in the README); `?records_after=SEQ`
-                          leaves out the request log's records up to that one
+                          leaves out the request log's records up to that one; `?counters=1`
+                          only what the process counts, without the rates and series
     GET  /api/events      server-sent events: a snapshot a tick, the same bytes for every page
     PUT  /api/policy      {"saturation": "wait" | "bail-out"}
     GET  /metrics         Prometheus text: this process's, or with --workers every worker's
@@ -122,7 +123,9 @@ def create_dashboard(
 
     @app.get("/api/snapshot")
     async def api_snapshot() -> dict[str, Any]:
-        snapshot = feed.snapshot()
+        # `?counters=1`: as built, without what this feed derives for a page (a supervisor
+        # merges its workers' counters and derives the rates from their sum itself).
+        snapshot = feed.counters() if request.args.get("counters") == "1" else feed.snapshot()
         # `?records_after=SEQ`: only the request log's newer records (a supervisor polling
         # its workers every second would otherwise read the same 200 records each time).
         after = request.args.get("records_after", type=int)

@@ -145,6 +145,11 @@ class DashboardFeed:
         """A fresh snapshot with the time series and the rates as of the last tick."""
         return self._complete(self._build())
 
+    def counters(self) -> dict[str, Any]:
+        """A fresh snapshot as built, without the rates, series and histograms a page gets
+        from this feed's own window: what a supervisor merges with its other workers'."""
+        return self._build()
+
     def _complete(self, snapshot: dict[str, Any]) -> dict[str, Any]:
         decorate(snapshot, self._window)
         snapshot["series"] = self._columns.to_json()

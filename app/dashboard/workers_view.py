@@ -32,7 +32,6 @@ log = logging.getLogger("sluice.dashboard")
 POLL_TIMEOUT_S = 2.0
 # A restart stays on the page's notices this long.
 NOTICE_S = 300.0
-DECORATIONS = ("series", "window", "dashboard")
 
 
 class WorkersView:
@@ -70,7 +69,10 @@ class WorkersView:
             with trio.fail_after(POLL_TIMEOUT_S):
                 response = await self.client.get(
                     f"{url}/api/snapshot",
-                    params={"records_after": self._records.taken(worker.index, incarnation)},
+                    params={
+                        "counters": 1,
+                        "records_after": self._records.taken(worker.index, incarnation),
+                    },
                     headers=self._headers,
                 )
                 response.raise_for_status()
@@ -80,8 +82,6 @@ class WorkersView:
             return
         if incarnation != worker.incarnation:
             return  # it died meanwhile
-        for key in DECORATIONS:
-            snapshot.pop(key, None)
         now = time.monotonic()
         self._rates[worker.index] = self._rate(worker.index, incarnation, snapshot, now)
         previous = self._latest.get(worker.index)
