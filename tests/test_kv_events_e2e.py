@@ -2,7 +2,8 @@
 what its prefix cache stores and evicts, a subscriber keeps an index from it alone, lost
 messages come back from the replay socket (or the index is rebuilt without one), and
 `POST /sim/evict` empties it; a publisher that sends garbage or restarts, and an endpoint
-nobody listens on, never take the proxy down; and through a whole Sluice: after an eviction
+nobody listens on, never take the proxy down; an engine whose token ids are not Sluice's
+is reported unmatched; and through a whole Sluice: after an eviction
 the next request for that prefix is not sent to that backend as a prefix hit, and the
 events' numbers show in /metrics and /api/snapshot."""
 
@@ -262,3 +263,29 @@ async def test_a_dead_endpoint_is_only_silence(
     (row,) = (await snapshot(client, running.dashboard_url))["backends"]
     assert row["kv_events"]["source"] == "predicted"
     assert row["kv_events"]["silence"] == "no event yet"
+
+
+async def test_an_engine_whose_token_ids_are_not_sluices_is_said_to_be_unmatched(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    # Forwarded text, which the sim renders with its own stand-in template and splits into
+    # words: none of the blocks it stores is one Sluice predicted.
+    sim = await start_sim(kv_events_endpoint=ANY_PORT)
+    assert sim.app.kv_publisher is not None
+    running = await start_sluice(
+        [sim.url], kv_events=(f"{sim.url}={sim.app.kv_publisher.endpoint}",)
+    )
+    url = running.proxy_url + "/v1/chat/completions"
+    question = 0
+
+    async def unmatched() -> bool:
+        nonlocal question
+        question += 1
+        assert (await client.post(url, json=chat(question, question))).status_code == 200
+        (row,) = (await snapshot(client, running.dashboard_url))["backends"]
+        return row["kv_events"]["source"] == "predicted"
+
+    await wait_until(unmatched, timeout=30)
+    (row,) = (await snapshot(client, running.dashboard_url))["backends"]
+    assert row["kv_events"]["silence"].startswith("unmatched: ")
+    assert row["kv_events"]["blocks"].get("confirmed", 0) == 0

@@ -18,6 +18,7 @@ from app.routing.decision import Prediction
 from app.routing.kv_event_index import (
     SILENT_AFTER_REQUESTS,
     SILENT_AFTER_SECONDS,
+    UNMATCHED_AFTER_REQUESTS,
     BackendKvEvents,
 )
 from app.routing.kv_event_wire import (
@@ -325,6 +326,22 @@ def test_silence_while_requests_flow_falls_back_to_prediction() -> None:
     assert events.source(SILENT_AFTER_SECONDS) == "events"
     events.request_sent(0.0)
     assert events.source(1000.0) == "events"  # one quiet request proves nothing
+
+
+def test_events_that_never_name_a_block_sluice_sent_are_unmatched() -> None:
+    engine = Engine()
+    events = engine.events
+    for i in range(UNMATCHED_AFTER_REQUESTS):
+        events.request_sent(float(i))
+        engine.index.record("gpu", block_hashes(tokens(80, start=1000 * i)))
+        # The engine stores the same prompts under ids of its own.
+        engine.send(stored([10 * i + n for n in range(5)], None, tokens(80, start=500_000 + i)))
+    assert events.blocks == {"learned": 5 * UNMATCHED_AFTER_REQUESTS}
+    assert events.source(20.0) == "predicted"
+    assert "unmatched" in (events.silence(20.0) or "")
+    # One block it stores is one Sluice sent: its ids are Sluice's after all.
+    engine.send(stored([9999], None, tokens(16, start=0)))
+    assert events.source(20.0) == "events"
 
 
 # --- the simulated backend's cache as a publisher ---------------------------------------------

@@ -19,6 +19,8 @@ follow from the index too.
 Sequence numbers tell a gap (messages lost: replay them, or rebuild) from a restart (the
 counter went back). A publisher that says nothing while requests flow to its backend is
 silent: the index falls back to prediction alone, and says so, until events come again.
+Events that never name a block Sluice sent are unmatched, and said so the same way: the
+engine tokenizes or renders prompts otherwise than Sluice, and its blocks cannot be found.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from app.routing.kv_event_wire import (
 # since the first of them, without one event.
 SILENT_AFTER_REQUESTS = 4
 SILENT_AFTER_SECONDS = 10.0
+# Unmatched: this many blocks stored and this many requests sent that make the engine store
+# blocks, without one stored block being one Sluice predicted: the engine's token ids are
+# not Sluice's (another tokenizer, or its own chat template on forwarded text).
+UNMATCHED_AFTER_BLOCKS = 100
+UNMATCHED_AFTER_REQUESTS = 20
 FULL_ATTENTION = "full_attention"
 
 Continuity = Literal["first", "next", "gap", "restart"]
@@ -95,6 +102,7 @@ class BackendKvEvents:
         self.received_any = False
         self._unanswered = 0
         self._unanswered_since: float | None = None
+        self._storing_sent = 0
 
     def __len__(self) -> int:
         return len(self._mapped)
@@ -229,6 +237,7 @@ class BackendKvEvents:
         if self._unanswered_since is None:
             self._unanswered_since = now
         self._unanswered += 1
+        self._storing_sent += 1
 
     def events_seen(self) -> None:
         self.received_any = True
@@ -244,6 +253,16 @@ class BackendKvEvents:
             waited = now - self._unanswered_since
             if waited >= SILENT_AFTER_SECONDS:
                 return f"silent: {self._unanswered} requests in {waited:.0f}s without an event"
+        learned = self.blocks["learned"]
+        if (
+            not self.blocks["confirmed"]
+            and learned >= UNMATCHED_AFTER_BLOCKS
+            and self._storing_sent >= UNMATCHED_AFTER_REQUESTS
+        ):
+            return (
+                f"unmatched: {learned} blocks stored, none of them one Sluice sent: the "
+                "engine's token ids are not Sluice's (its tokenizer or chat template)"
+            )
         if not self.received_any:
             return "no event yet"
         return None
