@@ -6,7 +6,12 @@ robin of TCP connections (what a Kubernetes Service does), with `--kv-events` fo
 without; the routing scenario's seeded workloads (rag, chat, hot: load/routing_workloads.py)
 go through the round robin. Before each run the GPUs' caches are emptied (`POST /sim/evict`),
 and the prefix hit rate is the GPUs' own counters' (`vllm:prefix_cache_hits / queries`) over
-the run. Within a workload the variants take turns: events on with 1, 2, 4 replicas, then
+the run. The GPUs see the token ids Sluice sees, as a vLLM serving the model Sluice
+tokenizes for does: they tokenize with Sluice's tokenizer (`--tokenize-with default`) and
+the replicas send them the ids of the prompt they rendered (`--forward tokens`). Their KV
+events then name blocks of those ids; before 2026-11-26 the GPUs split words and rendered
+their own stand-in template, so no event could match a block any replica routed, and "with
+events" measured little more than prediction. Within a workload the variants take turns: events on with 1, 2, 4 replicas, then
 events off with 4, 2, 1 (the order reversed every other round with `--rounds`), on GPUs
 started afresh for each round (`Placements`). TTFT p99 is given over the whole run and over
 the requests sent after its first quarter ("warm"): the cold start (every prompt a miss on
@@ -45,7 +50,10 @@ from load.stats import percentile
 BACKENDS = 4
 REPLICAS = (1, 2, 4)
 WORKLOADS = ("rag", "chat", "hot")
-LEAN = ("--policy", "cache_aware", "--render-workers", "1", "--tokenize-threads", "1")
+LEAN = (
+    "--policy", "cache_aware", "--forward", "tokens",
+    "--render-workers", "1", "--tokenize-threads", "1",
+)  # fmt: skip
 BUDGET = 60_000  # tokens a minute for the one key
 BUDGET_CLIENTS = 6
 BUDGET_PACE_S = 0.6  # 6 clients, ~716 tokens each every 0.6 s: ~430k tokens a minute, 7x
@@ -104,7 +112,10 @@ async def start_sims(stack: Stack) -> Sims:
 
     async def start_one(seed: int) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        flags = ("--seed", str(seed), *SIM_PROFILE, "--kv-events-endpoint", endpoint)
+        flags = (
+            "--seed", str(seed), *SIM_PROFILE, "--tokenize-with", "default",
+            "--kv-events-endpoint", endpoint,
+        )  # fmt: skip
         url = await stack.sim(*flags, model=MODEL)
         sims[seed] = (url, endpoint)
 
