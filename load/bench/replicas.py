@@ -11,12 +11,13 @@ tokenizes for does: they tokenize with Sluice's tokenizer (`--tokenize-with defa
 the replicas send them the ids of the prompt they rendered (`--forward tokens`). Their KV
 events then name blocks of those ids; before 2026-11-26 the GPUs split words and rendered
 their own stand-in template, so no event could match a block any replica routed, and "with
-events" measured little more than prediction. Within a workload the variants take turns: events on with 1, 2, 4 replicas, then
-events off with 4, 2, 1 (the order reversed every other round with `--rounds`), on GPUs
-started afresh for each round (`Placements`). TTFT p99 is given over the whole run and over
-the requests sent after its first quarter ("warm"): the cold start (every prompt a miss on
-empty GPUs) decides the first, and varies by +-20% from run to run of the same variant; the
-second is the steady state the replicas settle in.
+events" measured little more than prediction. Within a workload the variants take turns:
+events on with 1, 2, 4 replicas, then events off with 4, 2, 1 (the order reversed every
+other round with `--rounds`), on GPUs started afresh for each round (`Placements`). TTFT
+p99 is given over the whole run and over the requests sent after its first quarter
+("warm"): the cold start (every prompt a miss on empty GPUs) decides the first, and varies
+by +-20% from run to run of the same variant; the second is the steady state the replicas
+settle in.
 
 Budgets: 4 replicas with `--redis-url` (a redis-server of our own, fresh for each run) and one
 API key's `--tokens-per-minute`; clients ask for about seven times the budget; admitted tokens
