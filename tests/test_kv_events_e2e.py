@@ -3,9 +3,9 @@ what its prefix cache stores and evicts, a subscriber keeps an index from it alo
 messages come back from the replay socket (or the index is rebuilt without one), and
 `POST /sim/evict` empties it; a publisher that sends garbage or restarts, and an endpoint
 nobody listens on, never take the proxy down; an engine whose token ids are not Sluice's
-is reported unmatched; and through a whole Sluice: after an eviction
-the next request for that prefix is not sent to that backend as a prefix hit, and the
-events' numbers show in /metrics and /api/snapshot."""
+is reported unmatched; and through a whole Sluice: after an eviction the next request for
+that prefix is not sent to that backend as a prefix hit, and the events' numbers show in
+/metrics and /api/snapshot."""
 
 from __future__ import annotations
 
