@@ -15,9 +15,9 @@ import re
 Headers = list[tuple[bytes, bytes]]
 
 # RFC 9110 §5.1 token; a value of visible characters, spaces and tabs (obs-text allowed).
-_FIELD_LINE = re.compile(
-    rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*?)[ \t]*"
-)
+# The value is matched greedily and its trailing whitespace stripped afterwards: a lazy
+# match would try the end of the line after every character (~0.3 µs a field).
+_FIELD_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)")
 
 
 class FieldError(ValueError):
@@ -32,7 +32,7 @@ def parse_fields(lines: list[bytes]) -> Headers:
         field = match(line)
         if field is None:
             raise FieldError(f"invalid header line {line[:60]!r}")
-        headers.append((field.group(1).lower(), field.group(2)))
+        headers.append((field.group(1).lower(), field.group(2).rstrip(b" \t")))
     return headers
 
 
