@@ -65,7 +65,7 @@ RENDER_ON_LOOP_BUDGET = 1e-3  # seconds a render may hold the event loop
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Prepared:
     # The served model (an alias resolved); None when it was not resolved (no directory, or
     # a bail-out before the body was parsed with one model served, which it then goes to).

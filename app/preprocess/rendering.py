@@ -41,7 +41,7 @@ class RenderSpec:
     vocab_size: int  # token ids at or above are refused
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Rendered:
     fields: dict[str, Any]  # the request's top-level fields, but the prompt's own
     prompt: str | list[int]  # the rendered chat prompt, the completion text, or given ids
@@ -52,7 +52,7 @@ class Rendered:
     template_seconds: float  # the render alone, without parsing or checks
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RenderPlan:
     """How to render any body: its model's spec (`by_model`, else `default`) and how much of
     a long prompt to keep (from the model's window). Pickled with each job: the specs it
@@ -81,7 +81,7 @@ class RenderPlan:
         return model, spec, head
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RenderedRequest:
     model: str | None  # the served model (None: not resolved)
     rendered: Rendered

@@ -86,9 +86,14 @@ class Timing:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Outgoing:
-    """One validated, preprocessed request, ready to be forwarded (and retried)."""
+    """One validated, preprocessed request, ready to be forwarded (and retried).
+
+    Not frozen, like every value a request hands along its path (RequestHead, Prepared,
+    RouteRequest, Decision, ResponseHead, Relayed, Usage): nothing changes them once made,
+    and a frozen dataclass's __init__ sets each field through object.__setattr__, which
+    cost ~60,000 of the proxy's ~1,155,000 instructions a request (callgrind)."""
 
     path: str
     body: bytes

@@ -53,7 +53,7 @@ log = logging.getLogger("sluice.forward")
 IDLE_SLACK = 0.1  # the idle deadline moves by idle x (1 + this) when it moves
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Relayed:
     broken: str | None  # None when the answer ended well, else what broke it
     tail: bytes  # the answer's last TAIL_BYTES, where its usage is

@@ -47,7 +47,7 @@ def bad_request(message: str, status: int = 400) -> ClientError:
     return ClientError(message, code="bad_request", status=status)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestHead:
     method: bytes
     target: bytes

@@ -38,7 +38,7 @@ def request_bytes(host: bytes, path: bytes, headers: Headers, body: bytes) -> by
     return b"".join(lines)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResponseHead:
     status: int
     headers: Headers  # names in lower case
@@ -60,15 +60,15 @@ class ResponseHead:
                 if len(buffer) > MAX_HEAD_BYTES:
                     raise ProtocolError(f"a response head longer than {MAX_HEAD_BYTES} bytes")
                 return None
-            head = _head(buffer[:end])
-            buffer = buffer[end + separator :]
+            head = _head(buffer[:end], buffer[end + separator :])
             if head.status >= 200:
-                return ResponseHead(head.status, head.headers, head.keep_alive, buffer)
+                return head
             if head.status == 101:
                 raise ProtocolError("the backend switched protocols, which was not asked")
+            buffer = head.rest
 
 
-def _head(text: bytes) -> ResponseHead:
+def _head(text: bytes, rest: bytes) -> ResponseHead:
     lines = [line.rstrip(b"\r") for line in text.split(b"\n")]
     match = _STATUS_LINE.fullmatch(lines[0])
     if match is None:
@@ -80,4 +80,4 @@ def _head(text: bytes) -> ResponseHead:
     keep_alive = match.group(1) == b"1" and not any(
         name == b"connection" and b"close" in value.lower() for name, value in headers
     )
-    return ResponseHead(int(match.group(2)), headers, keep_alive, b"")
+    return ResponseHead(int(match.group(2)), headers, keep_alive, rest)

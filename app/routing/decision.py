@@ -19,7 +19,7 @@ from app.routing.backends import Backend
 from app.routing.block_index import BLOCK_SIZE
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RouteRequest:
     """What a policy may look at. `token_ids` is None when tokenization was skipped; `text` is
     the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
@@ -53,7 +53,7 @@ class Prediction:
         return self.blocks < self.prompt_tokens // BLOCK_SIZE
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     backend: Backend
     reason: str

@@ -19,7 +19,7 @@ _USAGE = b'"usage"'
 _FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Usage:
     prompt_tokens: int | None
     completion_tokens: int | None
