@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from bisect import bisect_left
-from typing import Self, cast
+from typing import Any, Self, cast
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
@@ -27,7 +27,8 @@ TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
-LabelKey = tuple[tuple[object, ...], tuple[tuple[str, object], ...]]
+# Label values as given: positionally, or by name (in the order the call named them).
+LabelKey = tuple[object, ...] | tuple[tuple[str, object], ...]
 
 
 class _RemembersChildren:
@@ -35,31 +36,32 @@ class _RemembersChildren:
     checks its arguments and takes a lock on every call (~2 us), and a request asks for a
     dozen. Bounded by the metric's own label values."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._made: dict[LabelKey, Self] = {}
+        super().__init__(*args, **kwargs)
+
     def labels(self, *values: object, **named: object) -> Self:
-        made: dict[LabelKey, Self] = self.__dict__.setdefault("_made", {})
-        key = (values, tuple(named.items()))
-        child = made.get(key)
+        key = tuple(named.items()) if named else values
+        child = self._made.get(key)
         if child is None:
-            child = made[key] = cast(Self, super().labels(*values, **named))  # type: ignore[misc]
+            child = self._made[key] = cast(Self, super().labels(*values, **named))  # type: ignore[misc]
         return child
 
     def remove(self, *values: object) -> None:
-        self.__dict__.pop("_made", None)
+        self._made.clear()
         super().remove(*values)  # type: ignore[misc]
 
 
 class _LoopValue:
     """One sample's value, changed on the event loop's thread only (every update of ours
-    is made there). prometheus_client's value takes a lock for each change, and its
-    metrics check their labels first: ~0.5 µs an update, ~15 updates a request."""
+    is made there), in place by the metrics below. prometheus_client's value takes a lock
+    for each change, and its metrics check their labels first: ~0.5 µs an update, ~15
+    updates a request."""
 
     __slots__ = ("value",)
 
     def __init__(self) -> None:
         self.value = 0.0
-
-    def inc(self, amount: float) -> None:
-        self.value += amount
 
     def set(self, value: float, timestamp: float | None = None) -> None:
         self.value = value
@@ -80,7 +82,7 @@ class Counter(_RemembersChildren, prometheus_client.Counter):
         self._value = cast(MutexValue, _LoopValue())
 
     def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
-        self._value.inc(amount)
+        self._value.value += amount
 
 
 class Gauge(_RemembersChildren, prometheus_client.Gauge):
@@ -89,10 +91,10 @@ class Gauge(_RemembersChildren, prometheus_client.Gauge):
         self._value = cast(MutexValue, _LoopValue())
 
     def inc(self, amount: float = 1) -> None:
-        self._value.inc(amount)
+        self._value.value += amount
 
     def dec(self, amount: float = 1) -> None:
-        self._value.inc(-amount)
+        self._value.value -= amount
 
     def set(self, value: float) -> None:
         self._value.set(float(value))
@@ -105,9 +107,9 @@ class Histogram(_RemembersChildren, prometheus_client.Histogram):
         self._buckets = [cast(MutexValue, _LoopValue()) for _ in self._upper_bounds]
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
-        self._sum.inc(amount)
+        self._sum.value += amount
         # The first bucket whose upper bound is >= amount, as prometheus_client counts it.
-        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+        self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
 
 
 class Metrics:

@@ -320,7 +320,7 @@ class Exchange:
         HTTP/1.0 client)."""
         if self.method == "HEAD":
             framing = _NONE
-        elif any(name == b"content-length" for name, _ in headers):
+        elif field(headers, b"content-length") is not None:
             framing = _COUNTED
         elif self.http_version == b"1.1":
             framing = _CHUNKED
@@ -389,7 +389,7 @@ def response_head(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
     """Status line and header lines; names and values are the proxy's own or came through a
     parser that validated them (header_fields.py, for a client's and a backend's alike)."""
     lines = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b""))]
-    lines.extend(b"%b: %b\r\n" % pair for pair in headers)
+    lines += [b"%b: %b\r\n" % pair for pair in headers]
     lines.append(b"\r\n")
     return b"".join(lines)
 

@@ -60,9 +60,12 @@ class RequestHead:
     @property
     def keep_alive(self) -> bool:
         """HTTP/1.1 without `Connection: close` (RFC 9112 §9.3)."""
-        return self.http_version == b"1.1" and not any(
-            name == b"connection" and _lists(value, b"close") for name, value in self.headers
-        )
+        if self.http_version != b"1.1":
+            return False
+        for name, value in self.headers:
+            if name == b"connection" and _lists(value, b"close"):
+                return False
+        return True
 
     @property
     def expects_continue(self) -> bool:
@@ -177,8 +180,6 @@ def _head(text: bytes) -> RequestHead:
         headers = parse_fields(lines[1:])
     except FieldError as exc:
         raise bad_request(f"Malformed request head: {exc}.") from None
-    if version == b"1.1":
-        hosts = sum(1 for name, _ in headers if name == b"host")
-        if hosts != 1:
-            raise bad_request("An HTTP/1.1 request must carry one Host header.")
+    if version == b"1.1" and [name for name, _ in headers].count(b"host") != 1:
+        raise bad_request("An HTTP/1.1 request must carry one Host header.")
     return RequestHead(method, target, version, headers)

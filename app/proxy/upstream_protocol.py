@@ -32,7 +32,7 @@ def request_bytes(host: bytes, path: bytes, headers: Headers, body: bytes) -> by
     """A POST of `body` with `headers` (valid names and values, lower case, without Host,
     Content-Length or hop-by-hop ones), in one buffer for one write."""
     lines = [b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n" % (path, host, len(body))]
-    lines.extend(b"%b: %b\r\n" % pair for pair in headers)
+    lines += [b"%b: %b\r\n" % pair for pair in headers]
     lines.append(b"\r\n")
     lines.append(body)
     return b"".join(lines)
@@ -77,7 +77,8 @@ def _head(text: bytes, rest: bytes) -> ResponseHead:
         headers = parse_fields(lines[1:])
     except FieldError as exc:
         raise ProtocolError(str(exc)) from None
-    keep_alive = match.group(1) == b"1" and not any(
-        name == b"connection" and b"close" in value.lower() for name, value in headers
-    )
+    keep_alive = match.group(1) == b"1"
+    for name, value in headers:
+        if name == b"connection" and b"close" in value.lower():
+            keep_alive = False
     return ResponseHead(int(match.group(2)), headers, keep_alive, rest)

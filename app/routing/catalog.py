@@ -49,7 +49,7 @@ class ModelCatalog:
         self.created = int(time.time())
 
     def directory(self, backends: Sequence[Backend]) -> ModelDirectory:
-        key = tuple((id(b), b.healthy, b.models_version) for b in backends)
+        key = tuple([(id(b), b.healthy, b.models_version) for b in backends])
         if key != self._key:
             self._key, self._directory = key, self._build(backends)
         return self._directory
