@@ -28,7 +28,7 @@ from app.errors import ClientError, error_body
 from app.proxy.body_framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
 from app.proxy.departures import Departures
-from app.proxy.header_fields import Headers, field
+from app.proxy.header_fields import Headers, field, first_values
 from app.proxy.request_head import HeadReader, RequestHead
 
 CLOSE = (b"connection", b"close")
@@ -170,6 +170,7 @@ class Exchange:
     __slots__ = (
         "_closing",
         "_connection",
+        "_first_values",
         "_framing",
         "_read_timeout",
         "client_wait",
@@ -199,6 +200,7 @@ class Exchange:
         self.path = request.target.partition(b"?")[0].decode("latin-1")
         self.http_version = request.http_version
         self.headers: Headers = request.headers  # names in lower case
+        self._first_values = first_values(request.headers)
         self.status: int | None = None  # once the answer's head went out
         self.first_byte_at: float | None = None  # perf_counter at the first body byte
         self.complete = False  # the answer's last byte went out
@@ -209,7 +211,7 @@ class Exchange:
         self.client_wait: SendWait | None = None
 
     def header(self, name: bytes) -> bytes | None:
-        return field(self.headers, name)
+        return self._first_values.get(name)
 
     @property
     def started(self) -> bool:

@@ -42,3 +42,8 @@ def field(headers: Headers, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def first_values(headers: Headers) -> dict[bytes, bytes]:
+    """Each name's first value, what `field` finds: for a head asked for several names."""
+    return dict(reversed(headers))

@@ -112,6 +112,8 @@ class HeadReader:
     def parse(self, buffer: bytes) -> tuple[RequestHead | None, int]:
         """The head `buffer` starts with, once whole (else None), and how many bytes of
         `buffer` were taken: the head's, and any empty lines before it."""
+        if not buffer:  # asked after every answer, before the next request has come
+            return None, 0
         skipped = 0
         while True:  # empty lines: CRLF or LF, never a lone CR (RFC 9112 §2.2)
             if buffer.startswith(b"\r\n", skipped):
@@ -174,7 +176,11 @@ def _without_cr(line: bytes) -> bytes:
 
 
 def _head(text: bytes) -> RequestHead:
-    lines = [_without_cr(line) for line in text.split(b"\n")]
+    trimmed = _without_cr(text)  # the last line's CR: the head's end was found by its LF
+    if trimmed.count(b"\n") == trimmed.count(b"\r\n"):  # every line ends in CRLF, as usual
+        lines = trimmed.split(b"\r\n")
+    else:
+        lines = [_without_cr(line) for line in text.split(b"\n")]
     method, target, version = _request_line(lines[0])
     try:
         headers = parse_fields(lines[1:])

@@ -20,7 +20,7 @@ import trio
 
 from app.proxy.body_framing import FramingError, decoder_for
 from app.proxy.byte_stream import ByteStream, byte_stream
-from app.proxy.header_fields import Headers, field
+from app.proxy.header_fields import Headers, first_values
 from app.proxy.upstream_protocol import ProtocolError, ResponseHead, request_bytes
 
 # An idle connection younger than this is reused without asking its socket whether the
@@ -68,6 +68,7 @@ class UpstreamResponse:
     ) -> None:
         self.status_code = head.status
         self.headers = head.headers
+        self._first_values = first_values(head.headers)
         self._pool = pool
         self._key = key
         self._connection: _Connection | None = connection
@@ -81,7 +82,7 @@ class UpstreamResponse:
         self.complete = self._decoder.done  # the whole body has been decoded
 
     def header(self, name: bytes) -> bytes | None:
-        return field(self.headers, name)
+        return self._first_values.get(name)
 
     def take_arrived(self) -> bytes:
         """The content of the body bytes that came with the head (b"" if none); never
