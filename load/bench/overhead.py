@@ -13,7 +13,9 @@ proxy's own work. Non-streaming one-token chats from the lean raw client (load/r
    p50/p99 = the target's minus direct's over the same rounds (a floor answers without a
    backend: its "added" latency is negative); CPU per request from /proc (the process and
    its children), median of the rounds with their range.
-2. Closed loop: 32 clients, requests per second.
+2. Closed loop: 32 clients, requests per second, twice as many rounds as an open-loop rate;
+   each target's median, and its ratio to SMG's taken round by round (the two ran seconds
+   apart: the machine's drift between rounds, often larger than the difference, cancels).
 3. Idle: CPU per second with no traffic (10 ms clock ticks: +-2 ms/s over 5 s).
 """
 
@@ -117,7 +119,13 @@ async def measure(bench: Bench) -> dict[str, Any]:
         closed[name].append(done / wall)
         return {}
 
-    await bench.alternate(rounds, list(targets), closed_round, " 32 clients")
+    await bench.alternate(2 * rounds, list(targets), closed_round, " 32 clients")
+    smg = closed.get("smg")
+    versus_smg = {
+        name: list(ranged([a / b for a, b in zip(per_s, smg, strict=True)]))
+        for name, per_s in closed.items()
+        if smg and name != "smg"
+    }
     for pool in pools.values():
         await pool.close()
     idle: dict[str, float] = {}
@@ -130,6 +138,8 @@ async def measure(bench: Bench) -> dict[str, Any]:
     return {
         "fixed_rates": fixed,
         "closed_loop_32_req_per_s": {n: statistics.median(v) for n, v in closed.items()},
+        "closed_loop_32_rounds": closed,
+        "closed_loop_32_vs_smg_by_round": versus_smg,
         "idle_cpu_ms_per_s": idle,
         "rounds": rounds,
         "seconds_per_round": seconds,
@@ -143,6 +153,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             cpu = Ranged(f["cpu_ms_per_request"], *f["cpu_ms_per_request_range"])
             rows.append([rate, name, f["added_p50_ms"], f["added_p99_ms"], cpu, f["errors"]])
     closed, idle = result["closed_loop_32_req_per_s"], result["idle_cpu_ms_per_s"]
+    versus_smg = result.get("closed_loop_32_vs_smg_by_round", {})
     return [
         Table(
             f"open loop, {result['rounds']} alternating rounds of "
@@ -153,10 +164,14 @@ def tables(result: dict[str, Any]) -> list[Table]:
         ),
         Table(
             "",
-            ["target", "32 clients, req/s", "idle CPU ms/s"],
-            [[n, closed[n], idle.get(n)] for n in closed],
+            ["target", "32 clients, req/s", "vs SMG by round (range)", "idle CPU ms/s"],
+            [[n, closed[n], _ratio(versus_smg.get(n)), idle.get(n)] for n in closed],
         ),
     ]
+
+
+def _ratio(ratio: list[float] | None) -> str | None:
+    return None if ratio is None else "{:.3f}x ({:.3f}-{:.3f})".format(*ratio)
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
