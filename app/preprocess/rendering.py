@@ -118,7 +118,8 @@ def encode_body(payload: dict[str, Any]) -> bytes:
 def render_payload(
     kind: Kind, payload: dict[str, Any], spec: RenderSpec, head_chars: int | None
 ) -> Rendered:
-    fields = {key: value for key, value in payload.items() if key != PROMPT_FIELDS[kind]}
+    fields = payload.copy()
+    fields.pop(PROMPT_FIELDS[kind], None)
     if kind == "completion":
         request_bodies.check_completion(payload)
         prompt = request_bodies.completion_prompt(payload, spec.vocab_size)

@@ -56,7 +56,9 @@ def upstream_headers(client_headers: Headers, request_id: bytes) -> Headers:
 
 def _connection_tokens(response: UpstreamResponse) -> set[bytes]:
     """Headers named in `Connection:` are hop-by-hop too (RFC 9110 §7.6.1)."""
-    value = response.header(b"connection") or b""
+    value = response.header(b"connection")
+    if not value:
+        return set()
     return {token.strip().lower() for token in value.split(b",") if token.strip()}
 
 

@@ -32,7 +32,8 @@ def parse_fields(lines: list[bytes]) -> Headers:
         field = match(line)
         if field is None:
             raise FieldError(f"invalid header line {line[:60]!r}")
-        headers.append((field.group(1).lower(), field.group(2).rstrip(b" \t")))
+        name, value = field.groups()
+        headers.append((name.lower(), value.rstrip(b" \t")))
     return headers
 
 
