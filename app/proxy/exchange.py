@@ -28,7 +28,7 @@ from app.errors import ClientError, error_body
 from app.proxy.body_framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
 from app.proxy.byte_stream import ByteStream, SendWait
 from app.proxy.departures import Departures
-from app.proxy.header_fields import Headers, field, first_values
+from app.proxy.header_fields import Headers, field, field_lines, first_values
 from app.proxy.request_head import HeadReader, RequestHead
 
 CLOSE = (b"connection", b"close")
@@ -391,7 +391,7 @@ def response_head(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
     """Status line and header lines; names and values are the proxy's own or came through a
     parser that validated them (header_fields.py, for a client's and a backend's alike)."""
     lines = [b"HTTP/1.1 %d %b\r\n" % (status, _REASONS.get(status, b""))]
-    lines += [b"%b: %b\r\n" % pair for pair in headers]
+    lines += field_lines(headers)
     lines.append(b"\r\n")
     return b"".join(lines)
 

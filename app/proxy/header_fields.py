@@ -5,12 +5,14 @@ backends' response heads (upstream_protocol.py). A field is a token, a colon, an
 visible characters, spaces and tabs (obs-text allowed), trimmed of the spaces around it. A
 line that is anything else is refused, which keeps CR, LF and NUL out of every value the
 proxy passes on, and refuses folded lines (obs-fold: a line starting with whitespace), which
-RFC 9112 §5.2 lets a recipient reject.
+RFC 9112 §5.2 lets a recipient reject. One writing too, for the heads the proxy sends both
+ways (its answers, exchange.py; its requests to backends, upstream_protocol.py).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -43,6 +45,12 @@ def field(headers: Headers, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def field_lines(headers: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
+    """Each field as a line of a head, CRLF included; names and values must be valid ones
+    (this module's parse, or the proxy's own)."""
+    return [b"%b: %b\r\n" % pair for pair in headers]
 
 
 def first_values(headers: Headers) -> dict[bytes, bytes]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from app.proxy.header_fields import FieldError, Headers, parse_fields
+from app.proxy.header_fields import FieldError, Headers, field_lines, parse_fields
 
 MAX_HEAD_BYTES = 65536
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
@@ -32,7 +32,7 @@ def request_bytes(host: bytes, path: bytes, headers: Headers, body: bytes) -> by
     """A POST of `body` with `headers` (valid names and values, lower case, without Host,
     Content-Length or hop-by-hop ones), in one buffer for one write."""
     lines = [b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n" % (path, host, len(body))]
-    lines += [b"%b: %b\r\n" % pair for pair in headers]
+    lines += field_lines(headers)
     lines.append(b"\r\n")
     lines.append(body)
     return b"".join(lines)
