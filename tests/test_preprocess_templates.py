@@ -5,6 +5,8 @@
 - The shipped DeepSeek-V3 template: system prompts, turns, tool calls and tool outputs.
 - Shipped templates, which render outside the sandbox, render exactly as they do inside it;
   the default tokenizer's template is the shipped one, unsandboxed; a file's is sandboxed.
+- Their plain Python renders (shipped_renders.py) give Jinja's string for 2,000 generated
+  conversations each, and decline (Jinja renders, or refuses) whatever they do not take.
 - Bad input, each a ClientError with a clear message: a template's raise_exception, a
   template crashing on the messages, non-text content parts, malformed content, batched and
   out-of-vocabulary completion prompts, reserved chat_template_kwargs, unpaired surrogates
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import datetime
+import random
 from pathlib import Path
 from typing import Any
 
@@ -101,19 +104,85 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "llama3", "chatml"])
+SHIPPED_NAMES = ["deepseek_v3", "llama3", "chatml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED_NAMES)
 def test_shipped_templates_render_outside_the_sandbox_as_inside(name: str) -> None:
     tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
     for messages in CONVERSATIONS:
         for generation_prompt in (True, False):
+            jinja = [
+                shipped(name, sandboxed).render_with_jinja(
+                    messages, add_generation_prompt=generation_prompt
+                )
+                for sandboxed in (False, True)
+            ]
+            assert jinja[0] == jinja[1]
             for extra in ({}, {"tools": tools}):
-                renders = [
-                    shipped(name, sandboxed).render(
-                        messages, add_generation_prompt=generation_prompt, **extra
-                    )
-                    for sandboxed in (False, True)
-                ]
-                assert renders[0] == renders[1]
+                rendered = shipped(name).render(
+                    messages, add_generation_prompt=generation_prompt, **extra
+                )
+                assert rendered == jinja[0]
+
+
+def generated_message(rng: random.Random) -> dict[str, Any]:
+    """A message as `template_messages` hands it on, now and then with what no request
+    passing the checks carries (a missing key, a number), to see the renders decline it."""
+    texts = ["", "hi", "  padded \n", "héllo ☃", "{{ x }} {% raw %}", "\n\n", "a" * 40]
+    message: dict[str, Any] = {
+        "role": rng.choice(["system", "user", "user", "assistant", "assistant", "tool",
+                            "developer", "function"]),
+        "content": rng.choice([*texts, None]),
+    }  # fmt: skip
+    if message["role"] == "assistant" and rng.random() < 0.3:
+        message["tool_calls"] = rng.choice([[CALL], [], None])
+    if rng.random() < 0.03:
+        del message[rng.choice(["role", "content"])]
+    elif rng.random() < 0.03:
+        message[rng.choice(["role", "content"])] = 7
+    return message
+
+
+@pytest.mark.parametrize("name", SHIPPED_NAMES)
+def test_plain_python_renders_match_jinja(name: str) -> None:
+    template = shipped(name)
+    direct = template.compiled.direct
+    assert direct is not None
+    rng = random.Random(name)
+    taken = 0
+    for _ in range(2000):
+        messages = [generated_message(rng) for _ in range(rng.randint(1, 6))]
+        generation_prompt = rng.random() < 0.7
+        try:
+            jinja: str | None = template.render_with_jinja(
+                messages, add_generation_prompt=generation_prompt
+            )
+        except Exception:
+            jinja = None
+        plain = direct(messages, generation_prompt, BOS)
+        if plain is not None:
+            taken += 1
+            assert plain == jinja, messages
+        if jinja is None:
+            with pytest.raises(ClientError):
+                template.render(messages, add_generation_prompt=generation_prompt)
+        else:
+            assert template.render(messages, add_generation_prompt=generation_prompt) == jinja
+    assert taken > 200  # the plain renders take ordinary conversations
+    ordinary = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "and?"},
+    ]
+    assert direct(ordinary, True, BOS) is not None
+
+
+def test_a_file_with_a_shipped_templates_text_renders_in_plain_python(tmp_path: Path) -> None:
+    source = (SHIPPED_DIR / "chatml.jinja").read_text()
+    assert template(source).compiled.direct is not None
+    assert template(source + " ").compiled.direct is None
 
 
 def test_only_shipped_templates_leave_the_sandbox(tmp_path: Path) -> None:

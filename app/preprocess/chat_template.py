@@ -6,7 +6,8 @@ mutation of the request's lists and dicts). The templates shipped here (chat_tem
 ours, so they run in a plain `Environment` with the same settings: the sandbox's check of
 every attribute, item and call took 11 of 24 µs of a one-message DeepSeek-V3 render, ~5% of
 the proxy's CPU for a small chat, and guards nothing that the shipped files do not already
-avoid (tests render each both ways and compare). Either environment matches
+avoid (tests render each both ways and compare). Their text, from a file too, also renders
+the usual conversations without Jinja at all (shipped_renders.py). Either environment matches
 `transformers.apply_chat_template`: `trim_blocks`, `lstrip_blocks`, the `loopcontrols`
 extension, a `tojson` filter that keeps non-ASCII text and takes `indent`, and the globals
 `raise_exception` and `strftime_now`. Templates receive
@@ -46,6 +47,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from app.errors import ClientError
+from app.preprocess.shipped_renders import BY_NAME, DirectRender
 
 if TYPE_CHECKING:  # render worker processes import this module without the tokenizer
     from app.preprocess.tokenizer_loading import LoadedTokenizer
@@ -107,18 +109,20 @@ class ChatTemplate:
         documents: Any = None,
         extra: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt, or a ClientError carrying the template's own message."""
-        context = dict(extra or {})
-        context.update(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            documents=documents,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        """The prompt, or a ClientError carrying the template's own message. A shipped
+        template renders the conversations it can in plain Python (shipped_renders.py)."""
+        compiled = self.compiled
+        direct = compiled.direct
         try:
-            return self.compiled.render(context)
+            # The shipped templates read no tools or documents; extra variables could
+            # shadow the globals they call, so only Jinja renders with them.
+            if direct is not None and not extra:
+                prompt = direct(messages, add_generation_prompt, self.bos_token)
+                if prompt is not None:
+                    return prompt
+            return compiled.render(
+                self._variables(messages, add_generation_prompt, tools, documents, extra)
+            )
         except TemplateRaisedError as exc:
             raise ClientError(str(exc), "messages", "chat_template_error") from exc
         except Exception as exc:  # any failure of a template on these messages is a 400
@@ -128,6 +132,33 @@ class ChatTemplate:
                 "messages",
                 "chat_template_error",
             ) from exc
+
+    def render_with_jinja(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool
+    ) -> str:
+        """The prompt as Jinja renders it, for what a render costs when no plain Python
+        render takes the conversation (the cost model's calibration, benchmarks)."""
+        variables = self._variables(messages, add_generation_prompt, None, None, None)
+        return self.compiled.render(variables)
+
+    def _variables(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: Any,
+        documents: Any,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        variables = dict(extra or {})
+        variables.update(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        return variables
 
 
 @dataclass(frozen=True)
@@ -155,7 +186,12 @@ CONSERVATIVE_RENDER_COST = RenderCost(base=200e-6, per_message=16e-6)
 
 
 def calibrate_render_cost(template: ChatTemplate) -> RenderCost:
-    """Time renders of two synthetic conversations: 4 and 68 short messages."""
+    """Time Jinja's renders of two synthetic conversations: 4 and 68 short messages.
+
+    Jinja's, even for a shipped template: a conversation its plain Python render declines
+    (tool calls) costs that much, and the estimate must not send such a render to the loop.
+    The plain renders, ~10x cheaper, are then estimated high, which at worst sends a long
+    conversation to a render worker as before."""
 
     def conversation(n: int) -> list[dict[str, Any]]:
         turns = [
@@ -168,13 +204,13 @@ def calibrate_render_cost(template: ChatTemplate) -> RenderCost:
         best = math.inf
         for _ in range(3):  # the minimum: calibration must not learn from a noisy neighbour
             start = time.perf_counter()
-            template.render(messages, add_generation_prompt=True)
+            template.render_with_jinja(messages, add_generation_prompt=True)
             best = min(best, time.perf_counter() - start)
         return best
 
     try:
         few, many = seconds(conversation(4)), seconds(conversation(68))
-    except ClientError:
+    except Exception:  # any failure of the template on these messages
         return CONSERVATIVE_RENDER_COST
     return RenderCost(base=few, per_message=max(many - few, 0.0) / 64)
 
@@ -217,8 +253,9 @@ class CompiledTemplate:
     environment's) into a new dict on every call: ~5 of a one-message render's 13 µs.
     Rendering from a copy of the merged dict does the rest of what it does."""
 
-    def __init__(self, template: Template) -> None:
+    def __init__(self, template: Template, direct: DirectRender | None) -> None:
         self.template = template
+        self.direct = direct
         self._globals = dict(template.globals)
 
     def render(self, variables: dict[str, Any]) -> str:
@@ -230,8 +267,16 @@ class CompiledTemplate:
 
 @functools.lru_cache(maxsize=64)
 def compile_template(source: str, *, sandboxed: bool = True) -> CompiledTemplate:
-    """Compiled once per distinct source (compiling costs milliseconds; rendering far less)."""
-    return CompiledTemplate(_environment(sandboxed).from_string(source))
+    """Compiled once per distinct source (compiling costs milliseconds; rendering far less).
+    A source that is a shipped template's text also gets that template's plain Python
+    render, sandboxed or not: it renders the same string."""
+    template = _environment(sandboxed).from_string(source)
+    return CompiledTemplate(template, _direct_renders().get(source))
+
+
+@functools.cache
+def _direct_renders() -> dict[str, DirectRender]:
+    return {_read_text(SHIPPED_DIR / f"{name}.jinja"): render for name, render in BY_NAME.items()}
 
 
 def shipped_family(added_tokens: Collection[str]) -> ShippedFamily | None:

@@ -1,11 +1,13 @@
 """`python -m load bench templating`: seed 002's experiments 2 and 4, in process.
 
 1. The chat-history tax (exp 2): Jinja2 render time of the shipped chat templates for a
-   conversation of constant total length split into 1, 10, 50, 100 and 1,000 messages.
+   conversation of constant total length split into 1, 10, 50, 100 and 1,000 messages, and
+   the same conversations rendered by their plain Python renders (shipped_renders.py).
 2. The render's cost per message, and where the proxy runs it: 1 to 1,024 messages of ~60
-   tokens, measured beside the calibrated cost model's estimate and its verdict (on the
-   loop when the estimate is under RENDER_ON_LOOP_BUDGET, else in a render worker), and what
-   a render cache's key (the messages as JSON) would cost.
+   tokens, the proxy's render (the plain Python one, for these) measured beside the cost
+   model's estimate (calibrated on Jinja's renders) and its verdict (on the loop when the
+   estimate is under RENDER_ON_LOOP_BUDGET, else in a render worker), and what a render
+   cache's key (the messages as JSON) would cost.
 3. Threads vs the GIL (exp 4): a fixed amount of work (renders of a 100-message
    conversation; `encode_batch_fast` of ~4k-token texts, the call Sluice offloads) split over
    1, 2, 4 and 8 threads; speedup = time on 1 thread / time on N. Jinja2 is pure Python and
@@ -66,15 +68,23 @@ def median_seconds(fn: Callable[[], object], repeat: int) -> float:
 
 
 def history_tax(tokens: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Render ms by messages: Jinja's, under each template's name, and the plain Python
+    render's, under "<name> (python)"."""
     rng = random.Random(2)
     out: dict[str, dict[str, float]] = {}
     for name in TEMPLATES:
         compiled = template(name)
-        out[name] = {}
+        jinja: dict[str, float] = {}
+        python: dict[str, float] = {}
+        out[name], out[f"{name} (python)"] = jinja, python
         for turns in TURNS:
             messages = conversation(max(1, tokens // turns), turns, rng)
-            render = functools.partial(compiled.render, messages, add_generation_prompt=True)
-            out[name][str(turns)] = median_seconds(render, repeat) * 1e3
+            for renders, render in (
+                (jinja, compiled.render_with_jinja),
+                (python, compiled.render),
+            ):
+                timed = functools.partial(render, messages, add_generation_prompt=True)
+                renders[str(turns)] = median_seconds(timed, repeat) * 1e3
     return out
 
 
@@ -142,7 +152,7 @@ def in_process(bench: Bench) -> dict[str, Any]:
     text = Corpus.default().text(rng, 4000)
     jobs = bench.pick(16, 48)
     work: dict[str, Callable[[], object]] = {
-        "jinja2": lambda: compiled.render(messages, add_generation_prompt=True),
+        "jinja2": lambda: compiled.render_with_jinja(messages, add_generation_prompt=True),
         "tokenizer": lambda: encode(text),
     }
     speedups = scaling(jobs, work, bench.pick(3, 7))
@@ -162,7 +172,8 @@ def tables(blob: dict[str, Any]) -> list[Table]:
         Table(
             f"render ms at ~{result['tokens'] // 1000}k tokens, by messages",
             ["template", *map(str, TURNS), "100 vs 1"],
-            [[n, *tax[n].values(), tax[n]["100"] / tax[n]["1"]] for n in TEMPLATES],
+            [[n, *by_turns.values(), by_turns["100"] / by_turns["1"]]
+             for n, by_turns in tax.items()],
             digits=2,
         ),
         Table(
@@ -193,7 +204,7 @@ def plot(blob: dict[str, Any], png: Path) -> None:
     plot_lines(
         f"Render time vs messages at ~{result['tokens'] // 1000}k tokens",
         list(TURNS),
-        {name: list(result["render_ms"][name].values()) for name in TEMPLATES},
+        {name: list(by_turns.values()) for name, by_turns in result["render_ms"].items()},
         "messages",
         "ms",
         png,
