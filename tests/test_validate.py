@@ -1,8 +1,9 @@
-"""Request validation alone: every malformed body names the offending param (its `model` is
-resolved before, tests/test_models.py)."""
+"""Request validation alone: bodies parse as `json.loads` parses them, and every malformed
+body names the offending param (its `model` is resolved before, tests/test_models.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -17,6 +18,29 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def test_bodies_that_are_not_json_objects(body: bytes) -> None:
     with pytest.raises(ClientError):
         parse_json_object(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a": "\xc3\xa9"}',
+        b'{"a": "\xed\xa0\x80"}',  # an encoded lone surrogate, as json.loads takes it
+        '{"a": 1}'.encode("utf-16-le"),
+        '{"a": 1}'.encode("utf-32"),
+        b'\xef\xbb\xbf{"a": 1}',
+        b' {"a": 1} ',
+        b'{"a": 1} x',
+        b'{"a": "\xff"}',
+    ],
+)
+def test_bodies_parse_as_json_loads_parses_them(body: bytes) -> None:
+    try:
+        expected = json.loads(body)
+    except ValueError:
+        with pytest.raises(ClientError):
+            parse_json_object(body)
+    else:
+        assert parse_json_object(body) == expected
 
 
 @pytest.mark.parametrize(

@@ -22,11 +22,19 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+_decode_json = json.JSONDecoder().decode
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     if not body:
         raise ClientError("The request body is empty; expected a JSON object.")
     try:
-        payload = json.loads(body)
+        if body[:1] == b"{" and body[1:2] != b"\x00":
+            # What json.loads(bytes) decodes an object's UTF-8 text with, without its
+            # encoding sniffing (UTF-16 and -32 start with a null byte within two).
+            payload = _decode_json(body.decode("utf-8", "surrogatepass"))
+        else:
+            payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ClientError(f"The request body is not valid JSON: {exc}") from None
     except RecursionError:
