@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Self, cast
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
 
 from app.observe.request_trace import TrafficRecorder
@@ -110,6 +113,35 @@ class Histogram(_RemembersChildren, prometheus_client.Histogram):
         self._sum.value += amount
         # The first bucket whose upper bound is >= amount, as prometheus_client counts it.
         self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
+
+
+class LabelledReading(Collector):
+    """A gauge with one label whose values are read when scraped, from counts the proxy
+    keeps anyway (`set_function` for a labelled gauge). A request in flight on a backend
+    moved such a gauge twice, through two label lookups; this reads the pool instead.
+    Nothing is read until `set_function` is given the reader."""
+
+    def __init__(
+        self, name: str, documentation: str, label: str, registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._label = label
+        self._read: Callable[[], Iterable[tuple[str, float]]] = tuple
+        registry.register(self)
+
+    def set_function(self, read: Callable[[], Iterable[tuple[str, float]]]) -> None:
+        """`read` gives (label value, value) pairs at each scrape."""
+        self._read = read
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
+        for label_value, value in self._read():
+            family.add_metric([label_value], value)
+        yield family
 
 
 class Metrics:
@@ -220,8 +252,8 @@ class Metrics:
         )
 
         # Backends and routing.
-        self.backend_inflight = Gauge(
-            "sluice_backend_inflight_requests", "Requests in flight", ["backend"], registry=r
+        self.backend_inflight = LabelledReading(
+            "sluice_backend_inflight_requests", "Requests in flight", "backend", registry=r
         )
         self.backend_healthy = Gauge(
             "sluice_backend_healthy", "1 if the backend takes traffic", ["backend"], registry=r
@@ -299,7 +331,6 @@ class Metrics:
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its per-backend series (requests_total stays)."""
         for metric in (
-            self.backend_inflight,
             self.backend_healthy,
             self.route_predicted_tokens,
             self.route_reported_cached_tokens,

@@ -93,6 +93,9 @@ class Router:
         # while such requests flow is a publisher gone).
         self.kv_events: dict[str, BackendKvEvents] = {}
         metrics.admission_waiting.set_function(lambda: self.waiting)
+        metrics.backend_inflight.set_function(
+            lambda: [(backend.url, backend.inflight) for backend in pool.backends]
+        )
         if isinstance(self.policy, CacheAware):
             index = self.policy.index
             metrics.route_index_blocks.set_function(lambda: len(index))
@@ -172,7 +175,6 @@ class Router:
         events = self.kv_events.get(backend.url)
         if events is not None and prediction is not None and prediction.stores_blocks:
             events.request_sent(trio.current_time())
-        self.metrics.backend_inflight.labels(backend=backend.url).inc()
         return Decision(backend, decision.reason, prediction, pending, request.model)
 
     def release(
@@ -186,7 +188,6 @@ class Router:
         backend = decision.backend
         backend.inflight -= 1
         backend.pending_tokens -= decision.pending_tokens
-        self.metrics.backend_inflight.labels(backend=backend.url).dec()
         for model in (None, *backend.served):
             queue = self.queues.get(model)
             if queue is not None:
