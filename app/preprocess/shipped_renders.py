@@ -57,15 +57,12 @@ def deepseek_v3(
 
 
 def llama3(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str) -> str | None:
-    turns = [bos]
-    for message in messages:
-        content = message.get("content")
-        if content is None:
-            content = ""
-        role = message.get("role")
-        if type(content) is not str or type(role) is not str:
-            return None
-        turns += (
+    turns = _text_turns(messages)
+    if turns is None:
+        return None
+    parts = [bos]
+    for role, content in turns:
+        parts += (
             "<|start_header_id|>",
             role,
             "<|end_header_id|>\n\n",
@@ -73,12 +70,26 @@ def llama3(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str
             "<|eot_id|>",
         )
     if add_generation_prompt:
-        turns.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(turns)
+        parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    return "".join(parts)
 
 
 def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str) -> str | None:
-    turns: list[str] = []
+    turns = _text_turns(messages)
+    if turns is None:
+        return None
+    parts: list[str] = []
+    for role, content in turns:
+        parts += ("<|im_start|>", role, "\n", content, "<|im_end|>\n")
+    if add_generation_prompt:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def _text_turns(messages: list[dict[str, Any]]) -> list[tuple[str, str]] | None:
+    """Each message's role and content (empty for none: Jinja's `content or ''`), or None
+    when either is not a string (Jinja then renders the conversation)."""
+    turns = []
     for message in messages:
         content = message.get("content")
         if content is None:
@@ -86,10 +97,8 @@ def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool, bos: str
         role = message.get("role")
         if type(content) is not str or type(role) is not str:
             return None
-        turns += ("<|im_start|>", role, "\n", content, "<|im_end|>\n")
-    if add_generation_prompt:
-        turns.append("<|im_start|>assistant\n")
-    return "".join(turns)
+        turns.append((role, content))
+    return turns
 
 
 # By the stem of the template's file in chat_templates/.
