@@ -1,4 +1,4 @@
-from app.cli import main
+from app.cli.command import main
 
 # Guarded: render worker processes are spawned, and a spawned child imports the parent's
 # main module again.

@@ -2,7 +2,7 @@
 app, no framework), the dashboard's settings, and the backends tests write by hand.
 
 These helpers read a bounded request body and send whole JSON responses and OpenAI-shaped
-errors. The proxy's own port is not ASGI: app/proxy/http_server.py serves it.
+errors. The proxy's own port is not ASGI: app/http/server.py serves it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from hypercorn.config import Config
 
-from app.errors import ClientError, error_body
+from app.http.errors import ClientError, error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

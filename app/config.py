@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.kv_events.wire import endpoint_problem
 from app.models import MAX_MODELS
-from app.routing.kv_event_wire import endpoint_problem
 
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]

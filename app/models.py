@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from app.errors import ClientError
+from app.http.errors import ClientError
 
 # Served names one proxy tracks at once (configured and discovered together); names beyond
 # are ignored, so that a backend listing thousands of adapters cannot grow every per-model

@@ -12,8 +12,8 @@ import trio
 from hypercorn.trio import serve
 
 from app.asgi import server_config
+from app.cli.serve import Sluice
 from app.config import Settings
-from app.main import Sluice
 from app.preprocess.tokenizer_loading import TokenizerLike
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import SimSettings

@@ -14,11 +14,11 @@ from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
+from app.http.exchange import ClientConnection
+from app.http.request_head import RequestHead
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
 from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
-from app.proxy.exchange import ClientConnection
-from app.proxy.request_head import RequestHead
 
 
 async def prepare(

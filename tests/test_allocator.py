@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
-from app.allocator import fix_mmap_threshold
+from app.cli.allocator import fix_mmap_threshold
 
 PROBE = """
 import sys
-from app.allocator import fix_mmap_threshold
+from app.cli.allocator import fix_mmap_threshold
 
 def resident() -> int:
     with open("/proc/self/statm") as statm:

@@ -1,4 +1,4 @@
-"""The relay's body decoders (app/proxy/body_framing.py), pure, in h11's `t_body_reader` style:
+"""The relay's body decoders (app/http/framing.py), pure, in h11's `t_body_reader` style:
 every case is fed whole, then one byte at a time, then cut at random places (hypothesis),
 and must decode to the same content, end at the same place and keep the same leftover.
 Covers Content-Length, chunked (extensions, trailers, upper-case hex, zero-length end),
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.proxy.body_framing import (
+from app.http.framing import (
     MAX_LINE_BYTES,
     MAX_TRAILER_BYTES,
     BodyDecoder,

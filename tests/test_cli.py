@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import parse
+from app.cli.command import parse
 from app.config import Settings
 from app.sim.settings import SimSettings
 

@@ -18,9 +18,9 @@ import trio
 import trio.testing
 
 from app.asgi import Receive, Scope, Send, answer_lifespan, send_bytes
-from app.routing.backends import MAX_OTHERS_PER_OWN, BackendPool
-from app.routing.engine_metrics import EngineLoad
-from app.routing.load_scraper import LoadScraper
+from app.fleet.backends import MAX_OTHERS_PER_OWN, BackendPool
+from app.fleet.engine_metrics import EngineLoad
+from app.fleet.load_scraper import LoadScraper
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
 from tests.conftest import StartASGI, StartSim, StartSluice, wait_until

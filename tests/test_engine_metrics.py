@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.routing.engine_metrics import (
+from app.fleet.engine_metrics import (
     EngineLoad,
     EngineReading,
     Sample,

@@ -19,9 +19,9 @@ import pytest
 import trio
 import trio.testing
 
-from app.cli import parse
+from app.cli.command import parse
+from app.cli.config_file import read_config
 from app.config import ConfigError, ModelConfig, Settings
-from app.config_file import read_config
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess.dispatcher import Dispatcher

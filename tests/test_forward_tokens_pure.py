@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from app.fleet.tokenizer_check import TokenizerProbe, build_probe, compare_tokens, judge_answer
 from app.preprocess.pipeline import Prepared
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
 from app.proxy.token_forwarding import plan_forward
-from app.routing.tokenizer_check import TokenizerProbe, build_probe, compare_tokens, judge_answer
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi there."}]}
 

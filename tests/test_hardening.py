@@ -33,9 +33,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.cli.serve import GIL_SWITCH_INTERVAL_S, run_until_stopped
 from app.config import Settings
-from app.errors import ClientError
-from app.main import GIL_SWITCH_INTERVAL_S, run_until_stopped
+from app.http.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer

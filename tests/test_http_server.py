@@ -1,4 +1,4 @@
-"""The proxy port's HTTP/1.1 server (app/proxy/http_server.py), driven over memory streams.
+"""The proxy port's HTTP/1.1 server (app/http/server.py), driven over memory streams.
 
 As hypercorn's `tests/trio/test_sanity.py` drives its server: a client writes raw bytes into
 one end of `trio.testing.memory_stream_pair`, `serve_connection` serves the other; no port,
@@ -29,10 +29,10 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.errors import ClientError
-from app.proxy.byte_stream import StreamBytes, byte_stream
-from app.proxy.exchange import Exchange
-from app.proxy.http_server import HttpServer
+from app.http.errors import ClientError
+from app.http.exchange import Exchange
+from app.http.server import HttpServer
+from app.http.streams import StreamBytes, byte_stream
 
 Handler = Callable[[Exchange], Awaitable[None]]
 

@@ -17,16 +17,16 @@ import pytest
 import trio
 import zmq
 
-from app.routing.block_index import BlockIndex, block_hashes
-from app.routing.kv_event_index import BackendKvEvents
-from app.routing.kv_event_subscriber import KvEventSubscriber
-from app.routing.kv_event_wire import (
+from app.kv_events.index import BackendKvEvents
+from app.kv_events.subscriber import KvEventSubscriber
+from app.kv_events.wire import (
     BlockStored,
     EventBatch,
     encode_batch,
     publish_frames,
 )
-from app.routing.zmq_trio import close_socket, open_socket, send
+from app.kv_events.zmq_trio import close_socket, open_socket, send
+from app.routing.block_index import BlockIndex, block_hashes
 from tests.conftest import SimHandle, StartSim, StartSluice, set_faults, wait_until
 
 ANY_PORT = "tcp://127.0.0.1:0"

@@ -13,15 +13,13 @@ import random
 
 import pytest
 
-from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
-from app.routing.decision import Prediction
-from app.routing.kv_event_index import (
+from app.kv_events.index import (
     SILENT_AFTER_REQUESTS,
     SILENT_AFTER_SECONDS,
     UNMATCHED_AFTER_REQUESTS,
     BackendKvEvents,
 )
-from app.routing.kv_event_wire import (
+from app.kv_events.wire import (
     END_SEQ,
     AllBlocksCleared,
     BadMessage,
@@ -37,6 +35,8 @@ from app.routing.kv_event_wire import (
     split_frames,
     split_replay_frames,
 )
+from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
+from app.routing.decision import Prediction
 from app.sim.kv_cache import PrefixKVCache, chained_block_hashes
 
 # --- the wire ---------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import trio
 import trio.testing
 
 from app.config import Settings
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess import spooled_bodies
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Prepared, Preprocessor

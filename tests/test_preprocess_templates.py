@@ -26,7 +26,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer, models
 
 from app.config import Settings
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, load_chat_template
 from app.preprocess.encoding import facts_for

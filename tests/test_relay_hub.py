@@ -1,4 +1,4 @@
-"""The relay hub (app/proxy/relay_hub.py): streamed answers relayed by one task, over real
+"""The relay hub (app/http/relay_hub.py): streamed answers relayed by one task, over real
 sockets (the hub waits on socket descriptors itself, so memory streams cannot stand in).
 
 Each test wires `relay` as the proxy does: a backend end and a client end, each a Unix
@@ -22,11 +22,11 @@ import h11
 import trio
 import trio.testing
 
-from app.proxy.byte_stream import byte_stream
-from app.proxy.exchange import ClientConnection, ClientGone, Exchange
+from app.http.client import UpstreamPool, UpstreamResponse
+from app.http.exchange import ClientConnection, ClientGone, Exchange
+from app.http.relay_hub import READ_SIZE, SWEEP_S, RelayHub
+from app.http.streams import byte_stream
 from app.proxy.relay import Relayed, relay
-from app.proxy.relay_hub import READ_SIZE, SWEEP_S, RelayHub
-from app.proxy.upstream import UpstreamPool, UpstreamResponse
 from tests.fakes import read_request
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"

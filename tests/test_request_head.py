@@ -1,4 +1,4 @@
-"""The proxy port's request heads (app/proxy/request_head.py), pure, with h11 as the oracle.
+"""The proxy port's request heads (app/http/request_head.py), pure, with h11 as the oracle.
 
 Covers: heads parsed whole, then from every prefix (h11's `t_body_reader` habit: None until the
 head is complete), then fed one byte per read through a driver that keeps the connection's
@@ -24,10 +24,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.errors import ClientError
-from app.proxy.body_framing import ChunkedDecoder, LengthDecoder
-from app.proxy.http_server import MAX_HEAD_BYTES
-from app.proxy.request_head import HeadReader, RequestHead
+from app.http.errors import ClientError
+from app.http.framing import ChunkedDecoder, LengthDecoder
+from app.http.request_head import HeadReader, RequestHead
+from app.http.server import MAX_HEAD_BYTES
 
 
 def parse_whole(data: bytes, max_head_bytes: int = MAX_HEAD_BYTES) -> tuple[RequestHead, bytes]:

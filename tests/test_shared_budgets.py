@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from app.routing.shared_budgets import (
+from app.budgets.shared import (
     WINDOW_S,
     SharedBudgets,
     SyncBatch,

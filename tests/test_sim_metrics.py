@@ -14,7 +14,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.routing.engine_metrics import read_engine
+from app.fleet.engine_metrics import read_engine
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
 

@@ -35,11 +35,11 @@ import pytest
 import trio
 import trio.testing
 
-from app.proxy.byte_stream import SendWait, StreamBytes, byte_stream
-from app.proxy.exchange import ClientConnection, Exchange
+from app.http.client import UpstreamError, UpstreamPool, UpstreamResponse
+from app.http.exchange import ClientConnection, Exchange
+from app.http.streams import SendWait, StreamBytes, byte_stream
 from app.proxy.forward import StreamBroken
 from app.proxy.relay import relay
-from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from app.routing.usage import TAIL_BYTES, Usage, usage_from_tail
 from tests.fakes import read_request
 

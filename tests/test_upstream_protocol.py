@@ -1,4 +1,4 @@
-"""The upstream pool's HTTP/1.1 (app/proxy/upstream_protocol.py), pure, with h11 as the oracle.
+"""The upstream pool's HTTP/1.1 (app/http/response_head.py), pure, with h11 as the oracle.
 
 Covers: a request's bytes read back by h11's server side as the same request; response heads
 parsed whole and then from every prefix (h11's `t_body_reader` habit: None until the head is
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.proxy.upstream_protocol import MAX_HEAD_BYTES, ProtocolError, ResponseHead, request_bytes
+from app.http.response_head import MAX_HEAD_BYTES, ProtocolError, ResponseHead, request_bytes
 
 
 def parse_every_prefix(data: bytes) -> ResponseHead | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.preprocess.request_bodies import check_chat, check_completion, parse_json_object
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.cli.supervisor import RestartBackoff, describe_exit
 from app.dashboard.worker_snapshots import RecordLog, merge_snapshots
 from app.observe.stalls import summarize_histogram
 from app.observe.worker_metrics import merge_worker_metrics
-from app.supervisor import RestartBackoff, describe_exit
 
 BOUNDS = [0.001, 0.01, 0.1]
 

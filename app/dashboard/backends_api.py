@@ -20,7 +20,7 @@ import trio
 from quart import current_app, request
 from quart_trio import QuartTrio
 
-from app.routing.backends import Backend
+from app.fleet.backends import Backend
 from app.routing.router import Router
 
 CONTROL_KEY = "SLUICE_BACKEND_CONTROL"

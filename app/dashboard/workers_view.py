@@ -22,10 +22,10 @@ from typing import Any
 import httpx
 import trio
 
+from app.cli.supervisor import WorkerState
 from app.config import Saturation
 from app.dashboard.worker_snapshots import RecordLog, merge_snapshots
 from app.observe.worker_metrics import merge_worker_metrics
-from app.supervisor import WorkerState
 
 log = logging.getLogger("sluice.dashboard")
 

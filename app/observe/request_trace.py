@@ -48,7 +48,7 @@ class PreparedLike(Protocol):
 
 
 class AnswerLike(Protocol):
-    """The answer as the client got it: app/proxy/exchange.py's Exchange."""
+    """The answer as the client got it: app/http/exchange.py's Exchange."""
 
     @property
     def status(self) -> int | None: ...

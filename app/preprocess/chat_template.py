@@ -46,7 +46,7 @@ from jinja2 import Environment, Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.preprocess.shipped_renders import BY_NAME, DirectRender
 
 if TYPE_CHECKING:  # render worker processes import this module without the tokenizer

@@ -13,7 +13,7 @@ import json
 from array import array
 from dataclasses import dataclass
 
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.preprocess.boundaries import BoundaryFinder, normalizer_is_identity
 from app.preprocess.l1_cache import Encode, check_cut_independence
 from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLike, TokenizerLoadError

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.models import ModelDirectory, missing_model, model_field
 from app.preprocess import request_bodies
 from app.preprocess.chat_template import ChatTemplate

@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from app.errors import ClientError
+from app.http.errors import ClientError
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # Keys a request's chat_template_kwargs may not override: the template's own inputs.

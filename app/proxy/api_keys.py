@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError
-from app.errors import ClientError
+from app.http.errors import ClientError
 from app.models import ModelDirectory
 from app.proxy.accounting import bearer_token, fingerprint
 

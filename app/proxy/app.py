@@ -21,7 +21,14 @@ from typing import Any
 import trio
 
 from app.config import Settings
-from app.errors import ClientError
+from app.fleet.backends import ANY_MODEL, Backend, BackendPool
+from app.fleet.catalog import ModelCatalog
+from app.fleet.tokenizer_check import build_probe
+from app.http.client import UpstreamPool
+from app.http.errors import ClientError
+from app.http.exchange import Exchange
+from app.http.fields import Headers
+from app.http.relay_hub import RelayHub
 from app.observe.metrics import Metrics
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
@@ -38,24 +45,17 @@ from app.proxy.errors import (
     respond_rate_limited,
     respond_upstream_failure,
 )
-from app.proxy.exchange import Exchange
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,
     open_upstream,
     upstream_headers,
 )
-from app.proxy.header_fields import Headers
 from app.proxy.relay import Relayed, relay, relay_as_chat
-from app.proxy.relay_hub import RelayHub
 from app.proxy.token_forwarding import plan_forward
-from app.proxy.upstream import UpstreamPool
 from app.routing.admission import Overloaded
-from app.routing.backends import ANY_MODEL, Backend, BackendPool
-from app.routing.catalog import ModelCatalog
 from app.routing.decision import Decision, RouteRequest
 from app.routing.router import Router, estimated_tokens
-from app.routing.tokenizer_check import build_probe
 from app.routing.usage import usage_from_tail
 
 log = logging.getLogger("sluice.proxy")

@@ -1,10 +1,10 @@
 """The proxy's own error answers that no request check raises: unknown paths, overload, no
-backend, a failed backend, a bug of ours. All OpenAI-shaped (app/errors.py); the 4xx that
+backend, a failed backend, a bug of ours. All OpenAI-shaped (app/http/errors.py); the 4xx that
 request checks raise travel as `ClientError` instead."""
 
 from __future__ import annotations
 
-from app.proxy.exchange import Exchange
+from app.http.exchange import Exchange
 from app.proxy.forward import UpstreamFailure
 from app.proxy.token_forwarding import no_verified_backend_message
 from app.routing.admission import Overloaded

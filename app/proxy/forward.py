@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
-from app.errors import error_body
-from app.proxy.header_fields import Headers
-from app.proxy.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from app.http.client import UpstreamError, UpstreamPool, UpstreamResponse
+from app.http.errors import error_body
+from app.http.fields import Headers
 
 HOP_BY_HOP = frozenset(
     {

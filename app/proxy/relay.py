@@ -34,8 +34,11 @@ from dataclasses import dataclass
 
 import trio
 
+from app.http.client import UpstreamError, UpstreamResponse
+from app.http.exchange import ClientGone, Exchange
+from app.http.fields import Headers
+from app.http.relay_hub import Ended, HubStream, RelayHub
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.exchange import ClientGone, Exchange
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,
@@ -43,9 +46,6 @@ from app.proxy.forward import (
     is_event_stream,
     sse_error_event,
 )
-from app.proxy.header_fields import Headers
-from app.proxy.relay_hub import Ended, HubStream, RelayHub
-from app.proxy.upstream import UpstreamError, UpstreamResponse
 from app.routing.usage import TAIL_BYTES
 
 log = logging.getLogger("sluice.forward")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.routing.backends import Backend
+from app.fleet.backends import Backend
 from app.routing.rendezvous import score
 
 

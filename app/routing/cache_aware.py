@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from app.routing.backends import Backend
+from app.fleet.backends import Backend
 from app.routing.balance import Balance, least_loaded
 from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
 from app.routing.decision import Decision, Prediction, RouteRequest

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from app.routing.backends import Backend
+from app.fleet.backends import Backend
 from app.routing.block_index import BLOCK_SIZE
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from app.routing.backends import Backend
+from app.fleet.backends import Backend
 from app.routing.balance import Balance, least_loaded
 from app.routing.decision import Decision, RouteRequest
 from app.routing.rendezvous import first_fit

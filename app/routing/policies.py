@@ -11,7 +11,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.routing.backends import Backend
+from app.fleet.backends import Backend
 from app.routing.balance import Balance
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, Policy, RouteRequest

@@ -20,15 +20,15 @@ from typing import Any
 
 import trio
 
+from app.budgets.shared import SharedBudgets
 from app.config import Settings
+from app.fleet.backends import Backend, BackendPool
+from app.kv_events.index import BackendKvEvents
 from app.observe.metrics import Metrics
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
-from app.routing.backends import Backend, BackendPool
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, Policy, RouteRequest
-from app.routing.kv_event_index import BackendKvEvents
 from app.routing.policies import RoutingParams, make_policy
-from app.routing.shared_budgets import SharedBudgets
 from app.routing.usage import Usage
 
 log = logging.getLogger("sluice.router")

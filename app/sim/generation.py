@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from app.proxy.exchange import Exchange
+from app.http.exchange import Exchange
 from app.sim.engine import SimEngine
 from app.sim.openai_format import GenerationRequest, ResponseShapes
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from app.routing.kv_event_wire import (
+from app.kv_events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,

@@ -21,7 +21,7 @@ from typing import cast
 import trio
 import zmq
 
-from app.routing.kv_event_wire import (
+from app.kv_events.wire import (
     END_SEQ,
     SEQ_BYTES,
     EventBatch,
@@ -29,7 +29,7 @@ from app.routing.kv_event_wire import (
     encode_batch,
     publish_frames,
 )
-from app.routing.zmq_trio import close_socket, open_socket, receive, send
+from app.kv_events.zmq_trio import close_socket, open_socket, receive, send
 from app.sim.faults import SimFaults
 
 log = logging.getLogger("sluice.sim.kv_events")

@@ -1,6 +1,6 @@
 """The simulated GPU server: vLLM's HTTP surface over the simulated engine.
 
-It is served by the proxy's own HTTP/1.1 server (app/proxy/http_server.py), as lean as a
+It is served by the proxy's own HTTP/1.1 server (app/http/server.py), as lean as a
 real engine's uvicorn: a simulated backend on hypercorn spent ~95 µs of CPU per streamed
 token, so at 200 streams its own loop, not its GPU model, set the pace of every benchmark
 run against it.
@@ -24,10 +24,10 @@ from typing import Any
 
 import trio
 
-from app.errors import ClientError
+from app.http.errors import ClientError
+from app.http.exchange import Exchange
+from app.http.server import HttpServer
 from app.preprocess.request_bodies import parse_json_object
-from app.proxy.exchange import Exchange
-from app.proxy.http_server import HttpServer
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole

@@ -30,9 +30,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from app.errors import ClientError
-from app.proxy.body_framing import BodyDecoder, FramingError, UnsupportedCoding, request_decoder
-from app.proxy.header_fields import FieldError, Headers, field, parse_fields
+from app.http.errors import ClientError
+from app.http.fields import FieldError, Headers, field, parse_fields
+from app.http.framing import BodyDecoder, FramingError, UnsupportedCoding, request_decoder
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 # RFC 9112 §3: method SP request-target SP HTTP-version; the target is visible characters.

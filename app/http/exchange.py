@@ -24,12 +24,12 @@ from typing import Any
 
 import trio
 
-from app.errors import ClientError, error_body
-from app.proxy.body_framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
-from app.proxy.byte_stream import ByteStream, SendWait
-from app.proxy.departures import Departures
-from app.proxy.header_fields import Headers, field, field_lines, first_values
-from app.proxy.request_head import HeadReader, RequestHead
+from app.http.departures import Departures
+from app.http.errors import ClientError, error_body
+from app.http.fields import Headers, field, field_lines, first_values
+from app.http.framing import LAST_CHUNK, BodyDecoder, FramingError, chunk
+from app.http.request_head import HeadReader, RequestHead
+from app.http.streams import ByteStream, SendWait
 
 CLOSE = (b"connection", b"close")
 

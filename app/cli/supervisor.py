@@ -1,7 +1,7 @@
 """`sluice serve --workers N`: N proxy processes on one port, one dashboard, one supervisor.
 
 The supervisor holds the proxy port (`reserve_port`) and starts N workers, each `python -m
-app.worker_process` in a session of its own (a terminal's Ctrl-C reaches the supervisor
+app.cli.worker` in a session of its own (a terminal's Ctrl-C reaches the supervisor
 alone, which passes it on once). Each worker is a whole Sluice (its own Trio loop, relay,
 caches, KV-event subscribers, health checks) that listens on the shared port with
 SO_REUSEPORT and serves its own dashboard on a private loopback port; the supervisor's
@@ -18,7 +18,7 @@ running past the grace is killed.
 Why processes on one port rather than one process: one event loop is one core, and a Python
 process never runs two threads of Python at once; the kernel spreading connections over
 listeners costs nothing per request. `--workers 1` (the default) is the single process of
-`app.main`, without any of this.
+`app.cli.serve`, without any of this.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import trio
 
 from app.config import Saturation, Settings
-from app.proxy.shared_port import reserve_port
+from app.http.listeners import reserve_port
 
 log = logging.getLogger("sluice.supervisor")
 
@@ -220,7 +220,7 @@ class Supervisor:
         try:
             with theirs:
                 process = await trio.lowlevel.open_process(
-                    [sys.executable, "-m", "app.worker_process", str(theirs.fileno())],
+                    [sys.executable, "-m", "app.cli.worker", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),),
                     start_new_session=True,
                 )

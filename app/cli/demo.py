@@ -4,7 +4,7 @@ traffic, each simulated GPU and the traffic in a process of its own.
 The page a newcomer opens first shows the proxy's event loop: with the simulated GPUs and
 the clients on that same loop, part of what it showed was theirs (seen: 117 ms worst lag
 and a 220 ms p99 spike during the demo's own burst). So this process runs only the proxy
-and its dashboard; every other part is a child (`python -m app.demo sim|traffic SETTINGS`)
+and its dashboard; every other part is a child (`python -m app.cli.demo sim|traffic SETTINGS`)
 that prints what the parent waits for on its first line, takes commands on its stdin
 (`burst`: the page's button) and stops at end of file there, so that no child outlives its
 parent however the parent ends. Ctrl-C in a terminal reaches every process of the group:
@@ -31,8 +31,8 @@ from typing import Any
 
 import trio
 
+from app.cli.serve import Sluice, print_urls, run_then_cancel, run_until_stopped, stop_on_signal
 from app.config import ModelConfig, Settings
-from app.main import Sluice, print_urls, run_then_cancel, run_until_stopped, stop_on_signal
 from app.sim.server import serve_sim
 from app.sim.settings import SimSettings
 from app.sim.traffic import DemoTraffic
@@ -130,8 +130,8 @@ class Children:
     async def _keep(
         self, kind: str, config: dict[str, Any], *, task_status: trio.TaskStatus[Child]
     ) -> None:
-        """`python -m app.demo KIND CONFIG`, running until cancelled, then stopped."""
-        command = [sys.executable, "-m", "app.demo", kind, json.dumps(config)]
+        """`python -m app.cli.demo KIND CONFIG`, running until cancelled, then stopped."""
+        command = [sys.executable, "-m", "app.cli.demo", kind, json.dumps(config)]
         process = await trio.lowlevel.open_process(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
@@ -237,7 +237,7 @@ async def _follow_parent(traffic: DemoTraffic | None) -> None:
 def _child(arguments: Sequence[str]) -> int:
     kind, config = arguments
     if kind not in ("sim", "traffic"):
-        raise SystemExit(f"python -m app.demo: unknown part {kind!r}")
+        raise SystemExit(f"python -m app.cli.demo: unknown part {kind!r}")
     # The demo's scaffolding yields a contended core to the proxy, whose loop is what the page
     # is about. Measured on 2 shared cores, 3 alternating 45 s runs each: children at nice
     # 19 gave the proxy's lag p99 4.5-8.7 ms, at nice 10 8.0-16 ms.

@@ -1,5 +1,5 @@
 """One `trio.run`, one nursery: proxy server, dashboard server, stall monitor, health checker
-(`sluice demo` adds its simulated backends and traffic as child processes: app/demo.py).
+(`sluice demo` adds its simulated backends and traffic as child processes: app/cli/demo.py).
 
 SIGINT/SIGTERM: stop accepting, let in-flight responses finish within the grace period,
 then cancel everything and exit 0. A second signal cancels at once.
@@ -22,13 +22,25 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from app.allocator import fix_mmap_threshold
 from app.asgi import server_config
+from app.budgets.shared import SharedBudgets
+from app.budgets.sync import BudgetCollector, BudgetSync
+from app.cli.allocator import fix_mmap_threshold
+from app.cli.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 from app.config import ConfigError, Saturation, Settings
 from app.dashboard.app import create_dashboard
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.workers_view import WorkersView
+from app.fleet.backends import BackendPool
+from app.fleet.catalog import ModelCatalog, configured_backends
+from app.fleet.health import HealthChecker
+from app.fleet.load_scraper import LoadScraper
+from app.fleet.tokenizer_check import check_tokenizers_at_startup
+from app.http.client import UpstreamPool
+from app.http.relay_hub import RelayHub
+from app.http.server import HttpServer
+from app.kv_events.subscriber import subscribers_for
 from app.observe.backend_stats import backend_rows
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
@@ -41,21 +53,9 @@ from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike, TokenizerLoadError
 from app.proxy.app import ProxyApp
-from app.proxy.http_server import HttpServer
-from app.proxy.relay_hub import RelayHub
-from app.proxy.upstream import UpstreamPool
-from app.routing.backends import BackendPool
-from app.routing.budget_sync import BudgetCollector, BudgetSync
-from app.routing.catalog import ModelCatalog, configured_backends
-from app.routing.health import HealthChecker
-from app.routing.kv_event_subscriber import subscribers_for
-from app.routing.load_scraper import LoadScraper
 from app.routing.router import Router
-from app.routing.shared_budgets import SharedBudgets
-from app.routing.tokenizer_check import check_tokenizers_at_startup
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
-from app.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 
 log = logging.getLogger("sluice")
 

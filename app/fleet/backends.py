@@ -35,11 +35,11 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from app.fleet.engine_metrics import EngineLoad
 from app.models import MAX_MODELS
-from app.routing.engine_metrics import EngineLoad
 
 if TYPE_CHECKING:
-    from app.routing.tokenizer_check import TokenizerOutcome, TokenizerProbe
+    from app.fleet.tokenizer_check import TokenizerOutcome, TokenizerProbe
 
 # "not required": passthrough mode. "unchecked" -> "checking" -> "verified" | "refused";
 # a check that could not finish (timeout, 5xx) goes back to "unchecked" and is retried.

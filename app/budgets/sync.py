@@ -29,7 +29,7 @@ import redis
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from app.routing.shared_budgets import WINDOW_S, SharedBudgets, SyncBatch
+from app.budgets.shared import WINDOW_S, SharedBudgets, SyncBatch
 
 log = logging.getLogger("sluice.budgets")
 

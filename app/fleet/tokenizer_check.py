@@ -25,7 +25,7 @@ from typing import Any, Literal
 import httpx
 import trio
 
-from app.routing.backends import Backend, BackendPool
+from app.fleet.backends import Backend, BackendPool
 
 log = logging.getLogger("sluice.tokenizer_check")
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.config import ModelConfig
+from app.fleet.backends import Backend
 from app.models import MAX_MODELS, ModelDirectory
-from app.routing.backends import Backend
 
 log = logging.getLogger("sluice.models")
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import httpx
 import trio
 
-from app.routing.backends import Backend, BackendPool
-from app.routing.engine_metrics import EngineReading, next_load, read_engine
+from app.fleet.backends import Backend, BackendPool
+from app.fleet.engine_metrics import EngineReading, next_load, read_engine
 
 log = logging.getLogger("sluice.load_scraper")
 

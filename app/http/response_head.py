@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from app.proxy.header_fields import FieldError, Headers, field_lines, parse_fields
+from app.http.fields import FieldError, Headers, field_lines, parse_fields
 
 MAX_HEAD_BYTES = 65536
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")

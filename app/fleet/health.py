@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import trio
 
+from app.fleet.backends import Backend, BackendPool
+from app.fleet.tokenizer_check import check_tokenizer
 from app.observe.metrics import Metrics
-from app.routing.backends import Backend, BackendPool
-from app.routing.tokenizer_check import check_tokenizer
 
 log = logging.getLogger("sluice.health")
 

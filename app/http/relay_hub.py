@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import outcome
 import trio
 
-from app.proxy.upstream import UpstreamError
+from app.http.client import UpstreamError
 
 BATCH = 64  # streams served per task step
 SWEEP_S = 1.0

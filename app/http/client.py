@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 
 import trio
 
-from app.proxy.body_framing import FramingError, decoder_for
-from app.proxy.byte_stream import ByteStream, byte_stream
-from app.proxy.header_fields import Headers, first_values
-from app.proxy.upstream_protocol import ProtocolError, ResponseHead, request_bytes
+from app.http.fields import Headers, first_values
+from app.http.framing import FramingError, decoder_for
+from app.http.response_head import ProtocolError, ResponseHead, request_bytes
+from app.http.streams import ByteStream, byte_stream
 
 # An idle connection younger than this is reused without asking its socket whether the
 # backend closed it (see `_checkout`).

@@ -1,5 +1,5 @@
 """One worker of `sluice serve --workers N`, started by the supervisor as
-`python -m app.worker_process FD`.
+`python -m app.cli.worker FD`.
 
 FD is the worker's end of a socket pair. The supervisor writes its order there first (the
 worker's index and settings, pickled behind an 8-byte length), and the worker answers with one
@@ -20,10 +20,10 @@ from functools import partial
 
 import trio
 
+from app.cli.serve import Sluice, run_then_cancel, run_until_stopped, stop_on_signal
+from app.cli.supervisor import ORDER_HEADER, WorkerOrder
 from app.config import Settings
-from app.main import Sluice, run_then_cancel, run_until_stopped, stop_on_signal
-from app.proxy.http_server import HttpServer
-from app.supervisor import ORDER_HEADER, WorkerOrder
+from app.http.server import HttpServer
 
 log = logging.getLogger("sluice.worker")
 

@@ -30,13 +30,13 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from app.errors import ClientError
-from app.proxy.byte_stream import ByteStream, byte_stream
-from app.proxy.departures import Departures
+from app.http.departures import Departures
+from app.http.errors import ClientError
+from app.http.exchange import ClientConnection, ClientGone, Exchange
+from app.http.listeners import reuse_port_listeners
+from app.http.request_head import RequestHead
+from app.http.streams import ByteStream, byte_stream
 from app.proxy.errors import respond_internal_error
-from app.proxy.exchange import ClientConnection, ClientGone, Exchange
-from app.proxy.request_head import RequestHead
-from app.proxy.shared_port import reuse_port_listeners
 
 log = logging.getLogger("sluice.proxy")
 

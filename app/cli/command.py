@@ -18,8 +18,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from app.cli.config_file import read_config
 from app.config import ConfigError, Settings
-from app.config_file import read_config
 from app.sim.settings import SimSettings
 
 HELP: dict[str, str] = {
@@ -305,12 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(command: str, settings: Settings | SimSettings) -> int:
     # Imported here so that `--help` and argument errors answer without loading the stack.
-    from app.main import run_serve, run_sim_backend
+    from app.cli.serve import run_serve, run_sim_backend
 
     if isinstance(settings, SimSettings):
         return run_sim_backend(settings)
     if command == "demo":
-        from app.demo import run_demo
+        from app.cli.demo import run_demo
 
         return run_demo(settings)
     return run_serve(settings)

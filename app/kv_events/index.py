@@ -29,8 +29,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from typing import Any, Literal
 
-from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, BlockIndex, chain_hashes
-from app.routing.kv_event_wire import (
+from app.kv_events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -38,6 +37,7 @@ from app.routing.kv_event_wire import (
     EngineHash,
     EventBatch,
 )
+from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, BlockIndex, chain_hashes
 
 # Silent: at least this many requests sent to the backend that make it store blocks (the
 # router counts only those whose prompt has full blocks it did not hold), and this long

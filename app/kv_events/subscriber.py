@@ -22,18 +22,18 @@ import trio
 import zmq
 
 from app.config import Settings
-from app.routing.backends import BackendPool
-from app.routing.cache_aware import CacheAware
-from app.routing.decision import Policy
-from app.routing.kv_event_index import BackendKvEvents
-from app.routing.kv_event_wire import (
+from app.fleet.backends import BackendPool
+from app.kv_events.index import BackendKvEvents
+from app.kv_events.wire import (
     BadMessage,
     decode_batch,
     replay_request,
     split_frames,
     split_replay_frames,
 )
-from app.routing.zmq_trio import close_socket, open_socket, receive, send
+from app.kv_events.zmq_trio import close_socket, open_socket, receive, send
+from app.routing.cache_aware import CacheAware
+from app.routing.decision import Policy
 
 log = logging.getLogger("sluice.kv_events")
 
