@@ -1,6 +1,9 @@
 """Settings: one frozen object built from flags, SLUICE_* environment variables and a TOML file.
 
-Precedence, highest first: command-line flag, environment variable, `--config` file, default.
+Precedence, highest first: command-line flag, environment variable, `--config` file, default
+(app/cli/command.py reads them). `Settings` is the proxy's; the simulated backend's
+(`app/sim/settings.py`) shares `ServerSettings`, what every server Sluice runs is told: where
+to listen and how many connections the kernel may queue, checked the same way.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.kv_events.wire import endpoint_problem
 from app.models import MAX_MODELS
 
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
@@ -20,6 +22,9 @@ ForwardMode = Literal["passthrough", "tokens"]
 
 MAX_WORKERS = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+PORTS = range(0, 65536)  # 0: any free port
 
 
 class ConfigError(Exception):
@@ -81,10 +86,39 @@ def check_fleet(models: tuple[ModelConfig, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class Settings:
-    # Listening sockets.
+class ServerSettings:
+    """Where a server listens (port 0: any free port) and how many connections the kernel
+    may queue before they are accepted (hypercorn's default, 100, reset 20-30% of 1,000
+    connections opened at once here)."""
+
     host: str = "127.0.0.1"
     port: int = 8000
+    backlog: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.port not in PORTS:
+            raise ValueError(f"--port {self.port}: expected a port from 0 to 65535")
+        if self.backlog < 1:
+            raise ValueError("--backlog must be at least 1")
+
+
+def endpoint_problem(endpoint: str, *, any_port: bool = False) -> str | None:
+    """What is wrong with a ZMQ endpoint given on the command line, or None: tcp://HOST:PORT
+    (PORT 0 for any free one where `any_port`) or ipc://PATH."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return None
+    if not endpoint.startswith("tcp://"):
+        return "must be tcp://HOST:PORT or ipc://PATH"
+    host, colon, port = endpoint[len("tcp://") :].rpartition(":")
+    lowest = 0 if any_port else 1
+    if not colon or not host or not port.isdigit() or not lowest <= int(port) <= 65535:
+        return f"must be tcp://HOST:PORT with a port from {lowest} to 65535"
+    return None
+
+
+@dataclass(frozen=True)
+class Settings(ServerSettings):
+    # The dashboard's socket (the proxy's: ServerSettings).
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8001
 
@@ -131,7 +165,6 @@ class Settings:
     idle_timeout: float = 60.0
     max_body_bytes: int = 16 * 1024 * 1024
     max_connections: int = 1024  # requests in flight; past it a fast 503
-    backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
     shutdown_grace: float = 10.0
     # Proxy processes sharing the port (SO_REUSEPORT), one dashboard for all; 1: no supervisor.
     workers: int = 1
@@ -173,13 +206,17 @@ class Settings:
         return tuple(dict.fromkeys(url.rstrip("/") for url in urls))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dashboard_port not in PORTS:
+            raise ValueError(
+                f"--dashboard-port {self.dashboard_port}: expected a port from 0 to 65535"
+            )
         at_least_one = (
             "tokenize_threads",
             "render_workers",
             "breaker_failures",
             "max_connections",
             "max_body_bytes",
-            "backlog",
         )
         for name in at_least_one:
             if getattr(self, name) < 1:

@@ -15,8 +15,8 @@ import openai
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.fleet.backends import BackendPool
-from app.fleet.tokenizer_check import TokenizerProbe, check_tokenizer
+from app.fleet.backends import BackendPool, TokenizerProbe
+from app.fleet.tokenizer_check import check_tokenizer
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.tokens import WordTokenizer
 from tests.conftest import FAST_SIM, StartSim, StartSluice, set_faults, wait_until

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from app.fleet.tokenizer_check import TokenizerProbe, build_probe, compare_tokens, judge_answer
+from app.fleet.backends import TokenizerProbe
+from app.fleet.tokenizer_check import build_probe, compare_tokens, judge_answer
 from app.preprocess.pipeline import Prepared
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
 from app.proxy.token_forwarding import plan_forward

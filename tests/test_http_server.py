@@ -1,4 +1,5 @@
-"""The proxy port's HTTP/1.1 server (app/http/server.py), driven over memory streams.
+"""The HTTP/1.1 server (app/http/server.py) that serves the proxy's port and the simulated
+backend, driven over memory streams.
 
 As hypercorn's `tests/trio/test_sanity.py` drives its server: a client writes raw bytes into
 one end of `trio.testing.memory_stream_pair`, `serve_connection` serves the other; no port,
@@ -9,11 +10,12 @@ pipelined requests answered in order, chunked request bodies, `Expect: 100-conti
 400 for garbage, 408 for a head that trickles past the read timeout (and for a pipelined
 head left unfinished behind an answer), an idle keep-alive closed after its timeout
 (counted from the end of an answer, however long that took), `Connection: close` honoured,
-HTTP/1.0 clients (a streamed answer until close), HEAD, a client that leaves cancelling its
-request and a pipelined one cancelling nothing (over a socket pair: departures are watched
-on sockets), a handler's bug as a 500 that costs only its connection, and shutdown: idle
-connections closed, an answer in flight finished and marked the last. Any bytes at all, then
-a close: HTTP/1.1 answers or just the close, never an error in the server.
+HTTP/1.0 clients (kept alive when they ask, a streamed answer until close), absolute-form
+targets, HEAD, a client that leaves cancelling its request and a pipelined one cancelling
+nothing (over a socket pair: departures are watched on sockets), a handler's bug as a 500
+that costs only its connection, and shutdown: idle connections closed, an answer in flight
+finished and marked the last. Any bytes at all, then a close: HTTP/1.1 answers or just the
+close, never an error in the server.
 """
 
 from __future__ import annotations
@@ -246,6 +248,34 @@ async def test_an_http_1_0_client_gets_a_streamed_answer_until_close() -> None:
         received = await client.read_until(b"0\r\n\r\n")
         assert received.endswith(b"\r\n\r\n1\r\na\r\n1\r\nb\r\n1\r\nc\r\n0\r\n\r\n")
         assert not ended.is_set()
+
+
+async def test_an_http_1_0_client_that_asks_for_keep_alive_keeps_its_connection() -> None:
+    keep = b"connection: keep-alive"
+    for byte_by_byte in (False, True):
+        async with connected(echo) as (client, _, ended):
+            request = b"POST /a HTTP/1.0\r\n%b\r\ncontent-length: 1\r\n\r\n1" % keep
+            await client.send(request, byte_by_byte)
+            await client.send(request.replace(b"/a", b"/b"), byte_by_byte)
+            received = await client.read_until(b"POST /b 1")
+            assert received.count(keep) == 2 and b"POST /a 1" in received
+            assert not ended.is_set()
+    # A streamed answer has no length to end it by: it runs until close all the same.
+    async with connected(stream_three) as (client, _, ended):
+        await client.send(b"POST /s HTTP/1.0\r\n%b\r\ncontent-length: 0\r\n\r\n" % keep)
+        received = await client.read_until_closed()
+        assert b"connection: close" in received and received.endswith(b"\r\n\r\nabc")
+        await ended.wait()
+
+
+async def test_an_absolute_form_target_is_served_by_its_path() -> None:
+    async with connected(echo) as (client, _, _):
+        await client.send(post("http://proxy.example:8000/v1/models?x=1", b"1"))
+        await client.read_until(b"POST /v1/models 1")
+        await client.send(post("HTTP://proxy.example", b"2"))
+        await client.read_until(b"POST / 2")
+        await client.send(post("ftp://proxy.example/x", b"3"))  # no route has an empty path
+        await client.read_until(b"POST  3")
 
 
 async def test_head_gets_the_headers_without_the_body() -> None:

@@ -73,10 +73,10 @@ async def wired(nursery: trio.Nursery, buffer_bytes: int | None = None) -> Async
         return upstream_end
 
     pool = UpstreamPool(connect_timeout=5, max_connections=4, open_stream=open_stream)
-    connection = ClientConnection(byte_stream(client_end), 16384, trio.current_time())
+    connection = ClientConnection(byte_stream(client_end))
     await client.send_all(REQUEST)
     request = await read_request(connection, trio.current_time() + 5)
-    exchange = Exchange(connection, request, read_timeout=5, closing=lambda: False)
+    exchange = Exchange(connection, request)
     assert await exchange.read_body(100) == b"{}"
     await backend.send_all(HEAD)
     response = await pool.request("http://backend:8000", "/v1/chat/completions", [], b"{}")
@@ -138,7 +138,7 @@ async def test_more_streams_than_one_batch_are_all_relayed() -> None:
         ends = []
         for _ in range(count):
             w = await stack.enter_async_context(wired(nursery))
-            nursery.start_soon(relay, w.response, w.exchange, [], 30, None, hub)
+            nursery.start_soon(relay, w.response, w.exchange, [], 30, hub)
             ends.append(w)
         await trio.testing.wait_all_tasks_blocked()
         assert len(hub) == count
@@ -165,7 +165,7 @@ async def test_a_slow_client_holds_the_backend_back_and_loses_nothing() -> None:
             await w.backend.send_all(b"0\r\n\r\n")
             sent += 5
 
-        nursery.start_soon(relay, w.response, w.exchange, [], 30, None, hub)
+        nursery.start_soon(relay, w.response, w.exchange, [], 30, hub)
         nursery.start_soon(backend_writes)
         await trio.testing.wait_all_tasks_blocked()
         # Nobody reads the client's side: the backend is held back once the sockets' small
@@ -231,7 +231,7 @@ async def test_a_silent_backend_is_ended_within_a_sweep_of_its_idle_timeout(
 async def test_a_cancelled_request_takes_its_stream_out() -> None:
     async with running_hub() as (hub, nursery), wired(nursery) as w:
         async with trio.open_nursery() as request:
-            request.start_soon(relay, w.response, w.exchange, [], 30, None, hub)
+            request.start_soon(relay, w.response, w.exchange, [], 30, hub)
             await trio.testing.wait_all_tasks_blocked()
             assert len(hub) == 1
             request.cancel_scope.cancel()  # as the client leaving cancels its request

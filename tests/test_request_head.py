@@ -558,7 +558,9 @@ def h11_keep_alive(data: bytes) -> bool:
         (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: keep-alive\r\n\r\n", True),
         (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\n\r\n", True),
         (b"GET / HTTP/1.0\r\n\r\n", False),
-        (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", False),
+        (b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n", True),  # RFC 9112 §9.3
+        (b"GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n", True),
+        (b"GET / HTTP/1.0\r\nConnection: keep-alive, close\r\n\r\n", False),
         (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n", False),
         (b"GET / HTTP/1.1\r\nHost: h\r\nConnection: CLOSE\r\n\r\n", False),
         (b"GET / HTTP/1.1\r\nHost: h\r\nconnection:   Close  \r\n\r\n", False),
@@ -567,10 +569,14 @@ def h11_keep_alive(data: bytes) -> bool:
         (b"GET / HTTP/1.1\r\nConnection: te\r\nHost: h\r\nConnection: close\r\n\r\n", False),
     ],
 )
-def test_keep_alive_follows_the_version_and_connection_close(data: bytes, keep_alive: bool) -> None:
+def test_keep_alive_follows_the_version_and_the_connection_header(
+    data: bytes, keep_alive: bool
+) -> None:
     head, _ = parse_every_way(data)
     assert head.keep_alive is keep_alive
-    assert h11_keep_alive(data) is keep_alive
+    # h11 closes every HTTP/1.0 connection; RFC 9112 §9.3 lets a 1.0 client ask to keep it.
+    http_1_0_kept = data.startswith(b"GET / HTTP/1.0") and keep_alive
+    assert h11_keep_alive(data) is (keep_alive and not http_1_0_kept)
 
 
 @pytest.mark.parametrize("option", [b"x-closeable", b"closed", b"keep-alive, enclosed"])

@@ -80,7 +80,7 @@ class RestartBackoff:
 
 @dataclass
 class WorkerState:
-    """One worker slot as the dashboard sees it; each start is a new incarnation."""
+    """One worker slot; each start is a new incarnation (the page reads it: WorkersView)."""
 
     index: int
     state: str = "starting"  # starting | up | restarting | stopped

@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import trio
 
-from app.cli.supervisor import WorkerState
 from app.config import Saturation
 from app.dashboard.worker_snapshots import RecordLog, merge_snapshots
 from app.observe.worker_metrics import merge_worker_metrics
@@ -32,6 +31,32 @@ log = logging.getLogger("sluice.dashboard")
 POLL_TIMEOUT_S = 2.0
 # A restart stays on the page's notices this long.
 NOTICE_S = 300.0
+
+
+class WorkerState(Protocol):
+    """One worker slot as the supervisor keeps it (app/cli/supervisor.py) and this page reads
+    it; each start is a new incarnation."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def state(self) -> str: ...  # starting | up | restarting | stopped
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def dashboard_url(self) -> str | None: ...
+    @property
+    def started_at(self) -> float: ...  # wall clock, like the three below
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def last_exit(self) -> str | None: ...
+    @property
+    def last_exit_at(self) -> float | None: ...
+    @property
+    def restart_at(self) -> float | None: ...
 
 
 class WorkersView:

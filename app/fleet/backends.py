@@ -33,17 +33,30 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from app.fleet.engine_metrics import EngineLoad
 from app.models import MAX_MODELS
 
-if TYPE_CHECKING:
-    from app.fleet.tokenizer_check import TokenizerOutcome, TokenizerProbe
-
 # "not required": passthrough mode. "unchecked" -> "checking" -> "verified" | "refused";
 # a check that could not finish (timeout, 5xx) goes back to "unchecked" and is retried.
 TokenizerState = Literal["not required", "unchecked", "checking", "verified", "refused"]
+
+
+@dataclass(frozen=True)
+class TokenizerProbe:
+    """What `--forward tokens` asks each backend to tokenize (fleet/tokenizer_check.py)."""
+
+    text: str
+    expected: tuple[int, ...]  # Sluice's ids for `text`, without post-processor tokens
+
+
+@dataclass(frozen=True)
+class TokenizerOutcome:
+    state: Literal["verified", "refused", "unchecked"]
+    detail: str
+
+
 TRAFFIC_TOKENIZER_STATES = frozenset({"not required", "verified"})
 # Uncached prompt tokens that weigh as much as one request in flight: about one step of
 # vLLM's default token budget (2048), i.e. a prefill that delays everyone on that GPU by a

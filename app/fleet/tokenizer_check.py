@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import trio
 
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend, BackendPool, TokenizerOutcome, TokenizerProbe
 
 log = logging.getLogger("sluice.tokenizer_check")
 
@@ -47,18 +46,6 @@ PROBE_TEXT = (
 )
 
 CANNOT_VERIFY = "cannot verify that it tokenizes as Sluice does, so it takes no traffic"
-
-
-@dataclass(frozen=True)
-class TokenizerProbe:
-    text: str
-    expected: tuple[int, ...]  # Sluice's ids for `text`, without post-processor tokens
-
-
-@dataclass(frozen=True)
-class TokenizerOutcome:
-    state: Literal["verified", "refused", "unchecked"]
-    detail: str
 
 
 def build_probe(

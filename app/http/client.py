@@ -98,9 +98,22 @@ class UpstreamResponse:
         except trio.BrokenResourceError as exc:
             raise UpstreamError(str(exc)) from None
 
-    def socket_fd(self) -> int | None:
-        """The backend socket's descriptor, for the relay hub; None if it is not a socket."""
-        return None if self._connection is None else self._connection.stream.socket_fd()
+    @property
+    def stream(self) -> ByteStream:
+        """The connection's stream, for the relay hub, which reads the body's middle."""
+        assert self._connection is not None, "used after release"
+        return self._connection.stream
+
+    async def read_rest(self, idle: float) -> bytes:
+        """The rest of the body, whole: for an answer that is reshaped before the client gets
+        any of it. `UpstreamError` (`timeout` set) after `idle` seconds without a byte."""
+        pieces = [self.take_arrived()]
+        while not self.complete:
+            with trio.move_on_after(idle):
+                pieces.append(self.decode(await self.receive()))
+                continue
+            raise UpstreamError(f"no data from the backend for {idle:g}s", timeout=True)
+        return b"".join(pieces)
 
     def decode(self, raw: bytes) -> bytes:
         """The content of one read (raw b"": the backend closed); `complete` turns true with

@@ -12,8 +12,8 @@ is always reported) when the connection starts and removed when it ends: nothing
 Registering each socket only while its answer was made cost two system calls a request, 4%
 of the proxy's samples under 32 closed-loop clients. Bytes a client sends (a request, a
 pipelined one) wake nothing. The watcher's task waits on that epoll's descriptor through
-Trio and wakes only when a client leaves; it then cancels the scope its connection gave,
-which ends an answer in progress and the connection, idle or not.
+Trio and wakes only when a client leaves; it then tells the connection (connection.py),
+whose closing ends an answer in progress, idle or not.
 
 Only sockets can be watched this way; a connection over another stream (the tests' memory
 streams) notices a client that left at its next write.
@@ -22,24 +22,33 @@ streams) notices a client that left at its next write.
 from __future__ import annotations
 
 import select
+from collections.abc import Callable
 
 import trio
+
+from app.http.streams import ByteStream
 
 
 class Departures:
     def __init__(self) -> None:
         self._epoll = select.epoll()
-        self._connections: dict[int, trio.CancelScope] = {}  # by socket descriptor
+        self._leaving: dict[int, Callable[[], None]] = {}  # by socket descriptor
 
-    def watch(self, fd: int, scope: trio.CancelScope) -> None:
-        """Cancel `scope` when the client on `fd` leaves, until `forget(fd)`."""
+    def watch(self, stream: ByteStream, left: Callable[[], None]) -> bool:
+        """Call `left` when the client on `stream` leaves, until `forget(stream)`; False
+        (nothing watched) for a stream that is not a socket."""
+        fd = stream.fileno()
+        if fd is None:
+            return False
         self._epoll.register(fd, select.EPOLLRDHUP)
-        self._connections[fd] = scope
+        self._leaving[fd] = left
+        return True
 
-    def forget(self, fd: int) -> None:
-        """Stop watching `fd`; this must come before the socket is closed, since its number
+    def forget(self, stream: ByteStream) -> None:
+        """Stop watching `stream`; this must come before it is closed, since its descriptor
         may then be given to another connection."""
-        if self._connections.pop(fd, None) is not None:
+        fd = stream.fileno()
+        if fd is not None and self._leaving.pop(fd, None) is not None:
             self._epoll.unregister(fd)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -47,7 +56,7 @@ class Departures:
         while True:
             await trio.lowlevel.wait_readable(self._epoll.fileno())
             for fd, _ in self._epoll.poll(0):
-                scope = self._connections.pop(fd, None)
-                if scope is not None:
+                left = self._leaving.pop(fd, None)
+                if left is not None:
                     self._epoll.unregister(fd)
-                    scope.cancel()
+                    left()

@@ -6,8 +6,9 @@ system calls that move it, ~30 µs of CPU where the system calls take ~10. 200 s
 tokens a second each were 0.3-0.9 of a core that way (`python -m load bench streams`).
 
 How: once an answer's head and first bytes have gone out, its request task hands the
-stream to the hub and parks. The hub keeps the backend sockets of all streams in an epoll of
-its own (level-triggered, registered once per stream, not once per token) and waits on that
+stream to the hub and parks. The hub keeps the backend sockets of all streams (each end's
+`SocketBytes` gives its descriptor and moves its bytes without waiting) in an epoll of its
+own (level-triggered, registered once per stream, not once per token) and waits on that
 epoll's descriptor through Trio. Each wake-up reads every ready socket, decodes and frames
 what arrived and writes it to its client, all in one task step: a batch of tokens costs one
 pass through the scheduler. After `BATCH` streams it yields, so a /health request or a new
@@ -23,6 +24,10 @@ Idle: each batch stamps the streams it served with one clock read; a sweep every
 `SWEEP_S` ends streams whose backend has been silent for their idle timeout, so a silent
 backend is noticed between `idle` and `idle + SWEEP_S` after its last byte.
 
+Streams that are not sockets (the tests' memory streams) cannot wait in an epoll: the hub
+moves each of those in a task of its own, with the same steps (`_arrived`), the same
+back-pressure and the same idle sweep, so a relay has one path whatever its streams are.
+
 A stream leaves the hub once, and its task wakes once: when the body ended (the read that
 ended it is handed back unwritten, so the end goes out in the same write), when the backend
 broke it or fell silent, or when the client's socket refused a write. A request cancelled
@@ -32,7 +37,6 @@ meanwhile (its client left, or shutdown's grace ran out) takes its stream out at
 from __future__ import annotations
 
 import errno
-import os
 import select
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +45,7 @@ import outcome
 import trio
 
 from app.http.client import UpstreamError
+from app.http.streams import ByteStream, SocketBytes
 
 BATCH = 64  # streams served per task step
 SWEEP_S = 1.0
@@ -53,7 +58,7 @@ class Ended:
 
     last: bytes = b""  # the content of the read that ended the body: not written yet
     broken: str | None = None  # what broke the stream on the backend's side
-    client_gone: bool = False  # the client's socket refused a write
+    client_gone: bool = False  # the client's stream refused a write
 
 
 class HubStream:
@@ -62,35 +67,37 @@ class HubStream:
     `take(raw)` turns one read into content (raising `UpstreamError` on broken framing;
     raw b"" is the backend's end of input), `complete()` says whether the body has ended,
     `frame(content)` is what the client is sent for it; `first_write` is called before the
-    first write if the answer had no body byte out yet."""
+    first write."""
 
     __slots__ = (
         "_ended",
+        "_pump",
         "_task",
         "blocked",
-        "client_fd",
+        "client",
         "complete",
         "first_write",
         "frame",
         "idle",
         "last_data",
         "pending",
+        "sockets",
         "take",
-        "upstream_fd",
+        "upstream",
     )
 
     def __init__(
         self,
-        upstream_fd: int,
-        client_fd: int,
+        upstream: ByteStream,
+        client: ByteStream,
         take: Callable[[bytes], bytes],
         complete: Callable[[], bool],
         frame: Callable[[bytes], bytes],
         idle: float,
         first_write: Callable[[], None] | None,
     ) -> None:
-        self.upstream_fd = upstream_fd
-        self.client_fd = client_fd
+        self.upstream = upstream
+        self.client = client
         self.take = take
         self.complete = complete
         self.frame = frame
@@ -100,15 +107,23 @@ class HubStream:
         self.pending = b""  # framed bytes the client has not taken yet
         self.blocked = False  # waiting for the client to take `pending`
         self._task: trio.lowlevel.Task | None = None
+        self._pump: trio.CancelScope | None = None  # the task of a stream not on sockets
         self._ended: Ended | None = None
+        # Both ends, where both are sockets: then the hub's epoll waits for them.
+        self.sockets: tuple[SocketBytes, SocketBytes] | None = None
+        if isinstance(upstream, SocketBytes) and isinstance(client, SocketBytes):
+            self.sockets = (upstream, client)
 
 
 class RelayHub:
     def __init__(self) -> None:
         self._epoll = select.epoll()
-        self._by_fd: dict[int, HubStream] = {}  # backend fds, and client fds while blocked
+        # Backend descriptors, and client descriptors while blocked.
+        self._by_fd: dict[int, HubStream] = {}
+        self._fds: dict[HubStream, int] = {}  # the descriptor each socket stream waits on
         self._streams: set[HubStream] = set()
         self._first_stream = trio.Event()  # the sweep sleeps while no stream is in the hub
+        self._pumps: trio.Nursery | None = None
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -117,22 +132,28 @@ class RelayHub:
         """Serve streams until cancelled; the streams left then are ended as broken."""
         try:
             async with trio.open_nursery() as nursery:
+                self._pumps = nursery
                 nursery.start_soon(self._sweep_idle)
                 task_status.started()
                 await self._serve()
         finally:
+            self._pumps = None
             for stream in list(self._streams):
                 self._end(stream, Ended(broken="the proxy is shutting down"))
             self._epoll.close()
 
     async def relay(self, stream: HubStream) -> Ended:
         """Relay `stream` until it ends; cancelling the caller takes it out of the hub."""
+        if self._pumps is None:
+            raise RuntimeError("the relay hub is not running")
         stream.last_data = trio.current_time()
         stream._task = trio.lowlevel.current_task()
         self._streams.add(stream)
         self._first_stream.set()
-        self._by_fd[stream.upstream_fd] = stream
-        self._epoll.register(stream.upstream_fd, select.EPOLLIN)
+        if stream.sockets is None:
+            self._pumps.start_soon(self._pump_task, stream)
+        else:
+            self._wait_on(stream, stream.sockets[0], select.EPOLLIN)
 
         def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
             self._remove(stream)
@@ -140,6 +161,26 @@ class RelayHub:
 
         ended: Ended = await trio.lowlevel.wait_task_rescheduled(abort)
         return ended
+
+    def _wait_on(self, stream: HubStream, end: SocketBytes, events: int) -> None:
+        fd = end.fileno()
+        if fd is None:
+            self._end(stream, Ended(broken="the connection is closed"))
+            return
+        self._by_fd[fd] = stream
+        self._fds[stream] = fd
+        self._epoll.register(fd, events)
+
+    def _stop_waiting(self, stream: HubStream) -> None:
+        fd = self._fds.pop(stream, None)
+        if fd is None:
+            return
+        del self._by_fd[fd]
+        try:
+            self._epoll.unregister(fd)
+        except OSError as exc:  # closed behind our back: the kernel dropped it already
+            if exc.errno not in (errno.EBADF, errno.ENOENT):
+                raise
 
     async def _serve(self) -> None:
         epoll = self._epoll
@@ -153,42 +194,52 @@ class RelayHub:
                     stream = by_fd.get(fd)
                     if stream is None:
                         continue  # ended earlier in this batch
+                    sockets = stream.sockets
+                    assert sockets is not None
                     if stream.blocked:
-                        self._flush(stream, now)
+                        self._flush(stream, sockets, now)
                     else:
-                        self._read(stream, now)
+                        self._read(stream, sockets, now)
                 if len(events) < BATCH:
                     break
                 await trio.lowlevel.checkpoint()
 
-    def _read(self, stream: HubStream, now: float) -> None:
-        try:
-            raw = os.read(stream.upstream_fd, READ_SIZE)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            self._end(stream, Ended(broken=f"connection lost: {exc}"))
-            return
+    def _arrived(self, stream: HubStream, raw: bytes, now: float) -> bytes:
+        """One read of the backend: what to write to the client (b"" for nothing), or the
+        stream's end (then it has left the hub)."""
         try:
             content = stream.take(raw)
         except UpstreamError as exc:
             self._end(stream, Ended(broken=str(exc)))
-            return
+            return b""
         stream.last_data = now
         if stream.complete():
             self._end(stream, Ended(last=content))
-        elif content:
-            if stream.first_write is not None:
-                stream.first_write()
-                stream.first_write = None
-            self._write(stream, stream.frame(content))
+            return b""
+        if not content:
+            return b""
+        if stream.first_write is not None:
+            stream.first_write()
+            stream.first_write = None
+        return stream.frame(content)
 
-    def _write(self, stream: HubStream, data: bytes) -> None:
+    def _read(
+        self, stream: HubStream, sockets: tuple[SocketBytes, SocketBytes], now: float
+    ) -> None:
+        upstream, client = sockets
         try:
-            sent = os.write(stream.client_fd, data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
+            raw = upstream.receive_now(READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._end(stream, Ended(broken=str(exc)))
+            return
+        if raw is None:
+            return
+        data = self._arrived(stream, raw, now)
+        if not data:
+            return
+        try:
+            sent = client.send_now(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._end(stream, Ended(client_gone=True))
             return
         if sent < len(data):
@@ -196,17 +247,16 @@ class RelayHub:
             # the backend, and wait for the client instead.
             stream.pending = data[sent:]
             stream.blocked = True
-            self._epoll.unregister(stream.upstream_fd)
-            del self._by_fd[stream.upstream_fd]
-            self._by_fd[stream.client_fd] = stream
-            self._epoll.register(stream.client_fd, select.EPOLLOUT)
+            self._stop_waiting(stream)
+            self._wait_on(stream, client, select.EPOLLOUT)
 
-    def _flush(self, stream: HubStream, now: float) -> None:
+    def _flush(
+        self, stream: HubStream, sockets: tuple[SocketBytes, SocketBytes], now: float
+    ) -> None:
+        upstream, client = sockets
         try:
-            sent = os.write(stream.client_fd, stream.pending)
-        except BlockingIOError:
-            return
-        except OSError:
+            sent = client.send_now(stream.pending)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._end(stream, Ended(client_gone=True))
             return
         stream.pending = stream.pending[sent:]
@@ -214,10 +264,30 @@ class RelayHub:
             return
         stream.blocked = False
         stream.last_data = now  # the idle timeout counts again from here
-        self._epoll.unregister(stream.client_fd)
-        del self._by_fd[stream.client_fd]
-        self._by_fd[stream.upstream_fd] = stream
-        self._epoll.register(stream.upstream_fd, select.EPOLLIN)
+        self._stop_waiting(stream)
+        self._wait_on(stream, upstream, select.EPOLLIN)
+
+    async def _pump_task(self, stream: HubStream) -> None:
+        """A stream whose ends are not both sockets, moved by a task of its own."""
+        with trio.CancelScope() as scope:
+            stream._pump = scope
+            while stream in self._streams:
+                try:
+                    raw = await stream.upstream.receive(READ_SIZE)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._end(stream, Ended(broken=f"connection lost: {exc}"))
+                    return
+                data = self._arrived(stream, raw, trio.current_time())
+                if not data:
+                    continue
+                stream.blocked = True
+                try:
+                    await stream.client.send(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._end(stream, Ended(client_gone=True))
+                    return
+                stream.blocked = False
+                stream.last_data = trio.current_time()
 
     async def _sweep_idle(self) -> None:
         while True:
@@ -239,15 +309,12 @@ class RelayHub:
             trio.lowlevel.reschedule(task, outcome.Value(ended))
 
     def _remove(self, stream: HubStream) -> None:
-        """Take `stream` out: nothing of it stays registered (its sockets close later)."""
+        """Take `stream` out: nothing of it stays registered or running (its streams close
+        later, their owners' business)."""
         if stream not in self._streams:
             return
         self._streams.discard(stream)
         stream._task = None
-        fd = stream.client_fd if stream.blocked else stream.upstream_fd
-        del self._by_fd[fd]
-        try:
-            self._epoll.unregister(fd)
-        except OSError as exc:  # closed behind our back: the kernel dropped it already
-            if exc.errno not in (errno.EBADF, errno.ENOENT):
-                raise
+        self._stop_waiting(stream)
+        if stream._pump is not None:
+            stream._pump.cancel()

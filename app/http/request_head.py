@@ -58,14 +58,31 @@ class RequestHead:
         return field(self.headers, name)
 
     @property
+    def path(self) -> str:
+        """The target's path, without its query: from the origin form (`/v1/models?x`) or
+        the absolute form (`http://host/v1/models`, which RFC 9112 §3.2.2 has servers
+        accept); "" for anything else (`*`, an authority), which no route matches."""
+        target = self.target
+        if target[:1] != b"/":
+            scheme, separator, rest = target.partition(b"://")
+            if not separator or scheme.lower() not in (b"http", b"https"):
+                return ""
+            slash = rest.find(b"/")
+            target = b"/" if slash < 0 else rest[slash:]
+        return target.partition(b"?")[0].decode("latin-1")
+
+    @property
     def keep_alive(self) -> bool:
-        """HTTP/1.1 without `Connection: close` (RFC 9112 §9.3)."""
-        if self.http_version != b"1.1":
-            return False
+        """Whether the client may send another request on this connection (RFC 9112 §9.3):
+        HTTP/1.1 unless it says `Connection: close`, HTTP/1.0 only if it says `keep-alive`."""
+        close = keep_alive = False
         for name, value in self.headers:
-            if name == b"connection" and _lists(value, b"close"):
-                return False
-        return True
+            if name == b"connection":
+                close = close or _lists(value, b"close")
+                keep_alive = keep_alive or _lists(value, b"keep-alive")
+        if self.http_version == b"1.1":
+            return not close
+        return keep_alive and not close
 
     @property
     def expects_continue(self) -> bool:

@@ -23,20 +23,11 @@ import errno
 import os
 import select
 from collections.abc import Iterator
-from typing import Protocol
 
 import trio
 
 RECEIVE_SIZE = 65536
 YIELD_EVERY = 16
-
-
-class SendWait(Protocol):
-    """Told when a `send` must wait for the peer to take bytes, and when it no longer must."""
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
 
 
 class ByteStream:
@@ -45,7 +36,7 @@ class ByteStream:
     async def receive(self, max_bytes: int = RECEIVE_SIZE) -> bytes:
         raise NotImplementedError
 
-    async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
+    async def send(self, data: bytes) -> None:
         raise NotImplementedError
 
     def closed_by_peer(self) -> bool:
@@ -53,9 +44,9 @@ class ByteStream:
         that cannot be asked without reading."""
         return False
 
-    def socket_fd(self) -> int | None:
-        """The socket's descriptor while open, for code that does its own waiting (the
-        relay hub); None for a stream that is not a socket."""
+    def fileno(self) -> int | None:
+        """The socket's descriptor while open, for code that waits on many at once (the
+        relay hub, the departure watcher); None for a stream that is not a socket."""
         return None
 
     def abort(self) -> None:
@@ -111,7 +102,7 @@ class SocketBytes(ByteStream):
                     await trio.lowlevel.checkpoint()
             return data
 
-    async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
+    async def send(self, data: bytes) -> None:
         view: memoryview | None = None
         while True:
             fd = self._fd()
@@ -133,14 +124,29 @@ class SocketBytes(ByteStream):
             if not view:
                 return
             # The peer reads slower than we write: wait for room (back-pressure).
-            if waiting is not None:
-                waiting.pause()
             await trio.lowlevel.wait_writable(fd)
-            if waiting is not None:
-                waiting.resume()
             self._unyielded = 0
 
-    def socket_fd(self) -> int | None:
+    def receive_now(self, max_bytes: int = RECEIVE_SIZE) -> bytes | None:
+        """What has arrived, without waiting: None when nothing has (b"" at end of input).
+        For the relay hub, which waits on the descriptor itself."""
+        try:
+            return os.read(self._fd(), max_bytes)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"connection lost: {exc}") from None
+
+    def send_now(self, data: bytes | memoryview) -> int:
+        """Send what the socket takes at once, without waiting; how many bytes it took."""
+        try:
+            return os.write(self._fd(), data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"connection lost: {exc}") from None
+
+    def fileno(self) -> int | None:
         return None if self._closed else self._socket.fileno()
 
     def abort(self) -> None:
@@ -185,14 +191,9 @@ class StreamBytes(ByteStream):
             return bytes(await self._stream.receive_some(max_bytes))
         raise trio.ClosedResourceError("the connection was aborted")
 
-    async def send(self, data: bytes, waiting: SendWait | None = None) -> None:
-        # Whether the peer takes the bytes at once cannot be asked: any send may wait.
-        if waiting is not None:
-            waiting.pause()
+    async def send(self, data: bytes) -> None:
         with self._abortable():
             await self._stream.send_all(data)
-            if waiting is not None:
-                waiting.resume()
             return
         raise trio.ClosedResourceError("the connection was aborted")
 

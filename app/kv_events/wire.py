@@ -100,20 +100,6 @@ _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _BATCH_FIELDS = ("ts", "events", "data_parallel_rank")
 
 
-def endpoint_problem(endpoint: str, *, any_port: bool = False) -> str | None:
-    """What is wrong with a ZMQ endpoint given on the command line, or None: tcp://HOST:PORT
-    (PORT 0 for any free one where `any_port`) or ipc://PATH."""
-    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-        return None
-    if not endpoint.startswith("tcp://"):
-        return "must be tcp://HOST:PORT or ipc://PATH"
-    host, colon, port = endpoint[len("tcp://") :].rpartition(":")
-    lowest = 0 if any_port else 1
-    if not colon or not host or not port.isdigit() or not lowest <= int(port) <= 65535:
-        return f"must be tcp://HOST:PORT with a port from {lowest} to 65535"
-    return None
-
-
 def split_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
     """`[topic, seq, payload]` from the PUB socket -> (topic, seq, payload)."""
     if len(frames) != 3:

@@ -121,7 +121,7 @@ class ProxyApp:
         preprocessor: Preprocessor,
         metrics: Metrics,
         catalog: ModelCatalog,
-        relay_hub: RelayHub | None = None,
+        relay_hub: RelayHub,
     ) -> None:
         self.settings = settings
         self.relay_hub = relay_hub
@@ -368,7 +368,7 @@ class ProxyApp:
             relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
             try:
                 relayed = await relay_answer(
-                    response, exchange, extra, self.settings.idle_timeout, hub=self.relay_hub
+                    response, exchange, extra, self.settings.idle_timeout, self.relay_hub
                 )
                 if relayed.broken is not None:
                     broken = relayed.broken

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
 from app.budgets.shared import SharedBudgets
 from app.config import Settings
 from app.fleet.backends import Backend, BackendPool
-from app.kv_events.index import BackendKvEvents
 from app.observe.metrics import Metrics
 from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
 from app.routing.cache_aware import CacheAware
@@ -68,6 +67,15 @@ def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets:
     )
 
 
+class EngineEvents(Protocol):
+    """A backend's KV events as routing sees them (app/kv_events/index.py keeps them): told
+    when a request that stores blocks is sent, cleared when the backend leaves."""
+
+    def request_sent(self, now: float) -> None: ...
+
+    def clear(self) -> None: ...
+
+
 class Router:
     def __init__(
         self,
@@ -91,7 +99,7 @@ class Router:
         # By backend URL, for backends whose engine's KV events feed the index: they are
         # told when a request goes there that will make the engine store blocks (silence
         # while such requests flow is a publisher gone).
-        self.kv_events: dict[str, BackendKvEvents] = {}
+        self.kv_events: dict[str, EngineEvents] = {}
         metrics.admission_waiting.set_function(lambda: self.waiting)
         metrics.backend_inflight.set_function(
             lambda: [(backend.url, backend.inflight) for backend in pool.backends]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from app.kv_events.wire import endpoint_problem
+from app.config import ServerSettings, endpoint_problem
 
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
@@ -14,10 +14,8 @@ MetricsStyle = Literal["vllm", "sglang", "llamacpp", "tgi"]
 
 
 @dataclass(frozen=True)
-class SimSettings:
-    host: str = "127.0.0.1"
+class SimSettings(ServerSettings):
     port: int = 9000
-    backlog: int = 2048  # connections waiting to be accepted (hypercorn's default is 100)
     # The names one engine serves (vLLM's several `--served-model-name`s, or LoRA adapters on
     # one base model): /v1/models lists each, a request for any other name gets vLLM's 404.
     # None named: it serves DEFAULT_MODEL and answers to whatever name a client sends.
@@ -69,6 +67,7 @@ class SimSettings:
         return self.models or (DEFAULT_MODEL,)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if any(not name.strip() for name in self.models):
             raise ValueError("--model needs a non-empty name")
         if len(set(self.models)) != len(self.models):
