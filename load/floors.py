@@ -5,7 +5,8 @@
 
 Both answer every POST with the same small chat completion, no backend behind them, so the
 CPU they spend per request is the floor under any proxy built on that server. Sluice serves
-its data port with the first; the second is what a lean server would start from.
+its dashboard with the first; its data port's own server (app/http/) is measured against
+the second.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import h11
 import trio
 from hypercorn.trio import serve
 
-from app.asgi import Receive, Scope, Send, answer_lifespan, read_body, server_config
+from app.dashboard.serving import server_config
 
 ANSWER = json.dumps(
     {
@@ -39,11 +40,21 @@ HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(A
 MAX_BODY_BYTES = 1 << 20
 
 
-async def answer_asgi(scope: Scope, receive: Receive, send: Send) -> None:
+async def answer_asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Startup and shutdown acknowledged; every request's body read, then the answer."""
     if scope["type"] == "lifespan":
-        await answer_lifespan(receive, send)
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
         return
-    await read_body(receive, MAX_BODY_BYTES)
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if message["type"] == "http.disconnect" or size > MAX_BODY_BYTES:
+            return
+        if not message.get("more_body", False):
+            break
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     await send({"type": "http.response.body", "body": ANSWER})
 
@@ -72,8 +83,8 @@ async def answer_h11(stream: trio.SocketStream) -> None:
 
 async def run(kind: str, port: int) -> None:
     if kind == "hypercorn":
-        app: Any = answer_asgi  # hypercorn's own ASGI types are narrower than app/asgi.py's
-        await serve(app, server_config("127.0.0.1", port))
+        app: Any = answer_asgi
+        await serve(app, server_config("127.0.0.1", port, 2048))
     else:
         await trio.serve_tcp(answer_h11, port, host="127.0.0.1")
 

@@ -9,11 +9,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypercorn.trio import serve
 
-from app.asgi import server_config
-from app.cli.serve import Sluice
+from app.cli.sluice import Sluice
 from app.config import Settings
+from app.http.server import Handler, HttpServer
 from app.preprocess.tokenizer_loading import TokenizerLike
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import SimSettings
@@ -43,7 +42,7 @@ TEST_SETTINGS = Settings(
 )
 
 StartSim = Callable[..., Awaitable["SimHandle"]]
-StartASGI = Callable[[Any], Awaitable[str]]
+StartBackend = Callable[[Handler], Awaitable[str]]
 StartSluice = Callable[..., Awaitable["RunningSluice"]]
 
 
@@ -88,12 +87,13 @@ def start_sim(nursery: trio.Nursery) -> StartSim:
 
 
 @pytest.fixture
-def start_asgi(nursery: trio.Nursery) -> StartASGI:
-    """Serve a hand-written ASGI app (a backend with some quirk); returns its base URL."""
+def start_backend(nursery: trio.Nursery) -> StartBackend:
+    """Serve a hand-written handler (a backend with some quirk) on the server the simulated
+    backend runs on (app/http/server.py); returns its base URL."""
 
-    async def start(app: Any) -> str:
-        urls: list[str] = await nursery.start(serve, app, server_config("127.0.0.1", 0))
-        return urls[0]
+    async def start(handler: Handler) -> str:
+        url: str = await nursery.start(HttpServer(handler).serve, "127.0.0.1", 0, 128)
+        return url
 
     return start
 

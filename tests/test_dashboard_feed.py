@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import trio
 
-from app.asgi import Receive, Scope, Send, answer_lifespan, read_body, send_json
 from app.dashboard import feed as feed_module
 from app.dashboard.feed import DashboardFeed
+from app.http.exchange import Exchange
 from app.sim.traffic import DemoTraffic
-from tests.conftest import StartASGI, wait_until
+from tests.conftest import StartBackend, wait_until
 
 
 class Source:
@@ -167,30 +167,27 @@ async def test_a_policy_change_is_published_before_the_next_tick(
 
 
 class CountingBackend:
-    """An OpenAI-ish ASGI app that records each request's path and body size."""
+    """An OpenAI-ish backend that records each request's path and body size."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, int, str]] = []
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await answer_lifespan(receive, send)
-            return
-        body = json.loads(await read_body(receive, 1 << 24))
+    async def __call__(self, exchange: Exchange) -> None:
+        body = json.loads(await exchange.read_body(1 << 24))
         prompt = body.get("prompt", "")
-        self.seen.append((scope["path"], len(prompt), prompt[:20]))
+        self.seen.append((exchange.path, len(prompt), prompt[:20]))
         answer = {"choices": [{"message": {"content": "ok"}, "text": "ok"}]}
-        await send_json(send, 200, answer)
+        await exchange.respond_json(200, answer)
 
     def bursts(self) -> list[tuple[str, int, str]]:
         return [s for s in self.seen if s[0] == "/v1/completions"]
 
 
 async def test_demo_bursts_on_request_large_and_unique(
-    start_asgi: StartASGI, nursery: trio.Nursery
+    start_backend: StartBackend, nursery: trio.Nursery
 ) -> None:
     backend = CountingBackend()
-    url = await start_asgi(backend)
+    url = await start_backend(backend)
     traffic = DemoTraffic(0.01, burst_interval=0, models=("m",), burst_size=4)
     assert traffic.request_burst() is True
     assert traffic.request_burst() is False  # one already asked for

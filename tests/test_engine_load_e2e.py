@@ -17,13 +17,13 @@ import pytest
 import trio
 import trio.testing
 
-from app.asgi import Receive, Scope, Send, answer_lifespan, send_bytes
 from app.fleet.backends import MAX_OTHERS_PER_OWN, BackendPool
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.load_scraper import LoadScraper
+from app.http.exchange import Exchange
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
-from tests.conftest import StartASGI, StartSim, StartSluice, wait_until
+from tests.conftest import StartBackend, StartSim, StartSluice, wait_until
 
 SLOW = SimSettings(
     port=0,
@@ -126,15 +126,12 @@ async def test_vllm_hit_rate_covers_the_prompts_between_two_scrapes(
 
 
 async def test_a_backend_without_engine_metrics_counts_no_queue(
-    start_asgi: StartASGI, client: httpx.AsyncClient
+    start_backend: StartBackend, client: httpx.AsyncClient
 ) -> None:
-    async def no_metrics(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await answer_lifespan(receive, send)
-        else:
-            await send_bytes(send, 404, b"not here", b"text/plain")
+    async def no_metrics(exchange: Exchange) -> None:
+        await exchange.respond(404, [(b"content-type", b"text/plain")], b"not here")
 
-    pool = healthy_pool([await start_asgi(no_metrics)])
+    pool = healthy_pool([await start_backend(no_metrics)])
     (backend,) = pool.backends
     backend.reported_waiting = 3
     await scraper(pool, client).scrape_all()

@@ -27,7 +27,7 @@ import pytest
 import trio
 from hypercorn.trio import serve
 
-from app.asgi import server_config
+from app.dashboard.serving import server_config
 from load import compare, floors
 from load.bench import NAMES, replicas
 from load.harness import wait_healthy
@@ -161,7 +161,7 @@ def test_the_routing_comparison_runs_a_variant_and_reports_real_cache_hits(
 async def start_floor(nursery: trio.Nursery, kind: str) -> str:
     if kind == "hypercorn":
         app: Any = floors.answer_asgi
-        [url] = await nursery.start(serve, app, server_config("127.0.0.1", 0))
+        [url] = await nursery.start(serve, app, server_config("127.0.0.1", 0, 128))
         return str(url)
     [listener] = await nursery.start(
         functools.partial(trio.serve_tcp, floors.answer_h11, 0, host="127.0.0.1")

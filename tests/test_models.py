@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from app.budgets.buckets import TokenBuckets
 from app.config import ModelConfig
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
@@ -20,7 +21,6 @@ from app.http.errors import ClientError
 from app.models import MAX_MODELS, ModelDirectory
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.rendering import RenderPlan, RenderSpec, render_request
-from app.routing.admission import TokenBuckets
 from app.routing.balance import Balance
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import RouteRequest

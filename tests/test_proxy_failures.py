@@ -11,8 +11,8 @@ import json
 import httpx
 import trio
 
-from app.asgi import Receive, Scope, Send, answer_lifespan, send_json
-from tests.conftest import StartASGI, StartSim, StartSluice, wait_until
+from app.http.exchange import Exchange
+from tests.conftest import StartBackend, StartSim, StartSluice, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
@@ -161,43 +161,44 @@ async def test_backend_errors_pass_through_with_their_body(
     assert response.headers["x-sluice-backend"] == sim.url
 
 
-async def rate_limited_backend(scope: Scope, receive: Receive, send: Send) -> None:
+async def rate_limited_backend(exchange: Exchange) -> None:
     """A backend that refuses every completion with its own 429 and body."""
-    if scope["type"] == "lifespan":
-        await answer_lifespan(receive, send)
-    elif scope["path"] == "/health":
-        await send_json(send, 200, {})
-    elif scope["path"] == "/v1/models":
-        await send_json(send, 200, {"object": "list", "data": [{"id": "m", "object": "model"}]})
+    await exchange.read_body(1 << 20)
+    if exchange.path == "/health":
+        await exchange.respond_json(200, {})
+    elif exchange.path == "/v1/models":
+        await exchange.respond_json(
+            200, {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        )
     else:
         body = {"error": {"message": "slow down", "type": "rate_limit", "param": None, "code": 429}}
-        await send_json(send, 429, body, headers=[(b"retry-after", b"7")])
+        await exchange.respond_json(429, body, headers=[(b"retry-after", b"7")])
 
 
 async def test_backend_4xx_passes_through(
-    start_asgi: StartASGI, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_backend: StartBackend, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    running = await start_sluice([await start_asgi(rate_limited_backend)])
+    running = await start_sluice([await start_backend(rate_limited_backend)])
     response = await client.post(running.proxy_url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 429
     assert response.json()["error"]["message"] == "slow down"
     assert response.headers["retry-after"] == "7"
 
 
-async def no_health_backend(scope: Scope, receive: Receive, send: Send) -> None:
+async def no_health_backend(exchange: Exchange) -> None:
     """An OpenAI-compatible server with no /health at all (some real ones have none)."""
-    if scope["type"] == "lifespan":
-        await answer_lifespan(receive, send)
-    elif scope["path"] == "/v1/models":
-        await send_json(send, 200, {"object": "list", "data": [{"id": "bare", "object": "model"}]})
+    await exchange.read_body(1 << 20)
+    if exchange.path == "/v1/models":
+        models = {"object": "list", "data": [{"id": "bare", "object": "model"}]}
+        await exchange.respond_json(200, models)
     else:
-        await send_json(send, 404, {"detail": "Not Found"})
+        await exchange.respond_json(404, {"detail": "Not Found"})
 
 
 async def test_backend_without_health_is_probed_on_models(
-    start_asgi: StartASGI, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_backend: StartBackend, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    running = await start_sluice([await start_asgi(no_health_backend)])
+    running = await start_sluice([await start_backend(no_health_backend)])
     backend = running.sluice.pool.backends[0]
     assert backend.healthy
     assert backend.probe_path == "/v1/models"

@@ -10,7 +10,8 @@ import pytest
 import trio
 import trio.testing
 
-from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
+from app.budgets.buckets import TokenBuckets
+from app.routing.admission import Overloaded, SlotQueue
 from app.routing.usage import Usage, usage_from_tail
 
 # --- tokens per minute --------------------------------------------------------------------------
@@ -46,8 +47,8 @@ def test_a_request_larger_than_a_minute_never_fits_and_keys_are_bounded() -> Non
 
 
 def test_overloaded_says_when_to_retry_in_whole_seconds() -> None:
-    assert Overloaded("queue_full", "busy", 0.2).retry_after_header == b"1"
-    assert Overloaded("tokens_per_minute", "slow down", 7.01).retry_after_header == b"8"
+    assert Overloaded("queue_full", "busy", 0.2).headers == [(b"retry-after", b"1")]
+    assert Overloaded("tokens_per_minute", "slow down", 7.01).headers == [(b"retry-after", b"8")]
 
 
 # --- the slot queue -----------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from typing import Any
 
 import trio
 
-from app.cli.serve import Sluice, print_urls, run_then_cancel, run_until_stopped, stop_on_signal
+from app.cli.serve import run_until_stopped
+from app.cli.sluice import Sluice, print_urls, run_then_cancel, stop_on_signal
 from app.config import ModelConfig, Settings
 from app.sim.server import serve_sim
 from app.sim.settings import SimSettings

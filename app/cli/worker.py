@@ -20,7 +20,8 @@ from functools import partial
 
 import trio
 
-from app.cli.serve import Sluice, run_then_cancel, run_until_stopped, stop_on_signal
+from app.cli.serve import run_until_stopped
+from app.cli.sluice import Sluice, run_then_cancel, stop_on_signal
 from app.cli.supervisor import ORDER_HEADER, WorkerOrder
 from app.config import Settings
 from app.http.server import HttpServer

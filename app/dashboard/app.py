@@ -28,6 +28,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
+from app.dashboard.answers import Answer, error_answer
 from app.dashboard.backends_api import register_backends_api
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
@@ -48,7 +49,6 @@ SetSaturation = Callable[[Saturation], Awaitable[None] | None]
 MetricsText = Callable[[], Awaitable[bytes]]
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RequestBurst = Callable[[], bool]
-Answer = tuple[dict[str, Any], int]
 
 
 def asset_folder(name: str) -> Path:
@@ -56,10 +56,6 @@ def asset_folder(name: str) -> Path:
     of the repository in a checkout (and an editable install)."""
     installed = HERE / name
     return installed if installed.is_dir() else HERE.parents[1] / name
-
-
-def _error(status: int, message: str, type_: str, param: str | None = None) -> Answer:
-    return {"error": {"message": message, "type": type_, "param": param, "code": None}}, status
 
 
 def create_dashboard(
@@ -83,7 +79,9 @@ def create_dashboard(
     @app.before_request
     async def refuse_foreign_hosts() -> Answer | None:
         if not host_allowed(request.headers.get("host"), bound_host):
-            return _error(403, "this dashboard answers to loopback host names only", "forbidden")
+            return error_answer(
+                403, "this dashboard answers to loopback host names only", "forbidden"
+            )
         return None
 
     @app.after_request
@@ -93,10 +91,10 @@ def create_dashboard(
         return response
 
     @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException) -> tuple[dict[str, Any], int, dict[str, str]]:
+    async def httperror_answer(error: HTTPException) -> tuple[dict[str, Any], int, dict[str, str]]:
         code = error.code or 500
         kind = "invalid_request_error" if code < 500 else "server_error"
-        body, _ = _error(code, error.description or error.name, kind)
+        body, _ = error_answer(code, error.description or error.name, kind)
         allowed = getattr(error, "valid_methods", None)
         return body, code, {"allow": ", ".join(allowed)} if allowed else {}
 
@@ -106,11 +104,11 @@ def create_dashboard(
         if not same_origin(
             headers.get("origin"), headers.get("sec-fetch-site"), headers.get("host")
         ):
-            return _error(403, "cross-origin writes are refused", "forbidden")
+            return error_answer(403, "cross-origin writes are refused", "forbidden")
         if admin_token is not None and not bearer_matches(
             headers.get("authorization"), admin_token
         ):
-            return _error(
+            return error_answer(
                 401,
                 "this write needs 'Authorization: Bearer <admin token>'",
                 "authentication_error",
@@ -137,7 +135,9 @@ def create_dashboard(
     @app.get("/api/events")
     async def api_events() -> Response | Answer:
         if feed.pages >= feed.max_pages:
-            return _error(503, f"at most {feed.max_pages} pages may listen at once", "overloaded")
+            return error_answer(
+                503, f"at most {feed.max_pages} pages may listen at once", "overloaded"
+            )
 
         async def events() -> Any:
             # Browsers retry after this many ms when the stream breaks (Sluice restarting).
@@ -160,15 +160,17 @@ def create_dashboard(
             return refused
         payload = await request.get_json(force=True, silent=True)
         if not isinstance(payload, dict):
-            return _error(
+            return error_answer(
                 400, 'expected a JSON object like {"saturation": "wait"}', "invalid_request_error"
             )
         unknown = sorted(set(payload) - {"saturation"})
         if unknown:
-            return _error(400, f"unknown field {unknown[0]!r}", "invalid_request_error", unknown[0])
+            return error_answer(
+                400, f"unknown field {unknown[0]!r}", "invalid_request_error", unknown[0]
+            )
         saturation = payload.get("saturation")
         if saturation not in SATURATION_POLICIES:
-            return _error(
+            return error_answer(
                 400,
                 "'saturation' must be 'wait' or 'bail-out'",
                 "invalid_request_error",
@@ -183,7 +185,7 @@ def create_dashboard(
     @app.post("/api/demo/burst")
     async def api_burst() -> Answer:
         if request_burst is None:
-            return _error(404, "bursts are a `sluice demo` feature", "invalid_request_error")
+            return error_answer(404, "bursts are a `sluice demo` feature", "invalid_request_error")
         refused = refuse_write()
         if refused is not None:
             return refused
@@ -192,7 +194,7 @@ def create_dashboard(
     @app.get("/metrics")
     async def metrics() -> Response | Answer:
         if metrics_text is None:
-            return _error(404, "no metrics here", "invalid_request_error")
+            return error_answer(404, "no metrics here", "invalid_request_error")
         return Response(await metrics_text(), content_type=METRICS_CONTENT_TYPE)
 
     register_backends_api(app, refuse_write)

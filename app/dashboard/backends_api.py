@@ -20,6 +20,7 @@ import trio
 from quart import current_app, request
 from quart_trio import QuartTrio
 
+from app.dashboard.answers import Answer, error_answer
 from app.fleet.backends import Backend
 from app.routing.router import Router
 
@@ -27,15 +28,7 @@ CONTROL_KEY = "SLUICE_BACKEND_CONTROL"
 MAX_BACKENDS = 64
 MAX_URL_CHARS = 2048
 
-Answer = tuple[dict[str, Any], int]
 RefuseWrite = Callable[[], Answer | None]
-
-
-def _error(
-    status: int, message: str, param: str | None = None, code: str | None = None, kind: str = ""
-) -> Answer:
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}, status
 
 
 def check_backend_url(url: Any) -> str:
@@ -97,7 +90,7 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
 
     @app.errorhandler(Unavailable)
     async def unavailable(_: Unavailable) -> Answer:
-        return _error(
+        return error_answer(
             409,
             "with --workers, each worker keeps the backends it was started with: change "
             '--backend and restart (the snapshot\'s "backends" lists them)',
@@ -115,18 +108,20 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
             return refused
         payload = await request.get_json(force=True, silent=True)
         if not isinstance(payload, dict):
-            return _error(400, 'expected a JSON object like {"url": "http://gpu-1:8000"}')
+            return error_answer(400, 'expected a JSON object like {"url": "http://gpu-1:8000"}')
         try:
             url = check_backend_url(payload.get("url"))
         except ValueError as exc:
-            return _error(400, str(exc), "url")
+            return error_answer(400, str(exc), param="url")
         pool = control().router.pool
         if len(pool.backends) >= MAX_BACKENDS:
-            return _error(409, f"the pool already has {MAX_BACKENDS} backends", "url", "too_many")
+            return error_answer(
+                409, f"the pool already has {MAX_BACKENDS} backends", param="url", code="too_many"
+            )
         try:
             backend = await control().add(url)
         except ValueError as exc:
-            return _error(409, str(exc), "url", "backend_exists")
+            return error_answer(409, str(exc), param="url", code="backend_exists")
         return {"backend": control().describe(backend)}, 201
 
     @app.delete("/api/backends/<path:backend_id>")
@@ -137,8 +132,8 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
         router = control().router
         backend = router.pool.find(unquote(backend_id))
         if backend is None:
-            return _error(404, f"no backend {backend_id!r}; GET /api/backends lists them")
+            return error_answer(404, f"no backend {backend_id!r}; GET /api/backends lists them")
         if len(router.pool.backends) == 1:
-            return _error(409, "the last backend cannot be removed; add another first")
+            return error_answer(409, "the last backend cannot be removed; add another first")
         router.remove_backend(backend)
         return {"removed": {"id": backend.id, "url": backend.url}}, 200

@@ -4,7 +4,8 @@ OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, is what every
 parses, so the proxy, the preprocessor, the dashboard and the simulated backend all answer
 with it. Code that refuses a request raises `ClientError` wherever it runs — on the event loop,
 in a worker thread, or in a render worker process (it pickles with all its fields) — and the
-HTTP edge turns it into a response.
+HTTP edge turns it into a response. It lives with HTTP, at the bottom of the house, because
+every part of Sluice answers errors and HTTP needs nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def error_body(
 
 
 class ClientError(Exception):
-    """A request that cannot be served as sent: a 4xx naming what is wrong (`param`)."""
+    """A request that cannot be served as sent (a 4xx naming what is wrong: `param`), or not
+    now (429, 503 with `Retry-After`; 502, 504 when its backend failed it)."""
 
     def __init__(
         self,

@@ -35,16 +35,9 @@ from app.observe.request_trace import RequestTrace
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.rendering import Kind
 from app.preprocess.tokenization import NO_MODEL
+from app.proxy import errors
 from app.proxy.accounting import KeyLabels
 from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
-from app.proxy.errors import (
-    respond_method_not_allowed,
-    respond_no_backend,
-    respond_not_found,
-    respond_overloaded,
-    respond_rate_limited,
-    respond_upstream_failure,
-)
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,
@@ -156,11 +149,12 @@ class ProxyApp:
         kind = COMPLETION_PATHS.get(path)
         if kind is not None:
             if method != "POST":
-                await respond_method_not_allowed(exchange, b"POST")
+                await exchange.respond_client_error(errors.method_not_allowed(b"POST"))
                 return
             if self.active_completions >= self.settings.max_connections:
                 # Refused before reading the body: past the bound, memory stays flat.
-                await respond_overloaded(exchange, self.settings.max_connections)
+                limit = self.settings.max_connections
+                await exchange.respond_client_error(errors.overloaded(limit))
                 return
             self.active_completions += 1
             try:
@@ -170,7 +164,7 @@ class ProxyApp:
             return
         if path in GET_PATHS:
             if method not in ("GET", "HEAD"):
-                await respond_method_not_allowed(exchange, b"GET")
+                await exchange.respond_client_error(errors.method_not_allowed(b"GET"))
                 return
             if path == "/health":
                 await self.health(exchange)
@@ -181,7 +175,7 @@ class ProxyApp:
             else:
                 await self.models(exchange)
             return
-        await respond_not_found(exchange)
+        await exchange.respond_client_error(errors.not_found(path))
 
     async def health(self, exchange: Exchange) -> None:
         now = trio.current_time()
@@ -220,7 +214,8 @@ class ProxyApp:
         allowed = grant.allowed(directory) if grant else None
         cards = self.catalog.cards(directory, backends, now, allowed)
         if not cards and not self.pool.any_available(now):
-            await respond_no_backend(exchange, self.pool.tokenizer_refusals())
+            no_backend = errors.no_backend(refusals=self.pool.tokenizer_refusals())
+            await exchange.respond_client_error(no_backend)
             return
         await exchange.respond_json(200, {"object": "list", "data": cards})
 
@@ -270,7 +265,7 @@ class ProxyApp:
         try:
             self.router.admit(key, model, estimated_tokens(route_request), per_minute)
         except Overloaded as exc:
-            await respond_rate_limited(exchange, exc)
+            await exchange.respond_client_error(exc)
             return
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
         as_chat = False
@@ -300,7 +295,7 @@ class ProxyApp:
             try:
                 chosen = await self.router.choose(outgoing.route_request, tuple(tried))
             except Overloaded as exc:
-                await respond_rate_limited(exchange, exc)
+                await exchange.respond_client_error(exc)
                 return
             if chosen is None:
                 break
@@ -321,9 +316,10 @@ class ProxyApp:
                 log.warning("backend %s broke off its answer: %s", backend.url, exc)
                 return
         if failure is None:
-            await respond_no_backend(exchange, self.pool.tokenizer_refusals(), outgoing.model)
+            no_backend = errors.no_backend(outgoing.model, self.pool.tokenizer_refusals())
+            await exchange.respond_client_error(no_backend)
         else:
-            await respond_upstream_failure(exchange, failure)
+            await exchange.respond_client_error(errors.upstream_failure(failure))
 
     async def _exchange(
         self,

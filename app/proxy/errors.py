@@ -1,92 +1,68 @@
 """The proxy's own error answers that no request check raises: unknown paths, overload, no
-backend, a failed backend, a bug of ours. All OpenAI-shaped (app/http/errors.py); the 4xx that
-request checks raise travel as `ClientError` instead."""
+backend, a failed backend. Each is a `ClientError` (app/http/errors.py, OpenAI's shape), so
+the proxy answers every error one way: `exchange.respond_client_error`."""
 
 from __future__ import annotations
 
-from app.http.exchange import Exchange
+from app.http.errors import ClientError
 from app.proxy.forward import UpstreamFailure
-from app.proxy.token_forwarding import no_verified_backend_message
-from app.routing.admission import Overloaded
 
-RETRY_AFTER_SECONDS = b"2"
+RETRY_AFTER = (b"retry-after", b"2")
 
 
-async def respond_not_found(exchange: Exchange) -> None:
-    await exchange.respond_error(
-        404, f"Unknown path {exchange.path}", "invalid_request_error", None, "not_found"
-    )
+def not_found(path: str) -> ClientError:
+    return ClientError(f"Unknown path {path}", code="not_found", status=404)
 
 
-async def respond_method_not_allowed(exchange: Exchange, allowed: bytes) -> None:
-    await exchange.respond_error(
-        405,
+def method_not_allowed(allowed: bytes) -> ClientError:
+    return ClientError(
         f"Method not allowed; use {allowed.decode()}.",
-        "invalid_request_error",
-        None,
-        "method_not_allowed",
+        code="method_not_allowed",
+        status=405,
         headers=[(b"allow", allowed)],
     )
 
 
-async def respond_no_backend(
-    exchange: Exchange, tokenizer_refusals: dict[str, str], model: str | None = None
-) -> None:
-    """503: no healthy backend (of `model`'s pool), or (tokens mode) none whose tokenizer is
-    verified."""
+def _unavailable(message: str, code: str) -> ClientError:
+    return ClientError(
+        message, code=code, status=503, type_="service_unavailable", headers=[RETRY_AFTER]
+    )
+
+
+def no_backend(model: str | None = None, refusals: dict[str, str] | None = None) -> ClientError:
+    """503: no healthy backend (of `model`'s pool), or (`--forward tokens`) none whose
+    tokenizer is verified: `refusals` says why each was refused."""
+    if refusals:
+        reasons = "; ".join(f"{url}: {why}" for url, why in refusals.items())
+        message = (
+            "No backend is verified to tokenize exactly as Sluice does, and --forward tokens "
+            f"sends token ids only to such backends ({reasons})."
+        )
+        return _unavailable(message, "no_verified_backend")
     serving = "" if model is None else f" for model {model}"
-    message = f"No healthy backend is available{serving}; try again shortly."
-    code = "no_healthy_backend"
-    if tokenizer_refusals:
-        message, code = no_verified_backend_message(tokenizer_refusals), "no_verified_backend"
-    await exchange.respond_error(
-        503,
-        message,
-        "service_unavailable",
-        None,
-        code,
-        headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
+    return _unavailable(
+        f"No healthy backend is available{serving}; try again shortly.", "no_healthy_backend"
     )
 
 
-async def respond_overloaded(exchange: Exchange, limit: int) -> None:
-    await exchange.respond_error(
-        503,
-        f"The proxy is serving its maximum of {limit} requests; try again shortly.",
-        "service_unavailable",
-        None,
-        "overloaded",
-        headers=[(b"retry-after", RETRY_AFTER_SECONDS)],
+def overloaded(limit: int) -> ClientError:
+    return _unavailable(
+        f"The proxy is serving its maximum of {limit} requests; try again shortly.", "overloaded"
     )
 
 
-async def respond_internal_error(exchange: Exchange) -> None:
-    await exchange.respond_error(
-        500,
-        "The proxy failed while handling this request; the error is in its log.",
-        "internal_error",
-        None,
-        "internal_error",
-    )
-
-
-async def respond_upstream_failure(exchange: Exchange, failure: UpstreamFailure) -> None:
+def upstream_failure(failure: UpstreamFailure) -> ClientError:
     """504 when the backend was too slow to answer, 502 when it could not be reached."""
     if failure.kind == "timeout":
-        message = f"The backend did not answer in time ({failure.detail})."
-        await exchange.respond_error(504, message, "upstream_error", None, "backend_timeout")
-    else:
-        message = f"Could not reach a backend ({failure.detail})."
-        await exchange.respond_error(502, message, "upstream_error", None, "backend_unreachable")
-
-
-async def respond_rate_limited(exchange: Exchange, overloaded: Overloaded) -> None:
-    """429: the key's tokens per minute, or every backend at its in-flight limit."""
-    await exchange.respond_error(
-        429,
-        overloaded.message,
-        "rate_limit_error",
-        None,
-        overloaded.reason,
-        headers=[(b"retry-after", overloaded.retry_after_header)],
+        return ClientError(
+            f"The backend did not answer in time ({failure.detail}).",
+            code="backend_timeout",
+            status=504,
+            type_="upstream_error",
+        )
+    return ClientError(
+        f"Could not reach a backend ({failure.detail}).",
+        code="backend_unreachable",
+        status=502,
+        type_="upstream_error",
     )

@@ -125,11 +125,3 @@ def _is_used(value: Any) -> bool:
 
 def _dumps(payload: dict[str, Any]) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
-
-
-def no_verified_backend_message(refusals: dict[str, str]) -> str:
-    reasons = "; ".join(f"{url}: {why}" for url, why in refusals.items())
-    return (
-        "No backend is verified to tokenize exactly as Sluice does, and --forward tokens "
-        f"sends token ids only to such backends ({reasons})."
-    )

@@ -20,11 +20,12 @@ from typing import Any, Protocol
 
 import trio
 
+from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
 from app.config import Settings
 from app.fleet.backends import Backend, BackendPool
 from app.observe.metrics import Metrics
-from app.routing.admission import Overloaded, SlotQueue, TokenBuckets
+from app.routing.admission import Overloaded, SlotQueue
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.policies import RoutingParams, make_policy
