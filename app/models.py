@@ -43,16 +43,15 @@ class ModelDirectory:
         to rewrite (a request that bails out of parsing is forwarded as the client sent it)."""
         return len(self.served) != 1 or bool(self.aliases)
 
-    def resolve(self, requested: object, allowed: frozenset[str] | None = None) -> str:
+    def resolve(self, requested: str | None, allowed: frozenset[str] | None = None) -> str:
         """The served name `requested` stands for, or a `ClientError` (400, 404 or 503)."""
         if not self.served:
             raise no_model_known()
-        if model_field(requested) is None:
+        if requested is None:
             only = self.only
             if only is None or (allowed is not None and only not in allowed):
                 raise missing_model()
             return only
-        assert isinstance(requested, str)
         name = self.aliases.get(requested, requested)
         if name not in self.served or (allowed is not None and name not in allowed):
             raise model_not_found(requested)
@@ -72,11 +71,16 @@ class ModelDirectory:
         return pairs
 
 
-def model_field(requested: object) -> str | None:
-    """A request's `model` field: a string, or None when absent; 400 for any other type."""
-    if requested is not None and not isinstance(requested, str):
-        raise ClientError("'model' must be a string", "model", "invalid_type")
-    return requested
+def resolve_model(
+    directory: ModelDirectory | None, requested: str | None, allowed: frozenset[str] | None
+) -> str | None:
+    """The served model a request names; without a directory (a Preprocessor used alone)
+    nothing is resolved (None), but a model must still be named."""
+    if directory is not None:
+        return directory.resolve(requested, allowed)
+    if requested is None:
+        raise missing_model()
+    return None
 
 
 def no_model_known() -> ClientError:

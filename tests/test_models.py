@@ -20,7 +20,9 @@ from app.fleet.catalog import ModelCatalog, configured_backends
 from app.http.errors import ClientError
 from app.models import MAX_MODELS, ModelDirectory
 from app.preprocess.l0_cache import L0Cache
-from app.preprocess.rendering import RenderPlan, RenderSpec, render_request
+from app.preprocess.rendering import RenderPlan, RenderSpec
+from app.preprocess.request_bodies import parse_request
+from app.preprocess.to_prompt import render_request
 from app.routing.balance import Balance
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import RouteRequest
@@ -30,7 +32,7 @@ DIRECTORY = ModelDirectory(
 )
 
 
-def refused(requested: object, allowed: frozenset[str] | None = None) -> ClientError:
+def refused(requested: str | None, allowed: frozenset[str] | None = None) -> ClientError:
     with pytest.raises(ClientError) as info:
         DIRECTORY.resolve(requested, allowed)
     return info.value
@@ -67,7 +69,9 @@ def test_no_model_is_the_one_model_served_else_400() -> None:
     with pytest.raises(ClientError) as info:
         one.resolve(None, allowed=frozenset())
     assert info.value.code == "missing_required_parameter"
-    assert refused(3).code == "invalid_type"
+    with pytest.raises(ClientError) as info:  # checked with the body's shape, before resolving
+        parse_request("chat", b'{"model": 3, "messages": [{"role": "user", "content": "hi"}]}')
+    assert (info.value.code, info.value.param) == ("invalid_type", "model")
 
 
 def test_nothing_known_yet_is_a_503_not_a_404() -> None:
@@ -171,7 +175,7 @@ def completion(**fields: Any) -> bytes:
 
 def test_an_alias_or_no_model_is_forwarded_as_the_served_name() -> None:
     by_alias = render_request("completion", completion(model="chat-default"), plan())
-    assert by_alias.model == "big" and by_alias.rendered.fields["model"] == "big"
+    assert by_alias.model == "big" and by_alias.fields["model"] == "big"
     assert by_alias.body is not None
     assert json.loads(by_alias.body) == {"prompt": "Once upon", "max_tokens": 2, "model": "big"}
     only = ModelDirectory(frozenset({"only"}))

@@ -30,7 +30,7 @@ import trio.testing
 from app.config import Settings
 from app.http.errors import ClientError
 from app.observe.metrics import Metrics
-from app.preprocess import spooled_bodies
+from app.preprocess import to_prompt
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Prepared, Preprocessor
 from app.preprocess.tokenization import FALLBACK_MAX_CHARS
 from app.preprocess.tokenizer_loading import load_tokenizer
@@ -211,22 +211,22 @@ async def test_long_conversations_render_off_the_loop() -> None:
 
 
 class Spool:
-    """Records the files `spooled_bodies` writes; `written` is set once one is."""
+    """Records the files `to_prompt` writes; `written` is set once one is."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
         self.paths: list[str] = []
         self.written = trio.Event()
-        write = spooled_bodies._write
+        write = to_prompt._write
 
-        def recording_write(body: bytes, _directory: str | None) -> str:
+        def recording_write(body: bytes, _directory: str | None = None) -> str:
             path = write(body, str(directory))
             self.paths.append(path)
             trio.from_thread.run_sync(self.written.set)
             return path
 
         # Bodies over 64 KiB already go to a worker; spool them from 1 KiB, not 1 MiB.
-        monkeypatch.setattr(spooled_bodies, "SPOOL_MIN_BYTES", 1024)
-        monkeypatch.setattr(spooled_bodies, "_write", recording_write)
+        monkeypatch.setattr(to_prompt, "SPOOL_MIN_BYTES", 1024)
+        monkeypatch.setattr(to_prompt, "_write", recording_write)
 
     def left(self) -> list[str]:
         return [path for path in self.paths if os.path.exists(path)]

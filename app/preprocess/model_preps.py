@@ -21,7 +21,6 @@ from app.models import ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess.chat_template import (
     ChatTemplate,
-    RenderCost,
     TemplateLoadError,
     calibrate_render_cost,
     load_chat_template,
@@ -39,7 +38,6 @@ class ModelPrep:
     facts: TokenizerFacts
     template: ChatTemplate | None
     spec: RenderSpec
-    render_cost: RenderCost | None
     tokens: Tokenization
 
     def describe(self) -> dict[str, str | None]:
@@ -90,13 +88,10 @@ class ModelPreps:
             return prep
         facts = facts_for(loaded)
         template = load_chat_template(template_spec, loaded, facts.added_tokens)
+        cost = calibrate_render_cost(template) if template else None
+        spec = RenderSpec(template, loaded.source, facts.vocab_size, cost, facts.max_token_bytes)
         prep = self._preps[key] = ModelPrep(
-            loaded,
-            facts,
-            template,
-            RenderSpec(template, loaded.source, facts.vocab_size),
-            calibrate_render_cost(template) if template else None,
-            self._tokenization(loaded, facts),
+            loaded, facts, template, spec, self._tokenization(loaded, facts)
         )
         return prep
 
@@ -126,20 +121,9 @@ class ModelPreps:
     def for_model(self, model: str | None) -> ModelPrep:
         return self.default if model is None else self.by_model.get(model, self.default)
 
-    def plan(
-        self,
-        models: ModelDirectory | None,
-        allowed: frozenset[str] | None,
-        *,
-        cut_heads: bool = True,
-    ) -> RenderPlan:
+    def plan(self, models: ModelDirectory | None, allowed: frozenset[str] | None) -> RenderPlan:
         return RenderPlan(
-            self.default.spec,
-            self._specs,
-            models,
-            allowed,
-            self._settings.max_model_len,
-            cut_heads,
+            self.default.spec, self._specs, models, allowed, self._settings.max_model_len
         )
 
     def describe(self) -> Mapping[str, dict[str, str | None]]:

@@ -4,25 +4,26 @@
     async with preprocessor.running():          # the render worker processes
         prepared = await preprocessor.prepare("chat", body, models=directory, allowed=...)
 
+A body walks one way: parse -> check -> resolve the model -> render (to_prompt.py, one
+function wherever it runs) -> keep to the window (length_gate.py) -> tokenize
+(tokenization.py), each stage handing the next a typed value, and `Prepared` at the end.
 Each model is prepared its own way (model_preps.py): the body's `model`, resolved against
 the `ModelDirectory` the proxy passes (aliases, the one model served, 404 for the rest),
 picks the template, tokenizer, caches and context window. Without a directory the model is
 only required, and the flags' tokenizer, template and `--max-model-len` serve every request.
 
 Where the work runs, so that none of it holds the event loop for long:
-- parse, checks and render (rendering.py): on the loop when the body is small and the render
-  is estimated under RENDER_ON_LOOP_BUDGET; otherwise in a render worker process (workers.py),
-  behind the dispatcher's queue, capacity-one fallback and saturation policy.
+- parse, checks and render: on the loop when the body is small and the render is estimated
+  under the loop's budget; otherwise in a render worker process (workers.py), behind the
+  dispatcher's queue, capacity-one fallback and saturation policy.
 - a prompt that cannot fit the context window is refused from its size, or from a counted
   prefix, before it is tokenized whole (length_gate.py).
 - tokens: L0, then the tokenizer dispatcher and L1 (tokenization.py).
 `tokenize_mode="inline"` is the naive baseline kept for comparisons: everything on the loop,
 `Tokenizer.encode` included, no caches.
 """
-
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from array import array
@@ -37,17 +38,18 @@ from app.config import Saturation, Settings
 from app.http.errors import ClientError
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
-from app.preprocess import length_gate, request_bodies
+from app.preprocess import length_gate
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
 from app.preprocess.model_preps import ModelPrep, ModelPreps
 from app.preprocess.rendering import (
-    Kind,
+    RENDER_ON_LOOP_BUDGET,
     RenderedRequest,
     RenderPlan,
-    render_picked,
+    render,
     warm_up,
 )
-from app.preprocess.spooled_bodies import render_job
+from app.preprocess.request_bodies import Kind, nested_too_deeply
+from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
 from app.preprocess.tokenization import NO_MODEL, dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
@@ -59,7 +61,6 @@ from app.preprocess.workers import ProcessPool, in_thread
 
 __all__ = ["Prepared", "Preprocessor"]
 
-RENDER_ON_LOOP_BUDGET = 1e-3  # seconds a render may hold the event loop
 # Bodies parsed on the loop: json.loads takes ~0.25 ms for 64 KiB here (1.7 ms for 438 KB,
 # 22 ms for 12 MB), so anything larger is parsed where the render happens, off the loop.
 PARSE_ON_LOOP_BYTES = 64 * 1024
@@ -162,7 +163,7 @@ class Preprocessor:
         models: ModelDirectory | None = None,
         allowed: frozenset[str] | None = None,
     ) -> Prepared:
-        """Resolve the model, parse, check, render and tokenize one request body;
+        """Parse, check, resolve the model of, render and tokenize one request body;
         `ClientError` if it is bad (404 for a model that is not served, or not `allowed`).
 
         The context window is the model's in `models` (configured, --max-model-len, or its
@@ -170,106 +171,73 @@ class Preprocessor:
         """
         plan = self.preps.plan(models, allowed)
         started = time.perf_counter()
-        picked = await self._render(kind, body, plan)
+        rendered = await self._render(kind, body, plan)
         template_seconds = time.perf_counter() - started
-        if picked is None:
+        if rendered is None:
             only = models.only if models is not None else None
-            return _bailed_out(only, {}, None, template_seconds)
-        model, rendered = picked.model, picked.rendered
-        prep = self.preps.for_model(model)
-        label = model or NO_MODEL
-        limit = plan.window if models is None or model is None else models.windows.get(model)
+            return _bailed_out(only, template_seconds)
+        prep = self.preps.for_model(rendered.model)
         if kind == "chat":
+            label = rendered.model or NO_MODEL
             self._metrics.template_seconds.labels(model=label).observe(template_seconds)
         if isinstance(rendered.prompt, list):
-            prepared = Prepared(
-                model, rendered.fields, None, rendered.prompt, False, "given", 0.0, 0.0, picked.body
-            )
-            return self._checked(kind, prep, prepared, limit)
-        if limit is not None and self._settings.tokenize_mode != "inline":
-            budget = limit - request_bodies.requested_completion_tokens(rendered.fields)
-            fits = await self._refuse_if_too_long(kind, body, prep, picked, plan, budget, limit)
+            return self._checked(kind, prep, rendered, rendered.prompt, "given", 0.0, 0.0)
+        window = rendered.window
+        if window is not None and self._settings.tokenize_mode != "inline":
+            try:
+                fits = await self._refuse_if_too_long(kind, prep, rendered, window)
+            finally:
+                await forget_whole(rendered)
             if fits is None:
-                fields, prompt = rendered.fields, str(rendered.prompt)
-                return _bailed_out(model, fields, prompt, template_seconds, picked.body)
-            picked, rendered = fits, fits.rendered
+                return _bailed_out(rendered.model, template_seconds, rendered)
+            rendered = fits
         prompt = str(rendered.prompt)
-        ids, path, tokenize_seconds = await prep.tokens.tokenize(prompt, label)
+        ids, path, seconds = await prep.tokens.tokenize(prompt, rendered.model or NO_MODEL)
         bos, eos = prep.facts.bos_affix, prep.facts.eos_affix
         if kind == "completion" and ids is not None and (bos or eos):
             ids = array("I", bos) + ids + array("I", eos)
-        prepared = Prepared(
-            model,
-            rendered.fields,
-            prompt,
-            ids,
-            ids is None,
-            path,
-            template_seconds,
-            tokenize_seconds,
-            picked.body,
-        )
-        return self._checked(kind, prep, prepared, limit)
+        return self._checked(kind, prep, rendered, ids, path, template_seconds, seconds)
 
     async def _render(self, kind: Kind, body: bytes, plan: RenderPlan) -> RenderedRequest | None:
-        """The request parsed, its model picked, rendered, where that is cheapest for the
-        loop; None when the render workers are saturated and the policy is to bail out."""
+        """The body's prompt, rendered where that is cheapest for the loop; None when the
+        render workers are saturated and the policy is to bail out."""
         inline = self._settings.tokenize_mode == "inline"
-        if inline or len(body) <= PARSE_ON_LOOP_BYTES:
-            payload = request_bodies.parse_json_object(body)
-            model, spec, head = plan.pick(payload)
-            prep = self.preps.for_model(model)
-            if inline or self._renders_on_loop(kind, prep, payload, len(body)):
-                with self._phase("template") if kind == "chat" else nullcontext():
-                    return render_picked(kind, payload, model, spec, head)
-        return await self._render_off_loop(kind, body, plan)
+        if not inline and len(body) > PARSE_ON_LOOP_BYTES:
+            return await self._render_off_loop(kind, body, plan)
+        with self._phase("template") if kind == "chat" else nullcontext():
+            rendered = render_request(kind, body, plan, on_loop=not inline)
+        if isinstance(rendered, RenderedRequest):
+            return rendered
+        # Parsed on the loop, its render estimated over the loop's budget: a worker renders
+        # it, or the loop as the fallback (it is small: it was parsed here).
+        dispatched = await self._renders.run(
+            functools.partial(render, rendered), may_bail=_may_bail(plan)
+        )
+        return None if dispatched is None else dispatched[0]
 
     async def _render_off_loop(
         self, kind: Kind, body: bytes, plan: RenderPlan
     ) -> RenderedRequest | None:
-        # Without its parse, a request can go on only where the model needs no resolving.
-        directory = plan.models
-        may_bail = directory is None or (
-            not directory.needs_body() and (plan.allowed is None or directory.only in plan.allowed)
-        )
+        """A body too large to parse on the loop: every stage in a render worker."""
         try:
             async with render_job(kind, body, plan) as job:
-                # Bodies parsed on the loop already, whose render was estimated over the
-                # loop's budget, may fall back to the loop; larger ones never.
-                dispatched = await self._renders.run(
-                    job, inline_ok=len(body) <= PARSE_ON_LOOP_BYTES, may_bail=may_bail
-                )
+                dispatched = await self._renders.run(job, inline_ok=False, may_bail=_may_bail(plan))
         except RecursionError:
             # JSON within the parser's depth can still be too deep to pickle back.
-            raise request_bodies.nested_too_deeply() from None
+            raise nested_too_deeply() from None
         return None if dispatched is None else dispatched[0]
 
-    def _renders_on_loop(
-        self, kind: Kind, prep: ModelPrep, payload: dict[str, Any], chars: int
-    ) -> bool:
-        messages = payload.get("messages")
-        if kind == "completion" or prep.render_cost is None or not isinstance(messages, list):
-            return True  # nothing to render, or refused at once
-        return prep.render_cost.estimate(len(messages), chars) <= RENDER_ON_LOOP_BUDGET
-
     async def _refuse_if_too_long(
-        self,
-        kind: Kind,
-        body: bytes,
-        prep: ModelPrep,
-        picked: RenderedRequest,
-        plan: RenderPlan,
-        budget: int,
-        limit: int,
+        self, kind: Kind, prep: ModelPrep, rendered: RenderedRequest, window: int
     ) -> RenderedRequest | None:
-        """Refuse a prompt proven longer than `budget` tokens, encoding no more of it than the
-        proof needs. Returns the whole rendered request when it may fit, None on bail-out."""
-        rendered = picked.rendered
+        """Refuse a prompt proven too long for `window`, encoding no more of it than the proof
+        needs. Returns the request with its whole prompt when it may fit, None on bail-out."""
+        budget = window - rendered.completion_tokens
         bound = prep.facts.max_token_bytes
         if length_gate.too_many_bytes(rendered.prompt_bytes, budget, bound):
             assert bound is not None
             least = length_gate.least_tokens(rendered.prompt_bytes, bound)
-            raise _too_long(kind, limit, budget, f"at least {least}")
+            raise _too_long(kind, window, budget, f"at least {least}")
         text = str(rendered.prompt)
         if length_gate.worth_proving(rendered.prompt_chars, budget):
             proof = length_gate.PrefixCount(text, budget, truncated=not rendered.complete)
@@ -280,27 +248,40 @@ class Preprocessor:
                     return None
                 proof.counted(end, counted)
             if proof.proven_too_long:
-                raise _too_long(kind, limit, budget, f"more than {budget}")
-        if rendered.complete:
-            return picked
+                raise _too_long(kind, window, budget, f"more than {budget}")
         # Long yet possibly within the window (dense text): the whole prompt is needed now.
-        whole = dataclasses.replace(plan, cut_heads=False)
-        return await self._render_off_loop(kind, body, whole)
+        return await read_whole(rendered)
 
     def _checked(
-        self, kind: Kind, prep: ModelPrep, prepared: Prepared, limit: int | None
+        self,
+        kind: Kind,
+        prep: ModelPrep,
+        rendered: RenderedRequest,
+        ids: Sequence[int] | None,
+        path: str,
+        template_seconds: float,
+        tokenize_seconds: float,
     ) -> Prepared:
-        """Refuse a prompt whose exact token count does not fit the context window."""
-        if prepared.token_ids is None:
+        """The prepared request, once its exact token count is known to fit its window."""
+        prepared = Prepared(
+            model=rendered.model,
+            fields=rendered.fields,
+            prompt=None if isinstance(rendered.prompt, list) else rendered.prompt,
+            token_ids=ids,
+            estimated=ids is None,
+            tokenize_path=path,
+            template_seconds=template_seconds,
+            tokenize_seconds=tokenize_seconds,
+            forward_body=rendered.body,
+        )
+        if ids is None:
             return prepared
-        prompt_tokens = len(prepared.token_ids)
+        prompt_tokens = len(ids)
         prep.tokens.counted(prompt_tokens)
-        if limit is None:
-            return prepared
-        completion = request_bodies.requested_completion_tokens(prepared.fields)
-        if prompt_tokens + completion > limit:
+        window, completion = rendered.window, rendered.completion_tokens
+        if window is not None and prompt_tokens + completion > window:
             raise ClientError(
-                f"This model's maximum context length is {limit} tokens. However, you "
+                f"This model's maximum context length is {window} tokens. However, you "
                 f"requested {prompt_tokens + completion} tokens ({prompt_tokens} in the prompt, "
                 f"{completion} for the completion). Please reduce the length of the prompt "
                 f"or of the completion.",
@@ -317,7 +298,7 @@ class Preprocessor:
         """Caches, queues and policy, for the dashboard; tokenizer and template are the
         default's (`models` has each configured model's)."""
         renders, default = self._renders, self.preps.default
-        cost = default.render_cost
+        cost = default.spec.cost
         return {
             "mode": self._settings.tokenize_mode,
             "saturation": renders.saturation,
@@ -338,16 +319,30 @@ class Preprocessor:
 
 
 def _bailed_out(
-    model: str | None,
-    fields: dict[str, Any],
-    prompt: str | None,
-    template_seconds: float,
-    forward_body: bytes | None = None,
+    model: str | None, template_seconds: float, rendered: RenderedRequest | None = None
 ) -> Prepared:
-    """Saturated and told to bail out: the request goes on without tokens."""
+    """Saturated and told to bail out: the request goes on without tokens (and, bailing out
+    before its render, unparsed: with one model served, it goes to that one)."""
     return Prepared(
-        model, fields, prompt, None, True, "bailed_out", template_seconds, 0.0, forward_body
+        model=model,
+        fields={} if rendered is None else rendered.fields,
+        prompt=None if rendered is None else str(rendered.prompt),
+        token_ids=None,
+        estimated=True,
+        tokenize_path="bailed_out",
+        template_seconds=template_seconds,
+        tokenize_seconds=0.0,
+        forward_body=None if rendered is None else rendered.body,
     )
+
+
+def _may_bail(plan: RenderPlan) -> bool:
+    """Whether a request may go on without its render: only where its body needs no reading
+    (no directory, or one model served and no alias to rewrite) and the key may use it."""
+    directory = plan.models
+    if directory is None:
+        return True
+    return not directory.needs_body() and (plan.allowed is None or directory.only in plan.allowed)
 
 
 def _too_long(kind: Kind, limit: int, budget: int, prompt_tokens: str) -> ClientError:

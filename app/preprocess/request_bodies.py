@@ -1,19 +1,25 @@
-"""The one place that reads OpenAI request bodies: parse, check the shapes, and turn them into
-what templates and the tokenizer take. Pure; every refusal is a `ClientError` naming its param.
+"""The first stages of a request body's walk: parse it and check its shape (`parse_request`),
+handing the next stage a `ParsedRequest`. Pure; every refusal is a `ClientError` naming its
+param.
 
 Only what Sluice relies on is checked (shapes it reads, or that a backend would reject
-anyway); unknown fields pass through to the backend untouched. The same functions serve the
-proxy, the render worker processes (which parse large bodies off the event loop) and the
-simulated backend.
+anyway); unknown fields pass through to the backend untouched. The model a request names is
+only checked to be a string here: resolving it is the next stage (rendering.py). The same
+functions serve the proxy, the render worker processes (which parse large bodies off the
+event loop) and the simulated backend (`parse_json_object`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from app.http.errors import ClientError
+
+Kind = Literal["chat", "completion"]
+# The fields that carry a request's prompt; every other field travels in `fields`.
+PROMPT_FIELDS = {"chat": "messages", "completion": "prompt"}
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # Keys a request's chat_template_kwargs may not override: the template's own inputs.
@@ -58,8 +64,57 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+@dataclass(slots=True)
+class ParsedRequest:
+    """A body parsed and its shape checked: what resolving its model and rendering read."""
+
+    kind: Kind
+    payload: dict[str, Any]  # the body as parsed: forwarded again if its model is rewritten
+    fields: dict[str, Any]  # its fields but the prompt's
+    model: str | None  # the model it names, as named (None: it names none)
+    messages: list[dict[str, Any]]  # chat: content flattened to text (vLLM's way); else []
+    prompt: str | list[int]  # completion: its text or token ids; chat: ""
+    template_arguments: dict[str, Any]  # chat: what the template gets besides the messages
+    content_chars: int  # characters of the messages' content (what a render copies)
+    completion_tokens: int  # what it asks for the completion (max_completion_tokens, ...)
+
+
+def parse_request(kind: Kind, body: bytes) -> ParsedRequest:
+    """Parse and check one body; a `ClientError` naming what is wrong."""
+    payload = parse_json_object(body)
+    model = payload.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ClientError("'model' must be a string", "model", "invalid_type")
+    fields = payload.copy()
+    fields.pop(PROMPT_FIELDS[kind], None)
+    if kind == "completion":
+        check_completion(payload)
+        prompt = _completion_prompt(payload)
+        return ParsedRequest(
+            kind, payload, fields, model, [], prompt, {}, 0, requested_completion_tokens(payload)
+        )
+    check_chat(payload)
+    messages, chars = template_messages(payload["messages"])
+    arguments = {
+        "add_generation_prompt": _add_generation_prompt(payload),
+        "tools": payload.get("tools"),
+        "documents": payload.get("documents"),
+        "extra": _template_extras(payload),
+    }
+    return ParsedRequest(
+        kind,
+        payload,
+        fields,
+        model,
+        messages,
+        "",
+        arguments,
+        chars,
+        requested_completion_tokens(payload),
+    )
+
+
 def _check_common(body: dict[str, Any]) -> None:
-    # `model` is resolved before any check here (app/models.py, rendering.RenderPlan).
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ClientError("'stream' must be a boolean", "stream", "invalid_type")
@@ -185,7 +240,7 @@ def _join_text_parts(parts: list[dict[str, Any]], index: int) -> str:
     return "\n".join(part["text"] for part in parts)
 
 
-def template_extras(body: dict[str, Any]) -> dict[str, Any]:
+def _template_extras(body: dict[str, Any]) -> dict[str, Any]:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return {}
@@ -203,7 +258,7 @@ def template_extras(body: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def add_generation_prompt(body: dict[str, Any]) -> bool:
+def _add_generation_prompt(body: dict[str, Any]) -> bool:
     value = body.get("add_generation_prompt", True)
     if not isinstance(value, bool):
         raise ClientError(
@@ -212,34 +267,23 @@ def add_generation_prompt(body: dict[str, Any]) -> bool:
     return value
 
 
-def completion_prompt(body: dict[str, Any], vocab_size: int) -> str | list[int]:
-    """The one prompt of a checked completions request: its text, or its token ids."""
+def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The one prompt of a checked completions request: its text, or its token ids (checked
+    against the model's vocabulary once the model is known)."""
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return prompt
     if all(_is_int(t) for t in prompt):
-        return _checked_ids(prompt, vocab_size)
+        if not prompt:
+            raise ClientError("prompt must not be empty", "prompt", "invalid_prompt")
+        return list(prompt)
     raise ClientError(
         f"batched prompts ({len(prompt)}) are not supported; send one prompt per request",
         "prompt",
         "unsupported_batch",
     )
-
-
-def _checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
-    if not ids:
-        raise ClientError("prompt must not be empty", "prompt", "invalid_prompt")
-    low, high = min(ids), max(ids)
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ClientError(
-            f"token id {bad} in prompt is outside the vocabulary (0..{vocab_size - 1})",
-            "prompt",
-            "invalid_prompt",
-        )
-    return list(ids)
 
 
 def requested_completion_tokens(body: dict[str, Any]) -> int:

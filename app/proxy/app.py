@@ -33,7 +33,7 @@ from app.observe.metrics import Metrics
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
 from app.preprocess.pipeline import Prepared, Preprocessor
-from app.preprocess.rendering import Kind
+from app.preprocess.request_bodies import Kind
 from app.preprocess.tokenization import NO_MODEL
 from app.proxy import errors
 from app.proxy.accounting import KeyLabels
