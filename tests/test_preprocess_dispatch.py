@@ -9,7 +9,9 @@ and events order the rest — no sleeps as synchronisation. Covers:
 - a saturated waiter taking a thread when one frees first;
 - inline mode, the phase hook, long conversations rendered off the loop;
 - large bodies handed to the render worker through a file, removed afterwards whether the
-  render succeeded, refused the body or was cancelled;
+  render succeeded, refused the body or was cancelled; a worker's prompt far over its window
+  back as its head, the whole read back from its file only when it may fit, the file
+  removed either way;
 - texts of a few dozen tokens encoded on the loop at once, even with every thread busy;
   texts too big for the fallback never take it (bail-out at once, or wait for a thread);
 - the context-window check and the bail-out result (`estimated=True`, no tokens).
@@ -265,6 +267,48 @@ async def test_a_spooled_body_is_removed_when_its_request_is_cancelled(
         await spool.written.wait()
         nursery.cancel_scope.cancel()
     assert len(spool.paths) == 1 and spool.left() == []
+
+
+class WholePrompts:
+    """Records the files render workers set whole prompts aside in, as the loop hears of them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: list[str] = []
+        forget = to_prompt.forget_whole
+
+        async def recording_forget(rendered: Any) -> None:
+            if rendered.whole_at is not None:
+                self.paths.append(rendered.whole_at)
+            await forget(rendered)
+
+        monkeypatch.setattr("app.preprocess.pipeline.forget_whole", recording_forget)
+
+
+async def test_a_long_prompt_that_may_fit_is_read_back_whole_and_its_file_removed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wholes = WholePrompts(monkeypatch)
+    preprocessor, _, _ = gated(max_model_len=4096)
+    # Over 64 KiB, so parsed and rendered by a worker; far more characters than a 4k window
+    # usually holds, yet dense: a line of 255 '-' is about five tokens.
+    dense = ("-" * 255 + " ") * 275
+    prepared = await prepare(preprocessor, "completion", {"model": "m", "prompt": dense})
+    assert prepared.prompt == dense and prepared.token_ids is not None
+    assert len(prepared.token_ids) <= 4096
+    assert len(wholes.paths) == 1 and not os.path.exists(wholes.paths[0])
+
+
+async def test_a_long_prompt_proven_too_long_leaves_no_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wholes = WholePrompts(monkeypatch)
+    preprocessor, tokenizer, _ = gated(max_model_len=4096)
+    words = "word " * 20_000
+    with pytest.raises(ClientError) as refused:
+        await prepare(preprocessor, "completion", {"model": "m", "prompt": words})
+    assert refused.value.code == "context_length_exceeded"
+    assert tokenizer.encoded_chars < len(words) // 2  # proven from a prefix, never whole
+    assert len(wholes.paths) == 1 and not os.path.exists(wholes.paths[0])
 
 
 async def test_fallback_marks_its_phase() -> None:
