@@ -295,7 +295,7 @@ async def test_a_long_prompt_that_may_fit_is_read_back_whole_and_its_file_remove
     prepared = await prepare(preprocessor, "completion", {"model": "m", "prompt": dense})
     assert prepared.prompt == dense and prepared.token_ids is not None
     assert len(prepared.token_ids) <= 4096
-    assert len(wholes.paths) == 1 and not os.path.exists(wholes.paths[0])
+    assert len(wholes.paths) == 1 and not await trio.Path(wholes.paths[0]).exists()
 
 
 async def test_a_long_prompt_proven_too_long_leaves_no_file(
@@ -308,7 +308,7 @@ async def test_a_long_prompt_proven_too_long_leaves_no_file(
         await prepare(preprocessor, "completion", {"model": "m", "prompt": words})
     assert refused.value.code == "context_length_exceeded"
     assert tokenizer.encoded_chars < len(words) // 2  # proven from a prefix, never whole
-    assert len(wholes.paths) == 1 and not os.path.exists(wholes.paths[0])
+    assert len(wholes.paths) == 1 and not await trio.Path(wholes.paths[0]).exists()
 
 
 async def test_fallback_marks_its_phase() -> None:
