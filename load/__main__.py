@@ -1,12 +1,13 @@
 """`python -m load VERB`: Sluice's load generator and benchmarks. Results go to --out-dir
-(default ~/.cache/sluice-load), never into the checkout."""
+(default ~/.cache/sluice-load), never into the checkout; `report` renders the reference
+results (load/reference/) as Markdown."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from load import bench, compare, harness, profile, runner, soak
+from load import bench, compare, harness, profile, report, runner, soak
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -76,13 +77,18 @@ def main() -> None:
     profile.add_arguments(
         verbs.add_parser("profile", help="py-spy on the proxy under load: where its CPU goes")
     )
+    report.add_arguments(
+        verbs.add_parser(
+            "report", help="the reference results' tables as Markdown (--write: into the READMEs)"
+        )
+    )
     args = parser.parse_args()
     if args.verb == "bench":
         main_bench(bench_parser, args)
-    else:
-        {"run": runner.main, "soak": soak.main, "compare": compare.main, "profile": profile.main}[
-            args.verb
-        ](args)
+        return
+    mains = {"run": runner.main, "soak": soak.main, "compare": compare.main}
+    mains |= {"profile": profile.main, "report": report.main}
+    mains[args.verb](args)
 
 
 main()

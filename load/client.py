@@ -1,168 +1,373 @@
-"""One request, measured as a client sees it: status, TTFT, inter-token gaps, end to end,
-and what Sluice's response headers say (which backend, the preprocessing durations of
-`server-timing`, the prompt token count).
+"""The load generator's one HTTP client: HTTP/1.1 keep-alive on bare Trio sockets. Every
+scenario, the soak, `compare`, `profile` and `run` send through it (load/drive.py measures a
+request with it; the control calls, /metrics, /health, /sim/..., use `call`).
 
-Errors are sorted by kind, so a report can tell a refused request from a reset connection
-from a stream that broke half-way.
+Cheap on purpose. On a 2-core machine the load generator shares the CPU with what it
+measures; httpx spends about as much CPU per request as the proxy under test, so a closed
+loop driven by it measures the client. This one sends pre-built request bytes and reads
+`content-length`, chunked or read-until-close answers, nothing else, and does the same work
+for every target.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import trio
 
 from load.workloads import Request
 
-# Error kinds besides "http_<status>".
-CONNECT, TIMEOUT, RESET, STREAM_BROKEN, NO_DONE = (
-    "connect",
-    "timeout",
-    "reset",
-    "stream_broken",
-    "no_done",
-)
+CHAT = "/v1/chat/completions"
+# The overhead scenario's request: one non-streaming one-token chat.
+ONE_TOKEN = {
+    "model": "sim",
+    "messages": [{"role": "user", "content": "Say one word."}],
+    "max_tokens": 1,
+}
+ONE_TOKEN_REQUEST = Request(CHAT, ONE_TOKEN, "one-token")
 
 
-@dataclass
-class Record:
-    """One request's outcome; times in seconds, `start` relative to the run's start."""
+class ConnectFailed(ConnectionError):
+    """The TCP connection could not be opened."""
+
+
+NO_TIMEOUT = contextlib.nullcontext()  # reusable: it holds no state
+# What a failed exchange raises (a malformed answer is a ValueError or an IndexError).
+ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError, IndexError)
+# ... and with a timeout: what a caller that gives up on a server catches.
+FAILURES = (*ERRORS, trio.TooSlowError)
+
+
+def encode(
+    netloc: str, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> bytes:
+    """The bytes of one request; a body is sent as JSON unless `headers` say otherwise."""
+    lines = [f"{method} {path} HTTP/1.1", f"host: {netloc}"]
+    extra = {k.lower(): v for k, v in (headers or {}).items()}
+    if body or method == "POST":
+        extra.setdefault("content-type", "application/json")
+        lines.append(f"content-length: {len(body)}")
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class Connection:
+    """One keep-alive connection: `start` sends a request and reads its head, `read_chunk`
+    the body piece by piece (None at its end)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.stream: trio.SocketStream | None = None
+        self.buffer = b""
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._mode = ""  # the body being read: "chunked", "length", "close" or "" (none)
+        self._left = 0
+        self._close = False
+
+    async def _receive(self) -> bytes:
+        assert self.stream is not None
+        data = await self.stream.receive_some(65536)
+        if not data:
+            raise ConnectionError("connection closed")
+        return data
+
+    async def _read_until(self, marker: bytes) -> bytes:
+        while marker not in self.buffer:
+            self.buffer += await self._receive()
+        head, _, self.buffer = self.buffer.partition(marker)
+        return head
+
+    async def _read_exact(self, size: int) -> bytes:
+        if len(self.buffer) < size:
+            parts, have = [self.buffer], len(self.buffer)
+            while have < size:
+                parts.append(await self._receive())
+                have += len(parts[-1])
+            self.buffer = b"".join(parts)
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+    async def start(self, request: bytes) -> None:
+        """Send `request` and read the response's head (`status`, `headers`)."""
+        if self.stream is None:
+            try:
+                self.stream = await trio.open_tcp_stream(self.host, self.port)
+            except OSError as exc:
+                raise ConnectFailed(str(exc)) from exc
+            self.buffer = b""
+        try:
+            # A server may answer (413) and close before reading it all: read that answer.
+            with contextlib.suppress(trio.BrokenResourceError):
+                await self.stream.send_all(request)
+            head = (await self._read_until(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            self.status = int(head[0].split()[1])
+            self.headers = {
+                k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:])
+            }
+        except BaseException:
+            await self.close()
+            raise
+        self._close = self.headers.get("connection", "").lower() == "close"
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            self._mode = "chunked"
+        elif "content-length" in self.headers:
+            self._left = int(self.headers["content-length"])
+            self._mode = "length" if self._left else ""
+        elif self.status in (204, 304) or self.status < 200:
+            self._mode = ""
+        else:
+            self._mode, self._close = "close", True
+
+    async def read_chunk(self) -> bytes | None:
+        """The next piece of the body as it comes; None once it has all been read."""
+        try:
+            if self._mode == "chunked":
+                size = int((await self._read_until(b"\r\n")).split(b";")[0], 16)
+                if size:
+                    return (await self._read_exact(size + 2))[:-2]
+                while await self._read_until(b"\r\n"):  # trailers, up to the empty line
+                    pass
+            elif self._mode == "length":
+                data, self._left = await self._read_exact(self._left), 0
+                self._mode = ""
+                return data
+            elif self._mode == "close":
+                if self.buffer:
+                    data, self.buffer = self.buffer, b""
+                    return data
+                assert self.stream is not None
+                data = await self.stream.receive_some(65536)
+                if data:
+                    return data
+        except BaseException:
+            await self.close()
+            raise
+        self._mode = ""
+        return None
+
+    async def receive_raw(self) -> bytes:
+        """What is buffered, else the next read from the socket, framing and all: for a
+        caller that counts events per read and finds the body's end itself."""
+        if self.buffer:
+            data, self.buffer = self.buffer, b""
+            return data
+        return await self._receive()
+
+    async def read_body(self) -> bytes:
+        if self._mode == "length" and len(self.buffer) >= self._left:  # the common case
+            data, self.buffer = self.buffer[: self._left], self.buffer[self._left :]
+            self._mode, self._left = "", 0
+            return data
+        parts = []
+        while (chunk := await self.read_chunk()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
+
+    @property
+    def reusable(self) -> bool:
+        """The last answer was read to its end and the server keeps the connection."""
+        return self.stream is not None and not self._mode and not self._close
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            stream, self.stream = self.stream, None
+            self.buffer, self._mode = b"", ""
+            await trio.aclose_forcefully(stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def raise_for_status(self) -> Reply:
+        if self.status >= 400:
+            raise RuntimeError(f"answered {self.status}: {self.text[:200]}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request as bytes on the wire, built once for a pool."""
 
     tag: str
-    start: float
-    ok: bool = False
-    status: int = 0
-    error: str | None = None
-    e2e: float | None = None
-    ttft: float | None = None
-    itl: float | None = None  # mean gap between output chunks after the first
-    tpot: float | None = None  # (e2e - ttft) / (output tokens - 1)
-    output_tokens: int = 0
-    backend: str | None = None
-    route: str | None = None
-    prompt_tokens: str | None = None
-    timing: dict[str, float] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    streaming: bool
+    data: bytes
 
 
-def parse_server_timing(value: str) -> dict[str, float]:
-    """`template;dur=0.1, tokenize;dur=2.5` -> {"template": 0.0001, "tokenize": 0.0025} (s)."""
-    timing: dict[str, float] = {}
-    for part in value.split(","):
-        name, _, params = part.strip().partition(";")
-        for param in params.split(";"):
-            key, _, number = param.strip().partition("=")
-            if key == "dur" and name:
-                with contextlib.suppress(ValueError):
-                    timing[name] = float(number) / 1000
-    return timing
+class Pool:
+    """Idle keep-alive connections to one target, reused as a client library would; at most
+    `limit` requests at once (the others wait), each given up after `timeout` s (None: never,
+    and no cancel scope per request)."""
+
+    def __init__(
+        self,
+        url: str,
+        headers: dict[str, str] | None = None,
+        *,
+        limit: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.url = url
+        self.netloc = urlsplit(url).netloc
+        self.headers = headers or {}
+        self.timeout = timeout
+        self.idle: list[Connection] = []
+        self.limit = trio.Semaphore(limit) if limit else None
+
+    def prepare(self, request: Request, stream: bool = False) -> Prepared:
+        """`request` as bytes; `stream` makes it a streaming one (`"stream": true`)."""
+        body = {**request.body, "stream": True} if stream else request.body
+        data = encode(self.netloc, "POST", request.path, json.dumps(body).encode(), self.headers)
+        return Prepared(request.tag, bool(body.get("stream")), data)
+
+    async def start(self, request: bytes) -> Connection:
+        """A connection that sent `request` and read the answer's head; hand it back with
+        `finish` (a pooled connection the server closed meanwhile is retried once)."""
+        if self.limit is not None:
+            await self.limit.acquire()
+        try:
+            reused = bool(self.idle)
+            connection = self.idle.pop() if reused else Connection(self.url)
+            try:
+                await connection.start(request)
+            except ERRORS:
+                if not reused:
+                    raise
+                connection = Connection(self.url)
+                await connection.start(request)
+        except BaseException:
+            if self.limit is not None:
+                self.limit.release()
+            raise
+        return connection
+
+    def keep(self, connection: Connection) -> bool:
+        """Keep `connection` for the next request if its answer was read whole (True); when
+        False, the caller closes it (`finish` does both)."""
+        if self.limit is not None:
+            self.limit.release()
+        if connection.reusable:
+            self.idle.append(connection)
+            return True
+        return False
+
+    async def finish(self, connection: Connection) -> None:
+        if not self.keep(connection):
+            await connection.close()
+
+    async def send(self, request: bytes) -> Reply:
+        """One request (bytes on the wire), its answer read whole."""
+        with trio.fail_after(self.timeout) if self.timeout else NO_TIMEOUT:
+            connection = await self.start(request)
+            try:
+                return Reply(connection.status, connection.headers, await connection.read_body())
+            finally:
+                await self.finish(connection)
+
+    async def call(
+        self, method: str, path: str, *, json_body: Any = None, content: bytes = b""
+    ) -> Reply:
+        if json_body is not None:
+            content = json.dumps(json_body).encode()
+        return await self.send(encode(self.netloc, method, path, content, self.headers))
+
+    async def warm(self, requests: int = 50) -> None:
+        """Open a connection and pay first-request costs before anything is measured."""
+        prepared = self.prepare(ONE_TOKEN_REQUEST)
+        for _ in range(requests):
+            await self.send(prepared.data)
+
+    async def close(self) -> None:
+        idle, self.idle = self.idle, []
+        for connection in idle:
+            await connection.close()
+
+    async def __aenter__(self) -> Pool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
-def _read_headers(record: Record, response: httpx.Response) -> None:
-    record.status = response.status_code
-    record.backend = response.headers.get("x-sluice-backend")
-    record.route = response.headers.get("x-sluice-route")
-    record.prompt_tokens = response.headers.get("x-sluice-prompt-tokens")
-    timing = response.headers.get("server-timing")
-    if timing:
-        record.timing = parse_server_timing(timing)
-
-
-async def _consume_stream(record: Record, response: httpx.Response, sent: float) -> None:
-    chunks: list[float] = []
-    done = False
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            done = True
-            break
-        if '"error"' in data and data.startswith('{"error"'):
-            record.error = STREAM_BROKEN
-            return
-        chunks.append(time.perf_counter())
-    if not done:
-        record.error = NO_DONE
-        return
-    if chunks:
-        record.ttft = chunks[0] - sent
-        if len(chunks) > 1:
-            record.itl = (chunks[-1] - chunks[0]) / (len(chunks) - 1)
-    record.output_tokens = len(chunks)
-
-
-def _count_output(record: Record, payload: bytes) -> None:
+async def call(
+    url: str,
+    method: str = "GET",
+    *,
+    json_body: Any = None,
+    content: bytes = b"",
+    headers: dict[str, str] | None = None,
+    give_up_s: float = 30.0,
+) -> Reply:
+    """One request on a connection of its own (for /metrics, /health, /sim/... and the like):
+    raises one of FAILURES when the server cannot be reached or takes over `give_up_s`."""
+    parts = urlsplit(url)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    if json_body is not None:
+        content = json.dumps(json_body).encode()
+    connection = Connection(url)
     try:
-        usage = json.loads(payload).get("usage") or {}
-        record.output_tokens = int(usage.get("completion_tokens", 0))
-    except (ValueError, AttributeError, TypeError):
-        record.output_tokens = 0
+        with trio.fail_after(give_up_s):
+            await connection.start(encode(parts.netloc, method, path, content, headers))
+            return Reply(connection.status, connection.headers, await connection.read_body())
+    finally:
+        await connection.close()
 
 
-async def send(
-    client: httpx.AsyncClient, base_url: str, request: Request, stream: bool, start: float
-) -> Record:
-    """Send `request` to `base_url`; `start` is the run's zero on `time.perf_counter()`."""
-    sent = time.perf_counter()
-    record = Record(tag=request.tag, start=sent - start)
-    body = dict(request.body)
-    if stream:
-        body["stream"] = True
+@contextlib.asynccontextmanager
+async def streaming(
+    url: str,
+    method: str = "GET",
+    *,
+    json_body: Any = None,
+    headers: dict[str, str] | None = None,
+) -> AsyncIterator[Connection]:
+    """A request on a connection of its own, its answer's head read: the body reads the
+    rest as it comes (`read_chunk`, `Lines`); the connection is closed at the end."""
+    parts = urlsplit(url)
+    content = b"" if json_body is None else json.dumps(json_body).encode()
+    connection = Connection(url)
     try:
-        async with client.stream("POST", base_url + request.path, json=body) as response:
-            _read_headers(record, response)
-            if response.status_code != 200:
-                await response.aread()
-                record.error = f"http_{response.status_code}"
-            elif stream:
-                await _consume_stream(record, response, sent)
-            else:
-                _count_output(record, await response.aread())
-    except httpx.ConnectError:
-        record.error = CONNECT
-    except httpx.TimeoutException:
-        record.error = TIMEOUT
-    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-        record.error = RESET
-    record.e2e = time.perf_counter() - sent
-    record.ok = record.error is None
-    if record.ok:
-        if record.ttft is None:
-            record.ttft = record.e2e
-        if record.output_tokens > 1:
-            record.tpot = (record.e2e - record.ttft) / (record.output_tokens - 1)
-    return record
+        await connection.start(encode(parts.netloc, method, parts.path or "/", content, headers))
+        yield connection
+    finally:
+        await connection.close()
 
 
-def new_client(connections: int, timeout: float = 300.0) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+class Lines:
+    """A body's lines as they come, without their line ends: `async for line in Lines(c)`."""
 
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self.pending = b""
 
-async def send_plan(
-    url: str, plan: Sequence[tuple[float, Request]], stream: bool = False
-) -> list[Record]:
-    """Each request of `plan` at its time (seconds from now), each its own task, so a slow
-    answer never delays the next send; returns once every answer is in."""
-    records: list[Record] = []
-    async with new_client(len(plan) or 1) as client:
-        start = time.perf_counter()
+    def __aiter__(self) -> Lines:
+        return self
 
-        async def fire(request: Request) -> None:
-            records.append(await send(client, url, request, stream, start))
-
-        async with trio.open_nursery() as nursery:
-            t0 = trio.current_time()
-            for at, request in sorted(plan, key=lambda item: item[0]):
-                await trio.sleep_until(t0 + at)
-                nursery.start_soon(fire, request)
-    return records
+    async def __anext__(self) -> bytes:
+        while b"\n" not in self.pending:
+            chunk = await self.connection.read_chunk()
+            if chunk is None:
+                if not self.pending:
+                    raise StopAsyncIteration
+                line, self.pending = self.pending, b""
+                return line
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
+        return line.rstrip(b"\r")

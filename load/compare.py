@@ -27,10 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
-from load import compare_replicas, harness, rawhttp
+from load import client, compare_replicas, drive, harness
 from load.bench.overhead import Samples
 from load.bench.replicas import WORKLOADS
 from load.harness import REPO, Table
@@ -80,17 +79,17 @@ def export(rev: str, into: Path) -> None:
         tar.extractall(into, filter="data")
 
 
-async def ticks(client: httpx.AsyncClient, url: str) -> float:
-    return harness.metric(await harness.scrape(client, url), PROBE_TICKS) or 0.0
+async def ticks(url: str) -> float:
+    return harness.metric(await harness.scrape(url), PROBE_TICKS) or 0.0
 
 
 async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     labels = {"this": f"this checkout ({REPO.name})", "rev": args.rev}
-    async with Stack() as stack, httpx.AsyncClient(trust_env=False) as client:
+    async with Stack() as stack:
         sim = await stack.sim(instant=True)
         urls = {"direct": sim, "this": await stack.proxy(sim)}
         urls["rev"] = await stack.proxy(sim, source=source)
-        pools = {name: rawhttp.Pool(url) for name, url in urls.items()}
+        pools = {name: client.Pool(url) for name, url in urls.items()}
         for pool in pools.values():
             await pool.warm()
         samples = {name: Samples() for name in urls}
@@ -100,16 +99,18 @@ async def measure(args: argparse.Namespace, source: Path) -> dict[str, Any]:
             url = urls[name]
             proxy = name != "direct"
             cpu0 = tree_cpu(stack.pids[url]) if proxy else 0.0
-            ticks0 = await ticks(client, url) if proxy else 0.0
-            latencies, errors = await rawhttp.open_loop(
-                pools[name], args.rate, args.seconds, number
+            ticks0 = await ticks(url) if proxy else 0.0
+            pool = pools[name]
+            plan = drive.poisson(
+                pool.prepare(client.ONE_TOKEN_REQUEST), args.rate, args.seconds, number
             )
-            samples[name].latencies += latencies
-            samples[name].errors += errors
+            run = await drive.open_loop(pool, plan)
+            samples[name].latencies += run.latencies()
+            samples[name].errors += run.errors
             if proxy:
                 cpu = tree_cpu(stack.pids[url]) - cpu0
-                samples[name].cpu_per_request.append(cpu / max(len(latencies) + errors, 1))
-                probe_ticks[name] += await ticks(client, url) - ticks0
+                samples[name].cpu_per_request.append(cpu / max(len(run.records), 1))
+                probe_ticks[name] += await ticks(url) - ticks0
         for pool in pools.values():
             await pool.close()
     harness.progress("")
@@ -129,7 +130,7 @@ async def measure_closed_loop(args: argparse.Namespace, source: Path) -> dict[st
     async with Stack() as stack:
         sim = await stack.sim(instant=True)
         urls = {"this": await stack.proxy(sim), "rev": await stack.proxy(sim, source=source)}
-        pools = {name: rawhttp.Pool(url) for name, url in urls.items()}
+        pools = {name: client.Pool(url) for name, url in urls.items()}
         for pool in pools.values():
             await pool.warm(200)
         per_s: dict[str, list[float]] = {name: [] for name in urls}
@@ -139,10 +140,13 @@ async def measure_closed_loop(args: argparse.Namespace, source: Path) -> dict[st
             harness.progress(f"compare: round {number}/{args.rounds}, {name}")
             pid = stack.pids[urls[name]]
             cpu0 = tree_cpu(pid)
-            done, failed, wall = await rawhttp.closed_loop(pools[name], args.clients, args.seconds)
-            per_s[name].append(done / wall)
-            cpu[name].append((tree_cpu(pid) - cpu0) / max(done, 1))
-            errors[name] += failed
+            pool = pools[name]
+            run = await drive.closed_loop(
+                pool, args.clients, drive.one_token(pool), seconds=args.seconds
+            )
+            per_s[name].append(run.ok / run.seconds)
+            cpu[name].append((tree_cpu(pid) - cpu0) / max(run.ok, 1))
+            errors[name] += run.errors
     harness.progress("")
     ratios = [this / rev for this, rev in zip(per_s["this"], per_s["rev"], strict=True)]
     result: dict[str, Any] = {}

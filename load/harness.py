@@ -21,10 +21,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
-from load import rawhttp
+from load import client, drive
+from load.drive import Ticker, progress
 from load.processes import Stack, tree_cpu
 from load.stats import Ranged, by_group, paired_change, with_range
 
@@ -108,23 +108,7 @@ def alternate(rounds: int, variants: Sequence[str]) -> Iterator[tuple[int, str]]
             yield index + 1, variant
 
 
-def progress(text: str) -> None:
-    """The one-line live view on a terminal, rewritten in place; nothing in a log."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[K{text}")
-        sys.stderr.flush()
-
-
-class Ticker:
-    """Rewrites the progress line from `text()` every second while `run` runs."""
-
-    def __init__(self, text: Callable[[], str]) -> None:
-        self.text = text
-
-    async def run(self) -> None:
-        while sys.stderr.isatty():
-            await trio.sleep(1.0)
-            progress(self.text())
+__all__ = ["Ticker", "progress"]  # re-exported: every scenario reaches them through here
 
 
 # -- talking to the servers -------------------------------------------------------------
@@ -143,10 +127,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return samples
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    response = await client.get(url + "/metrics")
-    response.raise_for_status()
-    return parse_metrics(response.text)
+async def scrape(url: str) -> dict[str, float]:
+    reply = await client.call(url + "/metrics")
+    if reply.status != 200:
+        raise RuntimeError(f"{url}/metrics answered {reply.status}")
+    return parse_metrics(reply.text)
 
 
 def metric(samples: dict[str, float], name: str) -> float | None:
@@ -189,45 +174,43 @@ def lag_max_bucket(before: dict[str, float], after: dict[str, float]) -> float |
 
 async def wait_healthy(url: str) -> None:
     """Wait (30 s at most) until `url` answers /health with 200."""
-    async with httpx.AsyncClient(timeout=5, trust_env=False) as client:
-        with trio.fail_after(30):
-            while True:
-                try:
-                    if (await client.get(url + "/health")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(0.1)
+    with trio.fail_after(30):
+        while True:
+            try:
+                if (await client.call(url + "/health", give_up_s=5)).status == 200:
+                    return
+            except client.FAILURES:
+                pass
+            await trio.sleep(0.1)
 
 
 async def answers(url: str, headers: dict[str, str], body: dict[str, Any]) -> bool:
     """Wait (60 s at most) until `url` answers a chat request with 200 (a peer may register
     its workers late)."""
-    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
-        with trio.move_on_after(60):
-            while True:
-                try:
-                    response = await client.post(
-                        url + "/v1/chat/completions", json=body, headers=headers
-                    )
-                    if response.status_code == 200:
-                        return True
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(0.5)
+    with trio.move_on_after(60):
+        while True:
+            try:
+                reply = await client.call(
+                    url + client.CHAT, "POST", json_body=body, headers=headers, give_up_s=5
+                )
+                if reply.status == 200:
+                    return True
+            except client.FAILURES:
+                pass
+            await trio.sleep(0.5)
     return False
 
 
-async def busy_round(pool: rawhttp.Pool, pid: int, clients: int, seconds: float) -> dict[str, Any]:
-    """`clients` closed-loop clients for `seconds`: the throughput and the CPU per request of
-    process `pid` (and its children)."""
+async def busy_round(pool: client.Pool, pid: int, clients: int, seconds: float) -> dict[str, Any]:
+    """`clients` closed-loop clients sending one-token chats for `seconds`: the throughput
+    and the CPU per request of process `pid` (and its children)."""
     cpu0 = tree_cpu(pid)
-    done, errors, wall = await rawhttp.closed_loop(pool, clients, seconds)
+    run = await drive.closed_loop(pool, clients, drive.one_token(pool), seconds=seconds)
     cpu = tree_cpu(pid) - cpu0
     return {
-        "requests_per_s": done / wall,
-        "cpu_us_per_request": cpu / max(done, 1) * 1e6,
-        "errors": errors,
+        "requests_per_s": run.ok / run.seconds,
+        "cpu_us_per_request": cpu / max(run.ok, 1) * 1e6,
+        "errors": run.errors,
     }
 
 
@@ -319,6 +302,28 @@ def table_text(table: Table) -> str:
     return (f"{table.title}\n" if table.title else "") + "\n".join(lines)
 
 
+def targets_met(checks: Sequence[str], whose: str) -> str:
+    """Target lines ("PASS ...", "FAIL ...", "n/a ...") in a few words, for a table's title:
+    `issue 9's targets: 10 of 10 met` or `...: 8 of 10 met; not met: <each failed one>`."""
+    passed = sum(line.startswith("PASS") for line in checks)
+    failed = [line[5:] for line in checks if line.startswith("FAIL")]
+    text = f"{whose} targets: {passed} of {passed + len(failed)} met"
+    return text + (f"; not met: {'; '.join(failed)}" if failed else "")
+
+
+def table_markdown(table: Table) -> str:
+    """The same table as Markdown, its title on the line above it (GitHub's renderer lets a
+    table with leading pipes follow a paragraph): what `python -m load report` writes."""
+
+    def row(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    lines = [row([str(h) for h in table.headers]), row(["---"] * len(table.headers))]
+    lines += [row([fmt(c, table.digits) for c in cells]) for cells in table.rows]
+    title = table.title[:1].upper() + table.title[1:]
+    return (f"{title}:\n" if title else "") + "\n".join(lines)
+
+
 def provenance() -> dict[str, Any]:
     """When, at which commit (`+changes` if the code of app/ or load/ differs from it), and
     on what machine (its load average: others' work on it shows there)."""
@@ -347,6 +352,15 @@ def provenance() -> dict[str, Any]:
             "platform": platform.platform(),
         },
     }
+
+
+def png_beside(json_path: Path) -> Path | None:
+    """Where a result's PNG goes: beside its JSON, unless that is inside the checkout
+    (`--out-dir load/reference` refreshes a reference: JSON only, no figure tracked)."""
+    if json_path.resolve().is_relative_to(REPO):
+        print(f"no PNG written: {json_path.parent} is inside the checkout", file=sys.stderr)
+        return None
+    return json_path.with_suffix(".png")
 
 
 def write(name: str, blob: dict[str, Any], out_dir: Path) -> Path:
@@ -398,9 +412,8 @@ def run(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     }
     path = write(scenario.name, blob, args.out_dir)
     print(report(scenario, blob))
-    if scenario.plot is not None:
-        scenario.plot(result, path.with_suffix(".png"))
-        print(f"wrote {path} and {path.with_suffix('.png')}")
-    else:
-        print(f"wrote {path}")
+    png = png_beside(path) if scenario.plot is not None else None
+    if scenario.plot is not None and png is not None:
+        scenario.plot(result, png)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
     return blob

@@ -20,8 +20,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
 import trio
+
+from load.client import FAILURES, call
 
 URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:\d+)")
 LOG_DIR = Path(tempfile.gettempdir()) / "sluice-load-logs"
@@ -200,17 +201,16 @@ class Stack:
         )
         self.processes.append(process)
         self.pids[url] = process.pid
-        async with httpx.AsyncClient(trust_env=False, timeout=2) as client:
-            with trio.fail_after(90):
-                while True:
-                    if process.poll() is not None:
-                        raise RuntimeError(f"{argv[0]} exited ({process.returncode})")
-                    try:
-                        if (await client.get(url + health)).status_code < 500:
-                            return process.pid
-                    except httpx.HTTPError:
-                        pass
-                    await trio.sleep(0.2)
+        with trio.fail_after(90):
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{argv[0]} exited ({process.returncode})")
+                try:
+                    if (await call(url + health, give_up_s=2)).status < 500:
+                        return process.pid
+                except FAILURES:
+                    pass
+                await trio.sleep(0.2)
 
     async def redis(self) -> str:
         """A redis-server of our own (Debian's) on a free port, nothing saved to disk; its
@@ -255,16 +255,15 @@ class Stack:
                 "--prometheus-port", str(free_port())]  # fmt: skip
         try:
             await self.command(argv, url)
-            async with httpx.AsyncClient(timeout=2, trust_env=False) as client:
-                with trio.fail_after(60):
-                    while True:
-                        try:
-                            listed = (await client.get(url + "/workers")).json().get("workers", [])
-                            if sum(1 for w in listed if w.get("is_healthy")) == len(workers):
-                                return url
-                        except (httpx.HTTPError, ValueError):
-                            pass
-                        await trio.sleep(0.2)
+            with trio.fail_after(60):
+                while True:
+                    try:
+                        listed = (await call(url + "/workers", give_up_s=2)).json()["workers"]
+                        if sum(1 for w in listed if w.get("is_healthy")) == len(workers):
+                            return url
+                    except (*FAILURES, KeyError):  # json's errors are ValueErrors
+                        pass
+                    await trio.sleep(0.2)
         except (RuntimeError, trio.TooSlowError) as exc:
             print(f"smg did not start: {exc}")
             return None

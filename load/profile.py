@@ -2,7 +2,7 @@
 
 Starts one instant simulated backend and `sluice serve` in front of it (separate processes),
 drives the overhead scenario's traffic (non-streaming one-token chats, open loop, through
-the lean raw client) and meanwhile samples the proxy with `py-spy record --format raw`
+the lean client, load/client.py) and meanwhile samples the proxy with `py-spy record --format raw`
 (py-spy from PyPI; it needs ptrace rights: root, or CAP_SYS_PTRACE). Prints the CPU per
 request from /proc, then the samples by package (of the innermost frame), by owner (the
 innermost frame outside Trio's and the standard library's plumbing: who caused a socket
@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from load import harness, rawhttp
+from load import client, drive, harness
 from load.processes import Stack, cpu_seconds
 
 TOP = 25
@@ -114,13 +114,13 @@ def summarize(collapsed: str) -> tuple[int, dict[str, list[tuple[str, int]]]]:
     }
 
 
-async def drive(args: argparse.Namespace) -> dict[str, Any]:
+async def under_load(args: argparse.Namespace) -> dict[str, Any]:
     async with Stack(args.proxy_arg) as stack:
         sim = await stack.sim(instant=True)
         url = await stack.proxy(sim)
         pid = stack.pids[url]
         await harness.wait_healthy(url)
-        pool = rawhttp.Pool(url)
+        pool = client.Pool(url)
         await pool.warm(100)
         raw = args.out_dir / "profile-collapsed.txt"
         raw.parent.mkdir(parents=True, exist_ok=True)
@@ -132,10 +132,12 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         await trio.sleep(1.0)  # py-spy attaches
         cpu0 = cpu_seconds(pid)
         if args.clients:
-            answered, errors, _ = await rawhttp.closed_loop(pool, args.clients, args.seconds - 2)
+            source = drive.one_token(pool)
+            run = await drive.closed_loop(pool, args.clients, source, seconds=args.seconds - 2)
         else:
-            latencies, errors = await rawhttp.open_loop(pool, args.rate, args.seconds - 2, 1)
-            answered = len(latencies)
+            one = pool.prepare(client.ONE_TOKEN_REQUEST)
+            run = await drive.open_loop(pool, drive.poisson(one, args.rate, args.seconds - 2, 1))
+        answered, errors = run.ok, run.errors
         cpu = cpu_seconds(pid) - cpu0
         await trio.to_thread.run_sync(spy.wait)
         await pool.close()
@@ -169,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     if args.seconds < 5:
         raise SystemExit("profile: --seconds must be at least 5")
-    run = trio.run(drive, args)
+    run = trio.run(under_load, args)
     samples, summary = summarize(Path(run["collapsed"]).read_text())
     total = samples or 1
     load_shape = f"{args.clients} closed-loop clients" if args.clients else f"{args.rate:g}/s"

@@ -1,7 +1,7 @@
 """`python -m load run`: the load generator against any OpenAI-compatible URL.
 
     python -m load run --target http://127.0.0.1:8000 --workload rag --rate 20 --duration 30 \
-        --stream --slo ttft:500 --out results/rag.json
+        --stream --slo ttft:500 --out /tmp/rag.json
     python -m load run --target URL --workload chat --concurrency 16 --duration 30
     python -m load run --target URL --workload hot --sweep 5,10,20,40 --duration 20
 
@@ -16,116 +16,52 @@ beside it (latency CDF, latency and throughput over time) are written at the end
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from load import arrivals, harness
-from load.client import Record, new_client, send
-from load.harness import Ticker
+from load import arrivals, drive
+from load.client import Pool
+from load.drive import Record
+from load.harness import png_beside
 from load.stats import goodput, parse_slos, percentile, summary
-from load.workloads import WORKLOADS, workload
+from load.workloads import WORKLOADS, Request, workload
 
-CLIENT_OVERFLOW = "client_overflow"
+TIMEOUT_S = 300.0  # a request given up on after this long counts as a `timeout` error
 
 
-def progress_line(label: str, records: list[Record], start: float) -> Callable[[], str]:
-    """The progress line of a run: done, errors, rate, and p50/p99 of the last 500."""
-
-    def text() -> str:
-        done = len(records)
-        errors = sum(1 for r in records if not r.ok)
-        recent = [r.e2e for r in records[-500:] if r.ok and r.e2e is not None]
-        elapsed = max(time.perf_counter() - start, 1e-9)
-        return (
-            f"{label}: {done} done, {errors} errors, {done / elapsed:.1f} req/s, "
-            f"p50 {percentile(recent, 50) * 1e3:.0f} ms, p99 {percentile(recent, 99) * 1e3:.0f} ms"
-        )
-
-    return text
+def requests(name: str, seed: int) -> Iterator[Request]:
+    """The workload's requests, one arrival's worth after another, forever."""
+    source = workload(name, seed)
+    return itertools.chain.from_iterable(source.next() for _ in itertools.count())
 
 
 async def open_loop(
-    url: str,
-    name: str,
-    times: Sequence[float],
-    stream: bool,
-    seed: int,
-    max_inflight: int,
-    progress: bool = True,
-) -> tuple[list[Record], float]:
-    """Send one arrival at each of `times`; returns the records and the wall time."""
+    url: str, name: str, times: Sequence[float], stream: bool, seed: int, max_inflight: int
+) -> drive.Run:
+    """One arrival of workload `name` at each of `times` (an arrival may be a burst)."""
     source = workload(name, seed)
-    records: list[Record] = []
-    inflight = 0
-
-    async def one(request: Any) -> None:
-        nonlocal inflight
-        inflight += 1
-        try:
-            records.append(await send(client, url, request, stream, start))
-        finally:
-            inflight -= 1
-
-    async with new_client(max_inflight) as client:
-        start = time.perf_counter()
-        line = progress_line(f"{name} open loop", records, start)
-        async with trio.open_nursery() as nursery:
-            if progress:
-                nursery.start_soon(Ticker(line).run)
-            async with trio.open_nursery() as senders:
-                t0 = trio.current_time()
-                for at in times:
-                    await trio.sleep_until(t0 + at)
-                    for request in source.next():
-                        if inflight >= max_inflight:
-                            records.append(Record(request.tag, at, error=CLIENT_OVERFLOW, e2e=None))
-                            continue
-                        senders.start_soon(one, request)
-            nursery.cancel_scope.cancel()
-        if progress:
-            harness.progress(line() + "\n")
-        return records, time.perf_counter() - start
+    async with Pool(url, timeout=TIMEOUT_S) as pool:
+        plan = ((at, pool.prepare(request, stream)) for at in times for request in source.next())
+        return await drive.open_loop(
+            pool, plan, max_inflight=max_inflight, label=f"{name} open loop"
+        )
 
 
 async def closed_loop(
-    url: str,
-    name: str,
-    concurrency: int,
-    duration: float,
-    stream: bool,
-    seed: int,
-    progress: bool = True,
-) -> tuple[list[Record], float]:
+    url: str, name: str, concurrency: int, duration: float, stream: bool, seed: int
+) -> drive.Run:
     """`concurrency` clients, each sending its next request when the last one is answered."""
-    source = workload(name, seed)
-    records: list[Record] = []
-    async with new_client(concurrency) as client:
-        start = time.perf_counter()
-        deadline = trio.current_time() + duration
-
-        async def worker() -> None:
-            while trio.current_time() < deadline:
-                for request in source.next():
-                    records.append(await send(client, url, request, stream, start))
-
-        line = progress_line(f"{name} closed loop x{concurrency}", records, start)
-        async with trio.open_nursery() as nursery:
-            if progress:
-                nursery.start_soon(Ticker(line).run)
-            async with trio.open_nursery() as workers:
-                for _ in range(concurrency):
-                    workers.start_soon(worker)
-            nursery.cancel_scope.cancel()
-        if progress:
-            harness.progress(line() + "\n")
-        return records, time.perf_counter() - start
+    async with Pool(url, timeout=TIMEOUT_S) as pool:
+        source = (pool.prepare(request, stream) for request in requests(name, seed))
+        label = f"{name} closed loop"
+        return await drive.closed_loop(pool, concurrency, source, seconds=duration, label=label)
 
 
 def timeseries(
@@ -229,13 +165,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def run_rate(args: argparse.Namespace, rate: float, slos: dict[str, float]) -> dict[str, Any]:
     times = arrivals.schedule(args.arrivals, rate, args.duration, args.seed, args.burstiness)
-    records, seconds = await open_loop(
+    run = await open_loop(
         args.target, args.workload, times, args.stream, args.seed, args.max_inflight
     )
     return {
         "rate": rate,
-        **summarize(records, seconds, slos),
-        "records": [r.as_dict() for r in records],
+        **summarize(run.records, run.seconds, slos),
+        "records": [r.as_dict() for r in run.records],
     }
 
 
@@ -255,10 +191,13 @@ async def execute(args: argparse.Namespace) -> dict[str, Any]:
     if args.rate is not None:
         result = await run_rate(args, args.rate, slos)
     else:
-        records, seconds = await closed_loop(
+        run = await closed_loop(
             args.target, args.workload, args.concurrency, args.duration, args.stream, args.seed
         )
-        result = {**summarize(records, seconds, slos), "records": [r.as_dict() for r in records]}
+        result = {
+            **summarize(run.records, run.seconds, slos),
+            "records": [r.as_dict() for r in run.records],
+        }
     print_summary(args.workload, result)
     return {"config": config, **result}
 
@@ -277,9 +216,7 @@ def main(args: argparse.Namespace) -> None:
 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
-        png = args.out.with_suffix(".png")
-        if "sweep" in result:
-            plot_sweep(result, png)
-        else:
-            plot_run(result, png)
-        print(f"wrote {args.out} and {png}")
+        png = png_beside(args.out)
+        if png is not None:
+            (plot_sweep if "sweep" in result else plot_run)(result, png)
+        print(f"wrote {args.out}" + (f" and {png}" if png else ""))

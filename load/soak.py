@@ -26,12 +26,13 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 
-import httpx
 import trio
 
-from load import processes
-from load.client import Record, new_client, send
+from load import drive, processes
+from load.client import FAILURES, Pool, Prepared, call, encode
+from load.drive import Record, send
 from load.harness import label_values, metric, parse_metrics
 from load.processes import Stack
 from load.soak_inputs import BadInput, catalog
@@ -166,22 +167,29 @@ class Soak:
 
     # -- traffic -----------------------------------------------------------------------
 
-    async def one(self, client: httpx.AsyncClient, request: Request, stream: bool) -> bool:
-        record = await send(client, self.proxy_url, request, stream, self.start)
+    async def one(self, pool: Pool, request: Request, stream: bool) -> bool:
+        record = await send(pool, pool.prepare(request, stream), self.start)
         self.account(record)
         return record.ok
 
-    async def steady(self, client: httpx.AsyncClient) -> None:
-        source = workload("mixed", self.seed)
-        async with trio.open_nursery() as nursery:
-            next_at = trio.current_time()
-            while True:
-                next_at += self.rng.expovariate(STEADY_RATE)
-                await trio.sleep_until(next_at)
-                for request in source.next():
-                    nursery.start_soon(self.one, client, request, self.rng.random() < 0.5)
+    async def at_once(self, pool: Pool, requests: list[Request], stream: bool) -> None:
+        plan = [(0.0, pool.prepare(request, stream)) for request in requests]
+        await drive.open_loop(pool, plan, on_record=self.account, start=self.start)
 
-    async def long_streams(self, client: httpx.AsyncClient) -> None:
+    async def steady(self, pool: Pool) -> None:
+        """Open-loop `mixed` traffic at STEADY_RATE (Poisson), half of it streaming."""
+        source = workload("mixed", self.seed)
+
+        def plan() -> Iterator[tuple[float, Prepared]]:
+            at = 0.0
+            while True:
+                at += self.rng.expovariate(STEADY_RATE)
+                for request in source.next():
+                    yield at, pool.prepare(request, self.rng.random() < 0.5)
+
+        await drive.open_loop(pool, plan(), on_record=self.account, start=self.start)
+
+    async def long_streams(self, pool: Pool) -> None:
         """Two 400-token streams (~2 s each) always in flight: a backend kill breaks them."""
         body = {
             "model": "sim",
@@ -192,21 +200,21 @@ class Soak:
 
         async def loop() -> None:
             while True:
-                if not await self.one(client, request, True):
+                if not await self.one(pool, request, True):
                     await trio.sleep(0.5)  # a client backs off; a dead proxy is not hammered
 
         async with trio.open_nursery() as nursery:
             for _ in range(2):
                 nursery.start_soon(loop)
 
-    async def long_conversations(self, client: httpx.AsyncClient) -> None:
+    async def long_conversations(self, pool: Pool) -> None:
         source: Workload = workload("long", self.seed + 1)
         while True:
             for request in source.next():
-                await self.one(client, request, False)
+                await self.one(pool, request, False)
             await trio.sleep(1.0)  # think time
 
-    async def bursts(self, client: httpx.AsyncClient) -> None:
+    async def bursts(self, pool: Pool) -> None:
         source = workload("unique", self.seed + 2)
         while True:
             await trio.sleep(BURST_EVERY_S)
@@ -218,9 +226,7 @@ class Soak:
                 )
                 for _ in range(20)
             ]
-            async with trio.open_nursery() as nursery:
-                for request in prompts:
-                    nursery.start_soon(self.one, client, request, False)
+            await self.at_once(pool, prompts, False)
 
     async def connection_bursts(self) -> None:
         """1,000 new connections at once, each streaming a short answer."""
@@ -234,40 +240,34 @@ class Soak:
         while True:
             window = [self.now(), float("inf")]
             self.shedding.append(window)
-            async with (
-                new_client(CONNECTION_BURST, REQUEST_TIMEOUT_S) as burst,
-                trio.open_nursery() as nursery,
-            ):
-                for _ in range(CONNECTION_BURST):
-                    nursery.start_soon(self.one, burst, request, True)
+            async with Pool(self.proxy_url, timeout=REQUEST_TIMEOUT_S) as burst:
+                await self.at_once(burst, [request] * CONNECTION_BURST, True)
             window[1] = self.now()
             await trio.sleep(CONNECTION_BURST_EVERY_S)
 
     async def malformed(self) -> None:
         inputs = catalog()
         index = 0
-        async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, trust_env=False) as client:
+        async with Pool(self.proxy_url, timeout=REQUEST_TIMEOUT_S) as pool:
             while True:
                 await trio.sleep(MALFORMED_EVERY_S)
                 bad = inputs[index % len(inputs)]
                 index += 1
+                headers = {"content-type": bad.content_type}
+                request = encode(pool.netloc, "POST", bad.path, bad.body, headers)
                 try:
-                    response = await client.post(
-                        self.proxy_url + bad.path,
-                        content=bad.body,
-                        headers={"content-type": bad.content_type},
-                    )
-                    self.account_bad(bad, response.status_code, None)
-                except httpx.HTTPError as exc:
+                    reply = await pool.send(request)
+                    self.account_bad(bad, reply.status, None)
+                except FAILURES as exc:
                     self.account_bad(bad, None, type(exc).__name__)
 
     async def poll_health(self) -> None:
-        async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
+        async with Pool(self.proxy_url, timeout=30) as pool:
             while True:
                 sent = time.perf_counter()
                 try:
-                    await client.get(self.proxy_url + "/health")
-                except httpx.HTTPError:
+                    await pool.call("GET", "/health")
+                except FAILURES:
                     self.current.health_failures += 1
                     await trio.sleep(0.1)
                     continue
@@ -279,24 +279,24 @@ class Soak:
 
     # -- per minute --------------------------------------------------------------------
 
-    async def scrape(self, client: httpx.AsyncClient) -> tuple[dict[str, float], float | None]:
+    async def scrape(self) -> tuple[dict[str, float], float | None]:
         """Stalls by cause, and the tokenizer caches' bytes."""
         try:
-            samples = parse_metrics((await client.get(self.proxy_url + "/metrics")).text)
-        except httpx.HTTPError:
+            samples = parse_metrics((await call(self.proxy_url + "/metrics")).text)
+        except FAILURES:
             return {}, None
         caches = [metric(samples, f"{CACHES}_{level}_memory_bytes") for level in ("l0", "l1")]
         known = [c for c in caches if c is not None]
         return label_values(samples, STALLS, "cause"), sum(known) if known else None
 
-    async def every_minute(self, client: httpx.AsyncClient) -> None:
-        self.stalls_before, _ = await self.scrape(client)
+    async def every_minute(self) -> None:
+        self.stalls_before, _ = await self.scrape()
         number = 0
         while True:
             number += 1
             await trio.sleep_until(self.trio_start + 60.0 * number)
             minute, self.current = self.current, Minute()
-            now, minute.cache_bytes = await self.scrape(client)
+            now, minute.cache_bytes = await self.scrape()
             minute.stalls = {k: v - self.stalls_before.get(k, 0.0) for k, v in now.items()}
             self.stalls_before = now
             assert self.proxy is not None
@@ -313,10 +313,13 @@ class Soak:
             print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}", flush=True)
             self.start = time.perf_counter()
             self.trio_start = trio.current_time()
-            async with new_client(256, REQUEST_TIMEOUT_S) as client, trio.open_nursery() as nursery:
-                nursery.start_soon(self.every_minute, client)
+            async with (
+                Pool(self.proxy_url, limit=256, timeout=REQUEST_TIMEOUT_S) as pool,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(self.every_minute)
                 for task in (self.steady, self.long_streams, self.long_conversations, self.bursts):
-                    nursery.start_soon(task, client)
+                    nursery.start_soon(task, pool)
                 for job in (
                     self.connection_bursts,
                     self.malformed,

@@ -17,7 +17,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from app.http.exchange import ClientConnection
 from app.http.request_head import RequestHead
 from app.preprocess.pipeline import Prepared, Preprocessor
-from app.preprocess.rendering import Kind
+from app.preprocess.request_bodies import Kind
 from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
 
 

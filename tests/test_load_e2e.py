@@ -1,15 +1,15 @@
-"""The load tools end to end, as a user runs them: `python -m load` has five verbs and
-`bench --list` names every scenario module once; `python -m load bench submit --quick` starts
-its own proxies and simulated backend as processes, prints its table and writes its JSON
-(with date, commit and machine) and PNG to the user's cache directory, leaving the checkout
-as it was; `python -m load run` drives a proxy it did not start, writing its JSON and PNG;
-`bench routing` starts simulated GPUs and a Sluice in front of them and reports the
-backends' own prefix-cache hits beside Sluice's predictions; the overhead scenario's two
-floor servers (hypercorn, h11 on Trio) answer keep-alive chat requests as a proxy would;
-the replicas scenario's TCP round robin hands each new connection to the next replica and
-each of its rounds runs on simulated GPUs of its own, and a benchmark's own Redis answers
-until the stack kills it; `python -m load compare REV` exports a revision that runs as
-`python -m app`."""
+"""The load tools end to end, as a user runs them: `python -m load` has six verbs,
+`bench --list` names every scenario module once and `report` renders a reference result;
+`python -m load bench submit --quick` starts its own proxies and simulated backend as
+processes, prints its table and writes its JSON (with date, commit and machine) and PNG to
+the user's cache directory, leaving the checkout as it was; `python -m load run` drives a
+proxy it did not start, writing its JSON and PNG; `bench routing` starts simulated GPUs and
+a Sluice in front of them and reports the backends' own prefix-cache hits beside Sluice's
+predictions; the overhead scenario's two floor servers (hypercorn, h11 on Trio) answer
+keep-alive chat requests as a proxy would; the replicas scenario's TCP round robin hands
+each new connection to the next replica and each of its rounds runs on simulated GPUs of its
+own, and a benchmark's own Redis answers until the stack kills it;
+`python -m load compare REV` exports a revision that runs as `python -m app`."""
 
 from __future__ import annotations
 
@@ -63,11 +63,11 @@ def git_status() -> str:
     ).stdout
 
 
-def test_the_tool_has_five_verbs_and_lists_every_scenario_once() -> None:
+def test_the_tool_has_six_verbs_and_lists_every_scenario_once() -> None:
     usage = run_python("-m", "load", "--help").stdout
     verbs = usage.split("positional arguments:")[1].split("options:")[0].split()
-    assert [v for v in verbs if v in ("run", "bench", "soak", "compare", "profile")] == [
-        "run", "bench", "soak", "compare", "profile"
+    assert [v for v in verbs if v in ("run", "bench", "soak", "compare", "profile", "report")] == [
+        "run", "bench", "soak", "compare", "profile", "report"
     ]  # fmt: skip
     listed = [
         line.split()[0] for line in run_python("-m", "load", "bench", "--list").stdout.splitlines()
@@ -79,6 +79,8 @@ def test_the_tool_has_five_verbs_and_lists_every_scenario_once() -> None:
     )
     assert listed == list(NAMES)
     assert sorted(listed) == modules
+    markdown = run_python("-m", "load", "report", "submit").stdout
+    assert "| inline |" in markdown and "reference/submit.json)" in markdown
 
 
 def test_a_quick_scenario_writes_outside_the_checkout_and_leaves_it_clean(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from load import arrivals, compare_replicas, harness
-from load.client import parse_server_timing
+from load.drive import parse_server_timing
 from load.stats import (
     Ranged,
     by_group,

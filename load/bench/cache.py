@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from app.config import Settings
@@ -38,8 +37,9 @@ from app.preprocess.l0_cache import L0Cache
 from app.preprocess.l1_cache import L1Cache
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
-from load import harness
-from load.client import Record, new_client, send
+from load import drive, harness
+from load.client import Pool
+from load.drive import Record
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
 from load.stats import mean_or_nan, percentile
@@ -53,19 +53,11 @@ PREFIX = "sluice_tokenizer_cache_"
 
 
 async def send_all(url: str, name: str, seed: int, count: int) -> list[Record]:
+    """The first `count` requests of the workload, by CLIENTS closed-loop clients."""
     source = workload(name, seed)
-    queue = iter([r for _ in range(count) for r in source.next()][:count])
-    records: list[Record] = []
-    async with new_client(CLIENTS) as client:
-
-        async def worker() -> None:
-            for request in queue:
-                records.append(await send(client, url, request, False, 0.0))
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(CLIENTS):
-                nursery.start_soon(worker)
-    return records
+    requests = [r for _ in range(count) for r in source.next()][:count]
+    async with Pool(url, timeout=300) as pool:
+        return (await drive.closed_loop(pool, CLIENTS, requests)).records
 
 
 def counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -111,26 +103,25 @@ async def through_proxy(bench: Bench) -> dict[str, Any]:
     for url in urls.values():
         await harness.wait_healthy(url)
     out: dict[str, Any] = {}
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
-        for seed, name in enumerate(WORKLOADS, start=100):
-            row: dict[str, Any] = {}
-            for variant, url in urls.items():
-                harness.progress(f"cache: {name} through {variant}")
-                before = await harness.scrape(client, url)
-                records = await send_all(url, name, seed, count)
-                after = await harness.scrape(client, url)
-                tokenize = [r.timing.get("tokenize", 0.0) for r in records if r.ok]
-                counted = [r.prompt_tokens or "" for r in records]
-                tokens = [int(t) for t in counted if t.isdigit()]
-                row[variant] = {
-                    "ok": sum(r.ok for r in records),
-                    "errors": sum(not r.ok for r in records),
-                    "tokenize_ms": mean_or_nan(tokenize) * 1e3,
-                    "prompt_tokens_mean": mean_or_nan(tokens),
-                    "prompt_tokens_sum": sum(tokens),
-                    "counters": counters(before, after),
-                }
-            out[name] = {**row, "rates": rates(row)}
+    for seed, name in enumerate(WORKLOADS, start=100):
+        row: dict[str, Any] = {}
+        for variant, url in urls.items():
+            harness.progress(f"cache: {name} through {variant}")
+            before = await harness.scrape(url)
+            records = await send_all(url, name, seed, count)
+            after = await harness.scrape(url)
+            tokenize = [r.timing.get("tokenize", 0.0) for r in records if r.ok]
+            counted = [r.prompt_tokens or "" for r in records]
+            tokens = [int(t) for t in counted if t.isdigit()]
+            row[variant] = {
+                "ok": sum(r.ok for r in records),
+                "errors": sum(not r.ok for r in records),
+                "tokenize_ms": mean_or_nan(tokenize) * 1e3,
+                "prompt_tokens_mean": mean_or_nan(tokens),
+                "prompt_tokens_sum": sum(tokens),
+                "counters": counters(before, after),
+            }
+        out[name] = {**row, "rates": rates(row)}
     harness.progress("")
     return out
 

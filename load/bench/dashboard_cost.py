@@ -2,7 +2,7 @@
 
 One instant simulated backend, one `sluice serve` in front of it. Rounds alternate between
 no page open and `--pages` pages listening to `/api/events` on the same proxy process; each
-round keeps 16 raw-client connections busy, counts answers and reads the proxy's CPU from
+round keeps 16 lean-client connections busy, counts answers and reads the proxy's CPU from
 /proc. A "page" is what a browser tab costs the proxy: an open server-sent-events stream,
 read as fast as it comes (drawing it is the browser's CPU, on the operator's machine).
 Target: five pages cost at most 3% more proxy CPU per request.
@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import httpx
 import trio
 
-from load import harness, rawhttp
+from load import client, harness
 from load.harness import Bench, Scenario, Table
 
 CLIENTS = 16
@@ -30,11 +29,12 @@ class Pages:
         self.events = 0
         self.listening = 0  # pages that got their first snapshot this round
 
-    async def listen(self, client: httpx.AsyncClient, url: str) -> None:
+    async def listen(self, url: str) -> None:
         first = True
-        async with client.stream("GET", url + "/api/events") as response:
-            response.raise_for_status()
-            async for chunk in response.aiter_raw():
+        async with client.streaming(url + "/api/events") as page:
+            if page.status != 200:
+                raise RuntimeError(f"{url}/api/events answered {page.status}")
+            while (chunk := await page.read_chunk()) is not None:
                 received = chunk.count(b"data: ")  # a close count: enough to see them flow
                 self.events += received
                 if first and received:
@@ -49,20 +49,17 @@ async def measure(bench: Bench) -> dict[str, Any]:
     pid = bench.stack.pids[proxy]
     await harness.wait_healthy(proxy)  # the dashboard's line is printed by then
     dashboard = bench.stack.dashboard(proxy)
-    pool = rawhttp.Pool(proxy)
+    pool = client.Pool(proxy)
     await pool.warm()
     pages = Pages()
     modes = ("0 pages", f"{pages_open} pages")
 
     async def one(mode: str, _: int) -> dict[str, Any]:
         count = 0 if mode == modes[0] else pages_open
-        async with (
-            httpx.AsyncClient(timeout=None, trust_env=False) as browser,
-            trio.open_nursery() as nursery,
-        ):
+        async with trio.open_nursery() as nursery:
             pages.listening = 0
             for _ in range(count):
-                nursery.start_soon(pages.listen, browser, dashboard)
+                nursery.start_soon(pages.listen, dashboard)
             while pages.listening < count:
                 await trio.sleep(0.05)  # every page has its first snapshot first
             row = await harness.busy_round(pool, pid, CLIENTS, seconds)

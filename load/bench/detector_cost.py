@@ -2,7 +2,7 @@
 
 1. The proxy: two `sluice serve` in front of one instant simulated backend, differing only in
    `--stall-instrument` / `--no-stall-instrument` (the per-step timer); rounds alternate,
-   each keeps 16 raw-client connections busy and reads the proxy's CPU from /proc.
+   each keeps 16 lean-client connections busy and reads the proxy's CPU from /proc.
    Target: the instrument costs at most 3% of throughput.
 2. In process, per task step: a trio.run of 100 tasks that each take bare steps
    (`trio.lowlevel.checkpoint()`), with no monitor, the monitor's probe only, and probe and
@@ -34,7 +34,7 @@ from app.observe.loop_monitor import PROBE_INTERVAL_S, LoopMonitor
 from app.observe.metrics import Metrics
 from app.observe.thread_clocks import ThreadClocks
 from app.observe.thread_timer import ThreadTimer
-from load import harness, rawhttp
+from load import client, harness
 from load.harness import Bench, Scenario, Table
 
 MODES = {"on": "--stall-instrument", "off": "--no-stall-instrument"}
@@ -47,7 +47,7 @@ TARGET = "the instrument costs at most 3% of throughput"
 async def proxy_cost(bench: Bench) -> dict[str, Any]:
     sim = await bench.stack.sim(instant=True)
     urls = {mode: await bench.stack.proxy(sim, flag) for mode, flag in MODES.items()}
-    pools = {mode: rawhttp.Pool(url) for mode, url in urls.items()}
+    pools = {mode: client.Pool(url) for mode, url in urls.items()}
     for pool in pools.values():
         await pool.warm()
     seconds = bench.pick(1.5, 3.0)

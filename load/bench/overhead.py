@@ -7,7 +7,7 @@ one worker). Two floors (load/floors.py) answer without any backend: `floor-hype
 bare ASGI app on hypercorn's Trio worker (what serves Sluice's dashboard), and `floor-h11`,
 h11 on bare Trio streams (what Sluice's data port is built on); their CPU per request is what
 the server alone costs. The backend answers instantly, so what remains is HTTP and each
-proxy's own work. Non-streaming one-token chats from the lean raw client (load/rawhttp.py).
+proxy's own work. Non-streaming one-token chats from the lean client (load/client.py).
 
 1. Fixed open-loop rates: the targets take turns (rounds alternate) at each rate; added
    p50/p99 = the target's minus direct's over the same rounds (a floor answers without a
@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from load import harness, rawhttp
+from load import client, drive, harness
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
 from load.processes import tree_cpu
@@ -58,7 +58,7 @@ async def start_targets(bench: Bench) -> dict[str, Target]:
     if litellm is not None:
         targets["litellm"] = Target(litellm[0], stack.pids[litellm[0]], litellm[1])
     for name, target in list(targets.items()):
-        if not await harness.answers(target.url, target.headers, rawhttp.ONE_TOKEN):
+        if not await harness.answers(target.url, target.headers, client.ONE_TOKEN):
             print(f"{name} never answered a request; left out")
             del targets[name]
     return targets
@@ -89,7 +89,7 @@ async def measure(bench: Bench) -> dict[str, Any]:
     rates = bench.pick((100.0,), (25.0, 100.0, 200.0))
     rounds, seconds, idle_s = bench.rounds(2, 4), bench.pick(2.5, 8.0), bench.pick(2.0, 5.0)
     targets = await start_targets(bench)
-    pools = {name: rawhttp.Pool(t.url, t.headers) for name, t in targets.items()}
+    pools = {name: client.Pool(t.url, t.headers) for name, t in targets.items()}
     for pool in pools.values():
         await pool.warm()
     fixed: dict[str, Any] = {}
@@ -101,12 +101,14 @@ async def measure(bench: Bench) -> dict[str, Any]:
         ) -> dict[str, Any]:
             pid = targets[name].pid
             cpu0 = tree_cpu(pid) if pid else 0.0
-            latencies, errors = await rawhttp.open_loop(pools[name], rate, seconds, number)
+            pool = pools[name]
+            plan = drive.poisson(pool.prepare(client.ONE_TOKEN_REQUEST), rate, seconds, number)
+            run = await drive.open_loop(pool, plan)
             s = samples[name]
-            s.latencies += latencies
-            s.errors += errors
+            s.latencies += run.latencies()
+            s.errors += run.errors
             if pid:
-                s.cpu_per_request.append((tree_cpu(pid) - cpu0) / max(len(latencies) + errors, 1))
+                s.cpu_per_request.append((tree_cpu(pid) - cpu0) / max(len(run.records), 1))
             return {}
 
         await bench.alternate(rounds, list(targets), one, f" {rate:g} req/s")
@@ -115,8 +117,9 @@ async def measure(bench: Bench) -> dict[str, Any]:
     closed: dict[str, list[float]] = {name: [] for name in targets}
 
     async def closed_round(name: str, number: int) -> dict[str, Any]:
-        done, _, wall = await rawhttp.closed_loop(pools[name], 32, seconds / 2)
-        closed[name].append(done / wall)
+        pool = pools[name]
+        run = await drive.closed_loop(pool, 32, drive.one_token(pool), seconds=seconds / 2)
+        closed[name].append(run.ok / run.seconds)
         return {}
 
     await bench.alternate(2 * rounds, list(targets), closed_round, " 32 clients")
@@ -146,6 +149,36 @@ async def measure(bench: Bench) -> dict[str, Any]:
     }
 
 
+def by_rate(result: dict[str, Any]) -> Table:
+    """One row a target: its figures at every rate, and their ratio to SMG's at that rate."""
+    fixed = result["fixed_rates"]
+    rates = list(fixed)
+    smg = "smg" if all("smg" in fixed[r] for r in rates) else None
+
+    def across(name: str, key: str) -> str:
+        return " / ".join(f"{fixed[r][name][key]:.2f}" for r in rates)
+
+    def versus(name: str, key: str) -> str | None:
+        if smg is None or name == smg or (key == "added_p50_ms" and name.startswith("floor-")):
+            return None  # a floor has no backend behind it: its "added" is not a proxy's
+        ratios = [fixed[r][name][key] / fixed[r][smg][key] for r in rates]
+        return " / ".join(f"{ratio:.2f}x" for ratio in ratios)
+
+    rows = [
+        [name, across(name, "cpu_ms_per_request"), versus(name, "cpu_ms_per_request"),
+         across(name, "added_p50_ms"), versus(name, "added_p50_ms"),
+         across(name, "added_p99_ms"), sum(fixed[r][name]["errors"] for r in rates)]
+        for name in fixed[rates[0]]
+    ]  # fmt: skip
+    return Table(
+        f"open loop at {' / '.join(rates)} req/s, {result['rounds']} alternating rounds of "
+        f"{result['seconds_per_round']:g} s per rate; CPU per request: the median of the rounds; "
+        "added: the target's latency minus direct's; x SMG: over SMG's at the same rate",
+        ["target", "CPU ms/request", "x SMG", "added p50 ms", "x SMG", "added p99 ms", "errors"],
+        rows,
+    )
+
+
 def tables(result: dict[str, Any]) -> list[Table]:
     rows = []
     for rate, by_target in result["fixed_rates"].items():
@@ -154,18 +187,22 @@ def tables(result: dict[str, Any]) -> list[Table]:
             rows.append([rate, name, f["added_p50_ms"], f["added_p99_ms"], cpu, f["errors"]])
     closed, idle = result["closed_loop_32_req_per_s"], result["idle_cpu_ms_per_s"]
     versus_smg = result.get("closed_loop_32_vs_smg_by_round", {})
+    rounds = len(next(iter(result["closed_loop_32_rounds"].values())))
     return [
+        by_rate(result),
+        Table(
+            f"32 closed-loop clients, {rounds} alternating rounds of "
+            f"{result['seconds_per_round'] / 2:g} s: requests/s, the median of the rounds, and "
+            "the ratio to SMG's taken round by round (median, range); idle: CPU with no traffic",
+            ["target", "32 clients, req/s", "vs SMG by round (range)", "idle CPU ms/s"],
+            [[n, closed[n], _ratio(versus_smg.get(n)), idle.get(n)] for n in closed],
+        ),
         Table(
             f"open loop, {result['rounds']} alternating rounds of "
             f"{result['seconds_per_round']:g} s per rate; CPU: median of the rounds (range)",
             ["req/s", "target", "added p50 ms", "added p99 ms", "CPU ms/request", "errors"],
             rows,
             digits=2,
-        ),
-        Table(
-            "",
-            ["target", "32 clients, req/s", "vs SMG by round (range)", "idle CPU ms/s"],
-            [[n, closed[n], _ratio(versus_smg.get(n)), idle.get(n)] for n in closed],
         ),
     ]
 

@@ -37,11 +37,11 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from load import harness
 from load.bench.routing import RATES, SIM_PROFILE, drive
+from load.client import CHAT, FAILURES, Pool, call
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_line_panels
 from load.processes import Stack, free_port
@@ -174,10 +174,10 @@ async def start_replicas(
     return urls
 
 
-async def gpu_counters(client: httpx.AsyncClient, sims: Sims) -> tuple[float, float]:
+async def gpu_counters(sims: Sims) -> tuple[float, float]:
     hits = queries = 0.0
     for url, _ in sims:
-        samples = await harness.scrape(client, url)
+        samples = await harness.scrape(url)
         hits += harness.metric(samples, "vllm:prefix_cache_hits_total") or 0.0
         queries += harness.metric(samples, "vllm:prefix_cache_queries_total") or 0.0
     return hits, queries
@@ -194,15 +194,14 @@ async def fleet_run(
 ) -> dict[str, Any]:
     """One run of `workload` through `replicas` proxies behind a round robin, on GPUs whose
     caches were emptied first: the GPUs' own prefix hit rate and the clients' TTFT."""
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-        for url, _ in sims:
-            (await client.post(url + "/sim/evict")).raise_for_status()
-        async with Stack(proxy_flags) as stack:
-            urls = await start_replicas(stack, sims, replicas, events, source=source)
-            async with round_robin(urls) as url:
-                before = await gpu_counters(client, sims)
-                samples = await drive(url, workload, duration, seed=0)
-                after = await gpu_counters(client, sims)
+    for url, _ in sims:
+        (await call(url + "/sim/evict", "POST")).raise_for_status()
+    async with Stack(proxy_flags) as stack:
+        urls = await start_replicas(stack, sims, replicas, events, source=source)
+        async with round_robin(urls) as url:
+            before = await gpu_counters(sims)
+            samples = await drive(url, workload, duration, seed=0)
+            after = await gpu_counters(sims)
     queries = after[1] - before[1]
     return {
         "workload": workload,
@@ -225,23 +224,21 @@ async def closed_loop(url: str, duration: float, pace: float) -> dict[str, Any]:
     headers = {"authorization": "Bearer one-key"}
 
     async def client_loop() -> None:
-        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        async with Pool(url, headers, timeout=30) as pool:
             deadline = trio.current_time() + duration
             while trio.current_time() < deadline:
                 started = trio.current_time()
                 try:
-                    response = await http.post(
-                        url + "/v1/chat/completions", json=body, headers=headers
-                    )
-                except httpx.HTTPError:
+                    response = await pool.call("POST", CHAT, json_body=body)
+                except FAILURES:
                     tallies["failed"] += 1
                 else:
-                    if response.status_code == 200:
+                    if response.status == 200:
                         usage = response.json()["usage"]
                         tallies["answered"] += 1
                         tallies["admitted_tokens"] += usage["prompt_tokens"]
                         tallies["admitted_tokens"] += usage["completion_tokens"]
-                    elif response.status_code == 429:
+                    elif response.status == 429:
                         tallies["refused"] += 1
                     else:
                         tallies["failed"] += 1
@@ -299,25 +296,23 @@ async def eviction_run(bench: Bench, sims: Sims, trials: int) -> dict[str, Any]:
     body: dict[str, Any] = {"model": MODEL, "messages": prompt, "max_tokens": 2}
     pattern = re.compile(r'sluice_kv_events_applied_total\{backend="[^"]+",type="cleared"\} (\S+)')
     learned_ms: list[float] = []
-    async with (
-        Stack(bench.args.proxy_arg) as stack,
-        httpx.AsyncClient(timeout=10, trust_env=False) as client,
-    ):
-        proxy = await stack.proxy([url], "--kv-events", f"{url}={endpoint}")
+    async with Stack(bench.args.proxy_arg) as stack:
+        proxy = Pool(await stack.proxy([url], "--kv-events", f"{url}={endpoint}"), timeout=10)
 
         async def cleared() -> float:
-            match = pattern.search((await client.get(proxy + "/metrics")).text)
+            match = pattern.search((await proxy.call("GET", "/metrics")).text)
             return float(match.group(1)) if match else 0.0
 
         for _ in range(trials):
-            (await client.post(proxy + "/v1/chat/completions", json=body)).raise_for_status()
+            (await proxy.call("POST", CHAT, json_body=body)).raise_for_status()
             before = await cleared()
             started = time.perf_counter()
-            (await client.post(url + "/sim/evict")).raise_for_status()
+            (await call(url + "/sim/evict", "POST")).raise_for_status()
             with trio.fail_after(EVICTION_GIVE_UP_S):  # never learned: an error, not a hang
                 while await cleared() == before:
                     pass
             learned_ms.append((time.perf_counter() - started) * 1000)
+        await proxy.close()
     return {"trials": trials, "p50_ms": percentile(learned_ms, 50), "max_ms": max(learned_ms)}
 
 
@@ -417,41 +412,51 @@ def targets(result: dict[str, Any]) -> list[str]:
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
+    runs, budgets, killed = result["routing"], result["budgets"], result["redis_killed"]
+    counts = sorted({r["replicas"] for r in runs})
+    rows = []
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        for events in dict.fromkeys(r["events"] for r in runs if r["workload"] == workload):
+            match = {"workload": workload, "events": events}
+
+            def cell(key: str, form: str, match: dict[str, Any] = match) -> str:
+                means = [mean_of(runs, key, replicas=n, **match) for n in counts]
+                return " / ".join("-" if m is None else format(m, form) for m in means)
+
+            errors = sum(r["errors"] for r in runs if r["workload"] == workload)
+            rows.append(
+                [workload, "on" if events else "off", cell("hit_rate", ".3f"),
+                 cell("ttft_p50_ms", ",.0f"), cell("ttft_p99_ms", ",.0f"),
+                 cell("ttft_p99_warm_ms", ",.0f"), errors]
+            )  # fmt: skip
+    many = " / ".join(map(str, counts))
+    eviction = result.get("eviction") or {}
     rates = ", ".join(f"{w} at {RATES[w]:g}/s" for w in WORKLOADS)
-    budgets = result["budgets"]
-    killed = result["redis_killed"]
     return [
         Table(
-            f"{result['duration_s']:g} s of arrivals per run ({rates}), {BACKENDS} simulated GPUs "
-            "emptied before each run; hit rate from their own prefix-cache counters",
-            ["workload", "replicas", "events", "answered", "errors", "hit rate", "TTFT p50 ms",
-             "TTFT p99 ms", "warm p99 ms"],
-            [[r["workload"], r["replicas"], "on" if r["events"] else "off", r["answered"],
-              r["errors"], r["hit_rate"], round(r["ttft_p50_ms"]), round(r["ttft_p99_ms"]),
-              round(r["ttft_p99_warm_ms"])]
-             for r in result["routing"]],
-            digits=3,
+            f"{result['duration_s']:g} s of arrivals per run ({rates}) "
+            f"through {many} replicas, {BACKENDS} simulated GPUs emptied before each run, fresh "
+            f"ones each round; the means of {max(r['round'] for r in runs)} round(s); hit rate: "
+            "the GPUs' own prefix-cache counters; warm: requests sent after the run's first "
+            "quarter; " + harness.targets_met(result["targets"], "issue 17's"),
+            ["workload", "events", f"hit rate, {many}", f"TTFT p50 ms, {many}",
+             f"TTFT p99 ms, {many}", f"warm p99 ms, {many}", "errors"],
+            rows,
         ),
         Table(
-            f"One key's budget, {BUDGET:,} tokens a minute, asked ~7x by {BUDGET_CLIENTS} clients "
-            "through 4 replicas; allowed: one minute's worth plus the refill over the run",
-            ["Redis", "seconds", "admitted tokens", "allowed tokens", "admitted / allowed",
-             "answered", "refused", "failed"],
-            [[r["redis"], r["seconds"], r["admitted_tokens"], round(r["allowed_tokens"]),
-              f"{r['admitted_vs_allowed']:.3f}", r["answered"], r["refused"], r["failed"]]
-             for r in budgets],
-        ),
-        Table(
-            "Below the budget (10x), 4 replicas sharing one Redis, Redis killed mid-run",
-            ["killed at s", "answered", "refused", "failed", "admitted tokens"],
-            [[killed["redis_killed_at_s"], killed["answered"], killed["refused"],
-              killed["failed"], killed["admitted_tokens"]]],
-        ),
-        Table(
-            "POST /sim/evict until one replica's index has it (its /metrics polled)",
-            ["trials", "p50 ms", "worst ms"],
-            [[eviction["trials"], f"{eviction['p50_ms']:.1f}", f"{eviction['max_ms']:.1f}"]]
-            if (eviction := result.get("eviction")) else [],
+            f"one key's budget, {BUDGET:,} tokens a minute, asked ~7x by {BUDGET_CLIENTS} "
+            "clients through 4 replicas, round by round; allowed: a minute's worth plus the "
+            f"refill over the run. Redis killed halfway through a run below the budget: "
+            f"{killed['answered']} answered, {killed['failed']} failed. POST /sim/evict until "
+            f"a replica's index has it: {eviction.get('p50_ms', float('nan')):.1f} ms (p50), "
+            f"{eviction.get('max_ms', float('nan')):.1f} at worst",
+            ["Redis", "admitted / allowed", "admitted tokens", "answered", "refused", "failed"],
+            [[redis, *(" / ".join(format(r[k], f) for r in mine)
+                       for k, f in (("admitted_vs_allowed", ".2f"), ("admitted_tokens", ",d"),
+                                    ("answered", "d"), ("refused", "d"))),
+              sum(r["failed"] for r in mine)]
+             for redis in dict.fromkeys(r["redis"] for r in budgets)
+             if (mine := [r for r in budgets if r["redis"] == redis])],
         ),
         Table("issue 17's targets", ["check"], [[line] for line in result["targets"]]),
     ]  # fmt: skip

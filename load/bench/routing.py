@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import trio
 
-from load import harness
+from load import client, harness
+from load.client import CHAT, Pool
 from load.harness import Bench, Scenario, Table
 from load.processes import SMG_BIN, Stack
 from load.routing_workloads import MODEL, WORKLOADS, Arrival, Conversations, body, static_plan
@@ -71,28 +71,30 @@ class Samples:
         return [ttft for at, ttft in zip(self.sent, self.ttft, strict=True) if at >= seconds]
 
 
-async def _stream(
-    client: httpx.AsyncClient, url: str, request: dict[str, Any], samples: Samples
-) -> str | None:
+async def _stream(pool: Pool, request: dict[str, Any], samples: Samples) -> str | None:
     """Send one streaming request; record its time to first token; return the answer text."""
+    data = client.encode(pool.netloc, "POST", CHAT, json.dumps(request).encode())
     started = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=request) as response:
-            if response.status_code != 200:
-                await response.aread()
+        connection = await pool.start(data)
+        try:
+            if connection.status != 200:
+                await connection.read_body()
                 samples.errors += 1
                 return None
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for line in client.Lines(connection):
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 if first is None:
                     first = time.perf_counter() - started
                     samples.record(started, first)
                 for choice in json.loads(line[6:]).get("choices", []):
                     pieces.append(choice.get("delta", {}).get("content") or "")
-    except httpx.HTTPError:
+        finally:
+            await pool.finish(connection)
+    except client.ERRORS:
         samples.errors += 1
         return None
     except trio.Cancelled:
@@ -105,54 +107,45 @@ async def _stream(
 
 async def drive(url: str, workload: str, duration: float, seed: int) -> Samples:
     samples = Samples()
-    limits = httpx.Limits(max_connections=MAX_OUTSTANDING, max_keepalive_connections=256)
-    timeout = httpx.Timeout(DRAIN_SECONDS + duration, connect=10)
     conversations = Conversations(CHAT_CONVERSATIONS, seed) if workload == "chat" else None
     rate = RATES[workload]
     if conversations is None:
         plan = static_plan(workload, rate, duration, seed)
     else:  # chat's messages depend on earlier answers: only the times are planned
         plan = [a for a in static_plan("rag", rate, duration, seed)]
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with Pool(url, limit=MAX_OUTSTANDING) as pool:
         start = trio.current_time()
         with trio.move_on_after(duration + DRAIN_SECONDS):
             async with trio.open_nursery() as nursery:
                 for arrival in plan:
                     await trio.sleep_until(start + arrival.at)
                     if conversations is None:
-                        nursery.start_soon(_one, client, url, arrival, workload, samples, None)
+                        nursery.start_soon(_one, pool, arrival, samples, None)
                         continue
                     turn = conversations.next()
                     if turn is not None:
                         number, messages = turn
                         chat = Arrival(arrival.at, number, messages)
-                        nursery.start_soon(
-                            _one, client, url, chat, workload, samples, conversations
-                        )
+                        nursery.start_soon(_one, pool, chat, samples, conversations)
     return samples
 
 
 async def _one(
-    client: httpx.AsyncClient,
-    url: str,
-    arrival: Arrival,
-    workload: str,
-    samples: Samples,
-    conversations: Conversations | None,
+    pool: Pool, arrival: Arrival, samples: Samples, conversations: Conversations | None
 ) -> None:
-    answer = await _stream(client, url, body(arrival.messages, MAX_TOKENS), samples)
+    answer = await _stream(pool, body(arrival.messages, MAX_TOKENS), samples)
     if conversations is not None and arrival.conversation is not None:
         conversations.answered(arrival.conversation, answer)
 
 
-async def backend_figures(client: httpx.AsyncClient, sims: list[str]) -> dict[str, Any]:
+async def backend_figures(sims: list[str]) -> dict[str, Any]:
     hits = queries = 0.0
     requests: list[int] = []
     for sim in sims:
-        samples = await harness.scrape(client, sim)
+        samples = await harness.scrape(sim)
         hits += harness.metric(samples, "vllm:prefix_cache_hits_total") or 0.0
         queries += harness.metric(samples, "vllm:prefix_cache_queries_total") or 0.0
-        state = (await client.get(sim + "/sim/state")).json()
+        state = (await client.call(sim + "/sim/state")).json()
         requests.append(sum(state["prompts_by_form"].values()))
     total = sum(requests) or 1
     busiest = max(requests) / total
@@ -178,10 +171,9 @@ async def run_variant(bench: Bench, workload: str, variant: str, duration: float
             url = await stack.proxy(sims, "--policy", variant)
             await harness.wait_healthy(url)
         samples = await drive(url, workload, duration, bench.args.seed)
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-            result = await backend_figures(client, sims)
-            if variant != "smg":
-                result.update(await sluice_figures(client, url, stack.dashboard(url)))
+        result = await backend_figures(sims)
+        if variant != "smg":
+            result.update(await sluice_figures(url, stack.dashboard(url)))
     result.update(
         {
             "answered": len(samples.ttft) - samples.censored,
@@ -194,10 +186,10 @@ async def run_variant(bench: Bench, workload: str, variant: str, duration: float
     return result
 
 
-async def sluice_figures(client: httpx.AsyncClient, url: str, dashboard: str) -> dict[str, Any]:
+async def sluice_figures(url: str, dashboard: str) -> dict[str, Any]:
     """cache_aware's predicted vs reported hits and index size; the route reasons."""
     out: dict[str, Any] = {}
-    snapshot = (await client.get(dashboard + "/api/snapshot")).json()
+    snapshot = (await client.call(dashboard + "/api/snapshot")).json()
     cache_aware = snapshot["routing"].get("cache_aware")
     if cache_aware is not None:
         prediction = cache_aware["prediction"]
@@ -206,7 +198,7 @@ async def sluice_figures(client: httpx.AsyncClient, url: str, dashboard: str) ->
         out["outcomes"] = prediction["outcomes"]
         out["index_blocks"] = cache_aware["index"]["blocks"]
         out["index_max_blocks"] = cache_aware["index"]["max_blocks"]
-    samples = await harness.scrape(client, url)
+    samples = await harness.scrape(url)
     out["reasons"] = harness.label_values(samples, "sluice_route_decisions_total", "reason")
     return out
 
@@ -304,7 +296,8 @@ def tables(result: dict[str, Any]) -> list[Table]:
     return [
         Table(
             f"{result['duration_s']:g} s of arrivals per run; rag at {RATES['rag']:g}/s, hot at "
-            f"{RATES['hot']:g}/s, chat at {RATES['chat']:g}/s, {MAX_TOKENS} output tokens",
+            f"{RATES['hot']:g}/s, chat at {RATES['chat']:g}/s, {MAX_TOKENS} output tokens; "
+            + harness.targets_met(result["targets"], "issue 9's"),
             ["workload", "variant", "answered", "errors", "hit rate", "TTFT mean ms",
              "TTFT p99 ms", "busiest share", "predicted/reported hit", "index blocks"],
             rows,

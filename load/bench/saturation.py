@@ -19,10 +19,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from load import arrivals, harness
-from load.client import send_plan
+from load import arrivals, client, harness
+from load.drive import send_plan
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
 from load.stats import by_group, percentile, with_range
@@ -43,11 +41,10 @@ COLUMNS = ("all_p50_ms", "all_p99_ms", "rag_p99_ms", "unique_p99_ms", "no_tokens
 
 async def sim_prefix(sims: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-        for url in sims:
-            state = (await client.get(url + "/sim/state")).json()
-            hits += state["prefix_cache_hits"]
-            queries += state["prefix_cache_queries"]
+    for url in sims:
+        state = (await client.call(url + "/sim/state", give_up_s=10)).json()
+        hits += state["prefix_cache_hits"]
+        queries += state["prefix_cache_queries"]
     return hits, queries
 
 

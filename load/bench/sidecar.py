@@ -16,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from load import harness
+from load import drive, harness
+from load.client import Pool
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
-from load.runner import closed_loop, summarize
+from load.runner import requests, summarize
 from load.stats import by_group, with_range
 
 PER_TOKEN = "0.000004"  # 10 ms of server CPU for a 2,500-token prompt
@@ -48,10 +49,10 @@ async def measure(bench: Bench) -> dict[str, Any]:
     for clients in bench.pick((50,), (50, 200)):
 
         async def one(variant: str, number: int, clients: int = clients) -> dict[str, Any]:
-            records, wall = await closed_loop(
-                urls[variant], "rag", clients, seconds, False, number, progress=False
-            )
-            result = summarize(records, wall, {})
+            async with Pool(urls[variant], timeout=300) as pool:
+                source = (pool.prepare(r) for r in requests("rag", number))
+                run = await drive.closed_loop(pool, clients, source, seconds=seconds)
+            result = summarize(run.records, run.seconds, {})
             return {
                 "clients": clients,
                 "req_per_s": result["requests_per_s"],

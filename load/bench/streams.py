@@ -10,8 +10,9 @@ per 1,000 tokens and as a share of a core (/proc), the inter-token gap the clien
 p99; tokens that arrive in one read count as gaps of 0 after the first) and /health p99 and
 worst while streaming.
 
-The clients read raw sockets and count `data: ` events (load/rawhttp.py): a client library
-would spend more CPU than the proxies it measures on these two cores.
+The clients count `data: ` events per socket read on load/client.py's connections, framing
+and all: a client library would spend more CPU than the proxies it measures on these two
+cores.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import trio
 
 from load import harness
+from load.client import CHAT, ERRORS, ONE_TOKEN, Connection, encode
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
 from load.processes import tree_cpu
-from load.rawhttp import ONE_TOKEN, RawConnection
 from load.stats import percentile
 
 TOKENS = 200
@@ -98,50 +100,40 @@ class Window:
         self.gaps: list[float] = []
 
 
-async def stream_once(connection: RawConnection, request: bytes, window: Window) -> None:
+async def stream_once(connection: Connection, request: bytes, window: Window) -> None:
     """One streamed chat to its end: `data: ` events counted, gaps between reads kept."""
-    if connection.stream is None:
-        connection.stream = await trio.open_tcp_stream(connection.host, connection.port)
-        connection.buffer = b""
-    stream = connection.stream
-    await stream.send_all(request)
-    head = await connection._read_until(b"\r\n\r\n")
-    if b" 200 " not in head.split(b"\r\n", 1)[0]:
-        raise ConnectionError(head.split(b"\r\n", 1)[0].decode("latin-1"))
-    data = connection.buffer
-    connection.buffer = b""
+    await connection.start(request)
+    if connection.status != 200:
+        raise ConnectionError(f"answered {connection.status}")
     last = time.perf_counter()
     carry = b""
     done = False
     while True:
-        if data:
-            events = (carry + data).count(b"data: ")
-            if events:
-                now = time.perf_counter()
-                done = done or b"[DONE]" in data or b"[DONE]" in carry + data[:8]
-                if window.open:
-                    window.gaps.append(now - last)
-                    window.gaps.extend([0.0] * (events - 1))
-                    window.tokens += events
-                last = now
-            carry = data[-5:]
-            if done and (carry + data).endswith(b"0\r\n\r\n"):
-                if window.open:
-                    window.tokens -= 1  # [DONE] is not a token
-                    window.streams_done += 1
-                return
-        data = await stream.receive_some(65536)
-        if not data:
-            raise ConnectionError("the connection closed mid-stream")
+        data = await connection.receive_raw()  # a closed connection raises ConnectionError
+        events = (carry + data).count(b"data: ")
+        if events:
+            now = time.perf_counter()
+            done = done or b"[DONE]" in data or b"[DONE]" in carry + data[:8]
+            if window.open:
+                window.gaps.append(now - last)
+                window.gaps.extend([0.0] * (events - 1))
+                window.tokens += events
+            last = now
+        carry = data[-5:]
+        if done and (carry + data).endswith(b"0\r\n\r\n"):
+            if window.open:
+                window.tokens -= 1  # [DONE] is not a token
+                window.streams_done += 1
+            return
 
 
 async def client_loop(url: str, request: bytes, window: Window, stop: trio.Event) -> None:
-    connection = RawConnection(url)
+    connection = Connection(url)
     try:
         while not stop.is_set():
             try:
                 await stream_once(connection, request, window)
-            except (OSError, trio.BrokenResourceError, ConnectionError):
+            except ERRORS:
                 window.errors += window.open
                 await connection.close()
                 await trio.sleep(0.05)
@@ -152,7 +144,7 @@ async def client_loop(url: str, request: bytes, window: Window, stop: trio.Event
 async def one_round(
     url: str, pid: int | None, streams: int, warmup: float, seconds: float, samples: Samples
 ) -> None:
-    request = RawConnection.request(url, "/v1/chat/completions", json.dumps(BODY).encode(), {})
+    request = encode(urlsplit(url).netloc, "POST", CHAT, json.dumps(BODY).encode())
     window = Window()
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -229,27 +221,26 @@ def tables(result: dict[str, Any]) -> list[Table]:
     rows = []
     for count, targets in result["streams"].items():
         direct = targets["direct"]["tokens_per_s"] or 1.0
+        smg = (targets.get("smg") or {}).get("cpu_ms_per_1000_tokens")
         for name, r in targets.items():
+            cpu = r["cpu_ms_per_1000_tokens"]
+            versus = cpu / smg if smg and cpu is not None and name != "smg" else None
             rows.append(
-                [
-                    count,
-                    name,
-                    r["tokens_per_s"],
-                    r["tokens_per_s"] / direct,
-                    r["cpu_ms_per_1000_tokens"],
-                    r["cpu_share_of_core"],
-                    r["gap_p50_ms"],
-                    r["gap_p99_ms"],
-                    r["health_p99_ms"],
-                    r["health_worst_ms"],
-                    r["errors"],
-                ]
-            )
+                [count, name, r["tokens_per_s"], r["tokens_per_s"] / direct, cpu, versus,
+                 r["cpu_share_of_core"], r["gap_p50_ms"], r["gap_p99_ms"], r["health_p99_ms"],
+                 r["health_worst_ms"], r["errors"]]
+            )  # fmt: skip
     headers = [
-        "streams", "target", "tokens/s", "x direct", "CPU ms/1k tok", "CPU share",
+        "streams", "target", "tokens/s", "x direct", "CPU ms/1k tok", "x SMG", "CPU share",
         "gap p50 ms", "gap p99 ms", "/health p99 ms", "/health max ms", "errors",
     ]  # fmt: skip
-    return [Table("", headers, rows, 2)]
+    title = (
+        f"{result['tokens_per_stream']}-token streams at {result['inter_token_s'] * 1e3:g} ms a "
+        f"token, {result['rounds']} alternating round(s) of {result['seconds_per_round']:g} s; "
+        "x direct: tokens/s over direct's, x SMG: CPU per 1,000 tokens over SMG's (same run); "
+        "/health p99: the worst round's"
+    )
+    return [Table(title, headers, rows, 2)]
 
 
 def options(parser: argparse.ArgumentParser) -> None:

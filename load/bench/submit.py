@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from load import harness
-from load.client import send_plan
+from load.drive import send_plan
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
 from load.stats import by_group, percentile, with_range
