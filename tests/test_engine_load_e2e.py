@@ -80,7 +80,9 @@ async def test_the_scraper_reads_every_engines_queue_and_kv_use(
                 )
         with trio.fail_after(5):
             for _, app in sims:
-                await app.engine.wait_until(lambda app=app: (app.running, app.waiting) == (1, 1))
+                await app.engine.wait_until(
+                    lambda app=app: (app.engine.running, app.engine.waiting) == (1, 1)
+                )
         for backend in pool.backends:
             backend.inflight = 1  # one of the two is taken to be this replica's
         await scraper(pool, client).scrape_all()

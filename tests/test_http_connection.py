@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from app.http.connection import TRANSITIONS, ClientConnection, Event, Phase, StateError
+from app.http.connection import TRANSITIONS, ClientConnection, Event, Limits, Phase, StateError
 from app.http.streams import StreamBytes
 
 IDLE, HEAD, ANSWERING, LAST_ANSWER, CLOSED = Phase
@@ -95,7 +95,7 @@ async def test_the_timer_closes_an_idle_connection_after_the_keep_alive_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     _, server_end = trio.testing.memory_stream_pair()
-    connection = ClientConnection(StreamBytes(server_end), keep_alive_timeout=5)
+    connection = ClientConnection(StreamBytes(server_end), Limits(keep_alive_timeout=5))
     started = trio.current_time()
     async with trio.open_nursery() as nursery:
         connection.serving(nursery.cancel_scope)

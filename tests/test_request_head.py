@@ -24,10 +24,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.http.connection import DEFAULT_LIMITS
 from app.http.errors import ClientError
 from app.http.framing import ChunkedDecoder, LengthDecoder
 from app.http.request_head import HeadReader, RequestHead
-from app.http.server import MAX_HEAD_BYTES
+
+MAX_HEAD_BYTES = DEFAULT_LIMITS.max_head_bytes
 
 
 def parse_whole(data: bytes, max_head_bytes: int = MAX_HEAD_BYTES) -> tuple[RequestHead, bytes]:

@@ -97,7 +97,7 @@ async def test_each_style_reports_the_gpus_queue_in_its_engines_own_words(
         for _ in range(2):
             nursery.start_soon(partial(client.post, url + "/v1/chat/completions", json=LONG_CHAT))
         with trio.fail_after(5):
-            await app.engine.wait_until(lambda: (app.running, app.waiting) == (1, 1))
+            await app.engine.wait_until(lambda: (app.engine.running, app.engine.waiting) == (1, 1))
         text = (await client.get(url + "/metrics")).text
         usage = app.engine.kv_cache.usage  # before the clients leave and free their blocks
         nursery.cancel_scope.cancel()

@@ -357,7 +357,7 @@ async def test_waiting_requests_are_exported(launch: Any) -> None:
                 partial(sim.http.post, sim.url + "/v1/chat/completions", json=request)
             )
         with trio.fail_after(5):
-            await sim.app.engine.wait_until(lambda: sim.app.waiting == 1)
+            await sim.app.engine.wait_until(lambda: sim.app.engine.waiting == 1)
         state = (await sim.http.get(sim.url + "/sim/state")).json()
         assert (state["running"], state["waiting"]) == (1, 1)
         assert 0 < state["kv_cache_usage_perc"] <= 1
@@ -423,7 +423,7 @@ async def test_close_mid_stream_drops_the_connection_without_done(launch: Any) -
     assert len(data) == 3  # the role chunk and two tokens
     assert "data: [DONE]" not in received
     with trio.fail_after(5):
-        await sim.app.engine.wait_until(lambda: sim.app.running == 0)
+        await sim.app.engine.wait_until(lambda: sim.app.engine.running == 0)
 
 
 async def test_disconnect_mid_stream_frees_the_slot(launch: Any) -> None:
@@ -432,9 +432,9 @@ async def test_disconnect_mid_stream_frees_the_slot(launch: Any) -> None:
     async with sim.http.stream("POST", sim.url + "/v1/chat/completions", json=request) as r:
         lines = r.aiter_lines()
         assert (await anext(lines)).startswith("data: ")
-        assert sim.app.running == 1
+        assert sim.app.engine.running == 1
     with trio.fail_after(5):
-        await sim.app.engine.wait_until(lambda: sim.app.running == 0)
+        await sim.app.engine.wait_until(lambda: sim.app.engine.running == 0)
     assert sim.app.engine.kv_cache.used_blocks == 0
     assert sim.app.engine.generation_tokens_total < 1000
 
@@ -445,7 +445,7 @@ async def test_disconnect_while_waiting_for_a_whole_answer_frees_the_slot(launch
     async with trio.open_nursery() as nursery:
         nursery.start_soon(partial(sim.http.post, sim.url + "/v1/chat/completions", json=request))
         with trio.fail_after(5):
-            await sim.app.engine.wait_until(lambda: sim.app.running == 1)
+            await sim.app.engine.wait_until(lambda: sim.app.engine.running == 1)
         nursery.cancel_scope.cancel()
     with trio.fail_after(5):
-        await sim.app.engine.wait_until(lambda: sim.app.running == 0)
+        await sim.app.engine.wait_until(lambda: sim.app.engine.running == 0)

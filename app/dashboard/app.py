@@ -28,7 +28,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
-from app.dashboard.answers import Answer, error_answer
+from app.dashboard.answers import Answer, error_answer, json_object
 from app.dashboard.backends_api import register_backends_api
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
@@ -155,14 +155,9 @@ def create_dashboard(
 
     @app.put("/api/policy")
     async def api_policy() -> Answer:
-        refused = refuse_write()
-        if refused is not None:
-            return refused
-        payload = await request.get_json(force=True, silent=True)
-        if not isinstance(payload, dict):
-            return error_answer(
-                400, 'expected a JSON object like {"saturation": "wait"}', "invalid_request_error"
-            )
+        payload = await json_object(refuse_write, '{"saturation": "wait"}')
+        if isinstance(payload, tuple):
+            return payload
         unknown = sorted(set(payload) - {"saturation"})
         if unknown:
             return error_answer(

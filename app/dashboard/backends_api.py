@@ -17,10 +17,10 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import trio
-from quart import current_app, request
+from quart import current_app
 from quart_trio import QuartTrio
 
-from app.dashboard.answers import Answer, error_answer
+from app.dashboard.answers import Answer, error_answer, json_object
 from app.fleet.backends import Backend
 from app.routing.router import Router
 
@@ -103,12 +103,9 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
 
     @app.post("/api/backends")
     async def add_backend() -> Answer:
-        refused = refuse_write()
-        if refused is not None:
-            return refused
-        payload = await request.get_json(force=True, silent=True)
-        if not isinstance(payload, dict):
-            return error_answer(400, 'expected a JSON object like {"url": "http://gpu-1:8000"}')
+        payload = await json_object(refuse_write, '{"url": "http://gpu-1:8000"}')
+        if isinstance(payload, tuple):
+            return payload
         try:
             url = check_backend_url(payload.get("url"))
         except ValueError as exc:

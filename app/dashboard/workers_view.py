@@ -35,28 +35,18 @@ NOTICE_S = 300.0
 
 class WorkerState(Protocol):
     """One worker slot as the supervisor keeps it (app/cli/supervisor.py) and this page reads
-    it; each start is a new incarnation."""
+    it; each start is a new incarnation. Times are the wall clock's."""
 
-    @property
-    def index(self) -> int: ...
-    @property
-    def state(self) -> str: ...  # starting | up | restarting | stopped
-    @property
-    def incarnation(self) -> int: ...
-    @property
-    def pid(self) -> int | None: ...
-    @property
-    def dashboard_url(self) -> str | None: ...
-    @property
-    def started_at(self) -> float: ...  # wall clock, like the three below
-    @property
-    def restarts(self) -> int: ...
-    @property
-    def last_exit(self) -> str | None: ...
-    @property
-    def last_exit_at(self) -> float | None: ...
-    @property
-    def restart_at(self) -> float | None: ...
+    index: int
+    state: str  # starting | up | restarting | stopped
+    incarnation: int
+    pid: int | None
+    dashboard_url: str | None
+    started_at: float
+    restarts: int
+    last_exit: str | None
+    last_exit_at: float | None
+    restart_at: float | None
 
 
 class WorkersView:

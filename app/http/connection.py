@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import trio
@@ -96,6 +97,19 @@ TRANSITIONS: dict[Phase, dict[Event, Phase]] = {
 }
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a connection allows its client: idle time between requests, time for a head or
+    a body to arrive, a head's size (h11's default, and hypercorn's)."""
+
+    keep_alive_timeout: float = 75.0
+    read_timeout: float = 30.0
+    max_head_bytes: int = 16384
+
+
+DEFAULT_LIMITS = Limits()
+
+
 class StateError(RuntimeError):
     """An event the phase does not allow: a bug of the server's, never of a client's."""
 
@@ -109,21 +123,14 @@ class ClientConnection:
     client that leaves (`peer_left`).
     """
 
-    def __init__(
-        self,
-        stream: ByteStream,
-        *,
-        max_head_bytes: int = 16384,
-        keep_alive_timeout: float = 75.0,
-        read_timeout: float = 30.0,
-    ) -> None:
+    def __init__(self, stream: ByteStream, limits: Limits = DEFAULT_LIMITS) -> None:
         self.stream = stream
         self.phase = IDLE
         self.unread = b""
         self.peer_gone = False  # the client's end of input was read
-        self.keep_alive_timeout = keep_alive_timeout
-        self.read_timeout = read_timeout
-        self._heads = HeadReader(max_head_bytes)
+        self.keep_alive_timeout = limits.keep_alive_timeout
+        self.read_timeout = limits.read_timeout
+        self._heads = HeadReader(limits.max_head_bytes)
         # The body of the request being answered; None between requests.
         self._body: BodyDecoder | None = None
         self.continue_expected = False  # the client waits for 100 Continue before its body

@@ -39,7 +39,7 @@ from __future__ import annotations
 import errno
 import select
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import outcome
 import trio
@@ -61,6 +61,7 @@ class Ended:
     client_gone: bool = False  # the client's stream refused a write
 
 
+@dataclass(slots=True, eq=False)  # hashed by identity: a key of the hub's tables
 class HubStream:
     """One answer's body in the hub: where it comes from and goes, and what a read becomes.
 
@@ -69,48 +70,23 @@ class HubStream:
     `frame(content)` is what the client is sent for it; `first_write` is called before the
     first write."""
 
-    __slots__ = (
-        "_ended",
-        "_pump",
-        "_task",
-        "blocked",
-        "client",
-        "complete",
-        "first_write",
-        "frame",
-        "idle",
-        "last_data",
-        "pending",
-        "sockets",
-        "take",
-        "upstream",
-    )
+    upstream: ByteStream
+    client: ByteStream
+    take: Callable[[bytes], bytes]
+    complete: Callable[[], bool]
+    frame: Callable[[bytes], bytes]
+    idle: float
+    first_write: Callable[[], None] | None
+    last_data: float = 0.0
+    pending: bytes = b""  # framed bytes the client has not taken yet
+    blocked: bool = False  # waiting for the client to take `pending`
+    # Both ends, where both are sockets: then the hub's epoll waits for them.
+    sockets: tuple[SocketBytes, SocketBytes] | None = field(init=False, default=None)
+    _task: trio.lowlevel.Task | None = field(init=False, default=None)
+    _pump: trio.CancelScope | None = field(init=False, default=None)  # when not on sockets
 
-    def __init__(
-        self,
-        upstream: ByteStream,
-        client: ByteStream,
-        take: Callable[[bytes], bytes],
-        complete: Callable[[], bool],
-        frame: Callable[[bytes], bytes],
-        idle: float,
-        first_write: Callable[[], None] | None,
-    ) -> None:
-        self.upstream = upstream
-        self.client = client
-        self.take = take
-        self.complete = complete
-        self.frame = frame
-        self.idle = idle
-        self.first_write = first_write
-        self.last_data = 0.0
-        self.pending = b""  # framed bytes the client has not taken yet
-        self.blocked = False  # waiting for the client to take `pending`
-        self._task: trio.lowlevel.Task | None = None
-        self._pump: trio.CancelScope | None = None  # the task of a stream not on sockets
-        self._ended: Ended | None = None
-        # Both ends, where both are sockets: then the hub's epoll waits for them.
-        self.sockets: tuple[SocketBytes, SocketBytes] | None = None
+    def __post_init__(self) -> None:
+        upstream, client = self.upstream, self.client
         if isinstance(upstream, SocketBytes) and isinstance(client, SocketBytes):
             self.sockets = (upstream, client)
 

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from app.http.connection import ClientConnection, Phase
+from app.http.connection import DEFAULT_LIMITS, ClientConnection, Limits, Phase
 from app.http.departures import Departures
 from app.http.errors import ClientError
 from app.http.exchange import ClientGone, Exchange
@@ -38,10 +38,6 @@ from app.http.listeners import reuse_port_listeners
 from app.http.streams import ByteStream, byte_stream
 
 log = logging.getLogger("sluice.http")
-
-KEEP_ALIVE_TIMEOUT_S = 75.0
-READ_TIMEOUT_S = 30.0
-MAX_HEAD_BYTES = 16384  # h11's default, and hypercorn's
 
 Handler = Callable[[Exchange], Awaitable[None]]
 
@@ -51,18 +47,16 @@ class HttpServer:
         self,
         handler: Handler,
         *,
-        keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT_S,
-        read_timeout: float = READ_TIMEOUT_S,
-        max_head_bytes: int = MAX_HEAD_BYTES,
+        keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout,
+        read_timeout: float = DEFAULT_LIMITS.read_timeout,
+        max_head_bytes: int = DEFAULT_LIMITS.max_head_bytes,
         reuse_port: bool = False,
     ) -> None:
         """`reuse_port`: join the port's SO_REUSEPORT group, shared by the processes of
         `--workers N` (listeners.py)."""
         self._handler = handler
         self._reuse_port = reuse_port
-        self._keep_alive_timeout = keep_alive_timeout
-        self._read_timeout = read_timeout
-        self._max_head_bytes = max_head_bytes
+        self._limits = Limits(keep_alive_timeout, read_timeout, max_head_bytes)
         self.closing = False
         self._listening = trio.CancelScope()
         self._connections: set[ClientConnection] = set()
@@ -118,12 +112,7 @@ class HttpServer:
 
     async def serve_connection(self, stream: ByteStream) -> None:
         """Answer the requests of one connection until it closes, then close its stream."""
-        connection = ClientConnection(
-            stream,
-            max_head_bytes=self._max_head_bytes,
-            keep_alive_timeout=self._keep_alive_timeout,
-            read_timeout=self._read_timeout,
-        )
+        connection = ClientConnection(stream, self._limits)
         if self.closing:
             connection.shutdown()
         self._connections.add(connection)

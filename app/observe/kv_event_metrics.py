@@ -20,6 +20,74 @@ GAP_OUTCOMES = ("replayed", "rebuilt")
 SOURCES = ("events", "predicted")
 
 Snapshots = Callable[[], Mapping[str, Mapping[str, Any]]]
+Family = type[CounterMetricFamily] | type[GaugeMetricFamily]
+
+# Each series: its name and help, its kind, the snapshot key it reads, and the label it spreads
+# over with every value that label takes (None: one series per backend; a None value: none).
+SERIES: tuple[tuple[str, str, Family, str, tuple[str, tuple[str, ...]] | None], ...] = (
+    (
+        "sluice_kv_events_batches",
+        "KV event messages (one engine step each) applied to the prefix index",
+        CounterMetricFamily,
+        "batches",
+        None,
+    ),
+    (
+        "sluice_kv_events_applied",
+        "KV events applied, by type (stored, removed, cleared, other)",
+        CounterMetricFamily,
+        "events",
+        ("type", EVENT_KINDS),
+    ),
+    (
+        "sluice_kv_events_blocks",
+        "Blocks in KV events, by outcome: learned (new to the index), confirmed (predicted "
+        "already), removed, unknown (removal of a block never seen), unmapped (stored under "
+        "a parent never seen), skipped (another medium, a LoRA adapter, extra keys)",
+        CounterMetricFamily,
+        "blocks",
+        ("outcome", BLOCK_OUTCOMES),
+    ),
+    (
+        "sluice_kv_events_gaps",
+        "Sequence gaps, by outcome: replayed, or rebuilt (the backend's index cleared)",
+        CounterMetricFamily,
+        "gaps",
+        ("outcome", GAP_OUTCOMES),
+    ),
+    (
+        "sluice_kv_events_restarts",
+        "Times an engine's sequence numbers went back (a restart): its index cleared",
+        CounterMetricFamily,
+        "restarts",
+        None,
+    ),
+    (
+        "sluice_kv_events_bad_messages",
+        "KV event messages that could not be decoded, dropped",
+        CounterMetricFamily,
+        "bad_messages",
+        None,
+    ),
+    (
+        "sluice_kv_events_lag_seconds",
+        "From the engine's timestamp of the last batch to its application here",
+        GaugeMetricFamily,
+        "last_lag_s",
+        None,
+    ),
+    (
+        "sluice_kv_events_mapped_blocks",
+        "Engine blocks followed (engine hash -> Sluice chain), bounded by --max-index-blocks",
+        GaugeMetricFamily,
+        "mapped_blocks",
+        None,
+    ),
+)
+SOURCE_HELP = (
+    "1 for what the backend's prefix index stands on now: events, or predicted "
+    "(no event yet, or the publisher silent while requests flow)"
+)
 
 
 class KvEventCollector:
@@ -32,67 +100,22 @@ class KvEventCollector:
 
     def collect(self) -> Iterator[Metric]:
         snapshots = self._snapshots()
-        batches = CounterMetricFamily(
-            "sluice_kv_events_batches",
-            "KV event messages (one engine step each) applied to the prefix index",
-            labels=["backend"],
-        )
-        applied = CounterMetricFamily(
-            "sluice_kv_events_applied",
-            "KV events applied, by type (stored, removed, cleared, other)",
-            labels=["backend", "type"],
-        )
-        blocks = CounterMetricFamily(
-            "sluice_kv_events_blocks",
-            "Blocks in KV events, by outcome: learned (new to the index), confirmed (predicted "
-            "already), removed, unknown (removal of a block never seen), unmapped (stored under "
-            "a parent never seen), skipped (another medium, a LoRA adapter, extra keys)",
-            labels=["backend", "outcome"],
-        )
-        gaps = CounterMetricFamily(
-            "sluice_kv_events_gaps",
-            "Sequence gaps, by outcome: replayed, or rebuilt (the backend's index cleared)",
-            labels=["backend", "outcome"],
-        )
-        restarts = CounterMetricFamily(
-            "sluice_kv_events_restarts",
-            "Times an engine's sequence numbers went back (a restart): its index cleared",
-            labels=["backend"],
-        )
-        bad = CounterMetricFamily(
-            "sluice_kv_events_bad_messages",
-            "KV event messages that could not be decoded, dropped",
-            labels=["backend"],
-        )
-        lag = GaugeMetricFamily(
-            "sluice_kv_events_lag_seconds",
-            "From the engine's timestamp of the last batch to its application here",
-            labels=["backend"],
-        )
+        for name, help_text, family, key, spread in SERIES:
+            labels = ["backend"] if spread is None else ["backend", spread[0]]
+            metric = family(name, help_text, labels=labels)
+            for url, snapshot in snapshots.items():
+                value = snapshot[key]
+                if spread is None:
+                    if value is not None:
+                        metric.add_metric([url], value)
+                    continue
+                for label in spread[1]:
+                    metric.add_metric([url, label], value.get(label, 0))
+            yield metric
         source = GaugeMetricFamily(
-            "sluice_kv_events_source",
-            "1 for what the backend's prefix index stands on now: events, or predicted "
-            "(no event yet, or the publisher silent while requests flow)",
-            labels=["backend", "source"],
+            "sluice_kv_events_source", SOURCE_HELP, labels=["backend", "source"]
         )
-        mapped = GaugeMetricFamily(
-            "sluice_kv_events_mapped_blocks",
-            "Engine blocks followed (engine hash -> Sluice chain), bounded by --max-index-blocks",
-            labels=["backend"],
-        )
-        for url, snap in snapshots.items():
-            batches.add_metric([url], snap["batches"])
-            for kind in EVENT_KINDS:
-                applied.add_metric([url, kind], snap["events"].get(kind, 0))
-            for outcome in BLOCK_OUTCOMES:
-                blocks.add_metric([url, outcome], snap["blocks"].get(outcome, 0))
-            for outcome in GAP_OUTCOMES:
-                gaps.add_metric([url, outcome], snap["gaps"].get(outcome, 0))
-            restarts.add_metric([url], snap["restarts"])
-            bad.add_metric([url], snap["bad_messages"])
-            if snap["last_lag_s"] is not None:
-                lag.add_metric([url], snap["last_lag_s"])
+        for url, snapshot in snapshots.items():
             for name in SOURCES:
-                source.add_metric([url, name], 1.0 if snap["source"] == name else 0.0)
-            mapped.add_metric([url], snap["mapped_blocks"])
-        yield from (batches, applied, blocks, gaps, restarts, bad, lag, source, mapped)
+                source.add_metric([url, name], 1.0 if snapshot["source"] == name else 0.0)
+        yield source

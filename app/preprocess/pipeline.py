@@ -22,6 +22,7 @@ Where the work runs, so that none of it holds the event loop for long:
 `tokenize_mode="inline"` is the naive baseline kept for comparisons: everything on the loop,
 `Tokenizer.encode` included, no caches.
 """
+
 from __future__ import annotations
 
 import functools

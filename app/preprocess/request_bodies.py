@@ -138,13 +138,18 @@ def _check_common(body: dict[str, Any]) -> None:
         raise ClientError("'stop' must be a string or a list of strings", "stop", "invalid_type")
 
 
+def _required(body: dict[str, Any], name: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        raise ClientError(
+            f"you must provide a {name} parameter", name, "missing_required_parameter"
+        )
+    return value
+
+
 def check_chat(body: dict[str, Any]) -> None:
     _check_common(body)
-    messages = body.get("messages")
-    if messages is None:
-        raise ClientError(
-            "you must provide a messages parameter", "messages", "missing_required_parameter"
-        )
+    messages = _required(body, "messages")
     if not isinstance(messages, list):
         raise ClientError("'messages' must be an array", "messages", "invalid_type")
     if not messages:
@@ -188,11 +193,7 @@ def _check_content(content: Any, where: str, role: str) -> None:
 
 def check_completion(body: dict[str, Any]) -> None:
     _check_common(body)
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ClientError(
-            "you must provide a prompt parameter", "prompt", "missing_required_parameter"
-        )
+    prompt = _required(body, "prompt")
     if isinstance(prompt, str):
         return
     if isinstance(prompt, list) and prompt:

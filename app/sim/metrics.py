@@ -42,6 +42,16 @@ from prometheus_client.core import (
 from app.sim.engine import SimEngine
 from app.sim.settings import SimSettings
 
+# vLLM's own HELP texts.
+RUNNING_HELP = "Number of requests in model execution batches."
+WAITING_HELP = "Number of requests waiting to be processed."
+KV_USAGE_HELP = "KV-cache usage. 1 means 100 percent usage."
+QUERIES_HELP = "Prefix cache queries, in terms of number of queried tokens."
+HITS_HELP = "Prefix cache hits, in terms of number of cached tokens."
+PREEMPTIONS_HELP = "Cumulative number of preemption from the engine."
+PROMPT_HELP = "Number of prefill tokens processed."
+GENERATION_HELP = "Number of generation tokens processed."
+
 
 class _VllmCollector:
     def __init__(self, engine: SimEngine, settings: SimSettings, created: float) -> None:
@@ -52,41 +62,19 @@ class _VllmCollector:
 
     def collect(self) -> Iterator[Metric]:
         engine, kv_cache = self._engine, self._engine.kv_cache
-        yield self._gauge(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            engine.running,
-        )
-        yield self._gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            engine.waiting,
-        )
-        yield self._gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache.usage
-        )
-        yield self._counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            kv_cache.query_tokens,
-        )
-        yield self._counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            kv_cache.hit_tokens,
-        )
         # The simulated scheduler never preempts: a sequence holds its blocks to the end.
-        yield self._counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", 0
+        series = (
+            ("gauge", "vllm:num_requests_running", RUNNING_HELP, engine.running),
+            ("gauge", "vllm:num_requests_waiting", WAITING_HELP, engine.waiting),
+            ("gauge", "vllm:kv_cache_usage_perc", KV_USAGE_HELP, kv_cache.usage),
+            ("counter", "vllm:prefix_cache_queries", QUERIES_HELP, kv_cache.query_tokens),
+            ("counter", "vllm:prefix_cache_hits", HITS_HELP, kv_cache.hit_tokens),
+            ("counter", "vllm:num_preemptions", PREEMPTIONS_HELP, 0),
+            ("counter", "vllm:prompt_tokens", PROMPT_HELP, engine.prompt_tokens_total),
+            ("counter", "vllm:generation_tokens", GENERATION_HELP, engine.generation_tokens_total),
         )
-        yield self._counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", engine.prompt_tokens_total
-        )
-        yield self._counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed.",
-            engine.generation_tokens_total,
-        )
+        for kind, name, help_text, value in series:
+            yield (self._gauge if kind == "gauge" else self._counter)(name, help_text, value)
         config = {
             "block_size": str(self._settings.block_size),
             "enable_prefix_caching": "True",

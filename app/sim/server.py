@@ -85,14 +85,6 @@ class SimServer:
             "/sim/evict": {"POST": self._evict},
         }
 
-    @property
-    def running(self) -> int:
-        return self.engine.running
-
-    @property
-    def waiting(self) -> int:
-        return self.engine.waiting
-
     async def __call__(self, exchange: Exchange) -> None:
         methods = self._routes.get(exchange.path)
         if methods is None:
