@@ -48,7 +48,7 @@ log = logging.getLogger("sluice")
 
 
 def make_health_client(settings: Settings) -> httpx.AsyncClient:
-    """For health checks and model lists; forwarding has its own lean pool (upstream.py)."""
+    """For health checks and model lists; forwarding has its own lean pool (app/http/client.py)."""
     return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
 
 

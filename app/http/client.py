@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 client for the forwarding hot path: the request goes out in one write and
-the response head is parsed directly (upstream_protocol.py), the body is decoded as it
-arrives (body_framing.py, one pass per socket read instead of one event per chunk),
+the response head is parsed directly (response_head.py), the body is decoded as it
+arrives (framing.py, one pass per socket read instead of one event per chunk),
 keep-alive connections are pooled per backend.
 
 Why not httpx here (it serves everything else: health checks, tests, the load generator):

@@ -5,7 +5,7 @@ validation cost ~45 µs of CPU here, 12-13% of the proxy's samples under 32 clos
 clients (py-spy), more than the whole of routing. The proxy needs less than h11 gives: it
 reads each request's head and whole body, re-frames everything it forwards, and writes its
 answers itself (exchange.py). So a head is found and split with bytes methods and checked
-with two regular expressions, and the body is decoded by body_framing.py's decoders, the
+with two regular expressions, and the body is decoded by framing.py's decoders, the
 ones that read backends' bodies.
 
 `HeadReader.parse` is fed the connection's unread bytes after every read and answers the
@@ -18,7 +18,7 @@ What it refuses, each a `ClientError` with the status RFC 9112 gives it, after w
 connection closes: a first byte that cannot start a method, or a request line that is not
 `METHOD TARGET HTTP/x.y` as soon as its line is whole (400, not a wait for the head's end);
 a version other than 1.0 and 1.1 (505); a header line that is not a field (obs-fold,
-whitespace before the colon, control characters: header_fields.py) (400); an HTTP/1.1
+whitespace before the colon, control characters: fields.py) (400); an HTTP/1.1
 request without exactly one Host (400); Content-Length and Transfer-Encoding together, or
 Transfer-Encoding from an HTTP/1.0 client (400: ambiguous framing, the stuff of request
 smuggling); conflicting or malformed lengths (400); a transfer coding other than chunked

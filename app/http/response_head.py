@@ -1,11 +1,11 @@
-"""HTTP/1.1 as the upstream pool speaks it to backends (RFC 9112). Pure: no I/O.
+"""HTTP/1.1 as the client pool (client.py) speaks it to backends (RFC 9112). Pure: no I/O.
 
-The pool sends one kind of request (a POST whose headers came through h11's parser on the
-client side, or are the proxy's own) and reads one response head per request; bodies are
-body_framing.py's. h11 did both with a state machine and an event per step, ~45 µs of CPU a
-request here (`load/README.md`, the relay's profile); formatting the request and parsing the
-head directly costs a fraction, and the connection's state is the pool's anyway: a
-connection is reused only after a body read to its end.
+The pool sends one kind of request (a POST whose headers came through request_head.py's
+parser on the client side, or are the proxy's own) and reads one response head per
+request; bodies are framing.py's. h11 did both with a state machine and an event per step,
+~45 µs of CPU a request here (the relay's profile, `python -m load profile`); formatting the
+request and parsing the head directly costs a fraction, and the connection's state is the
+pool's anyway: a connection is reused only after a body read to its end.
 
 `ResponseHead.parse` is fed the bytes read so far and answers None until the head is whole;
 it refuses what h11 would refuse (a malformed status line or header line, a head over

@@ -1,8 +1,8 @@
 """Subscribing to one engine's KV events (`--kv-events BACKEND_URL=ENDPOINT`) on the Trio loop.
 
 A SUB socket connects to the engine's publisher (ZMQ reconnects by itself while the engine
-is down: a dead endpoint is only silence) and each message is decoded (`kv_event_wire.py`)
-and applied to the backend's index (`kv_event_index.py`). When sequence numbers skip, the
+is down: a dead endpoint is only silence) and each message is decoded (`wire.py`)
+and applied to the backend's index (`index.py`). When sequence numbers skip, the
 lost messages are asked of the engine's replay socket (`--kv-events-replay`), with a time
 limit; what cannot be replayed is rebuilt: the backend's index is cleared and left to
 prediction and the next events. A message that cannot be decoded is counted and dropped,

@@ -1,1 +1,1 @@
-"""The ASGI data path: parse -> preprocess -> route -> forward."""
+"""The data path on app/http's server: admission -> preprocess -> route -> forward -> relay."""

@@ -1,12 +1,12 @@
 """The proxy's handler: parse -> preprocess -> route -> forward, plus the small GET endpoints.
 
-It answers each `Exchange` the proxy's server (http_server.py) hands it: a request costs one
+It answers each `Exchange` the proxy's server (app/http/server.py) hands it: a request costs one
 dict lookup to dispatch, and a backend's answer is relayed by relay.py. Every error leaves as
 OpenAI-shaped JSON. With `--api-keys` a completion or a model list needs a listed key
 (api_keys.py); each request's model is resolved while it is preprocessed (404 for a model that
 is not served, or not the key's), and it goes only to that model's pool. With `--forward tokens`
 the backend gets Sluice's token ids (token_forwarding.py), only backends whose tokenizer was
-verified take traffic (routing/tokenizer_check.py), and chat answers are reshaped back.
+verified take traffic (app/fleet/tokenizer_check.py), and chat answers are reshaped back.
 """
 
 from __future__ import annotations

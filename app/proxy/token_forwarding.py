@@ -3,7 +3,7 @@
 Chat and text completions leave as `/v1/completions` whose prompt is the token ids Sluice
 computed, so the backend skips templating and tokenization (seed 002, experiment 7: the
 "Base Tax" moved out of the inference server). The backend is one whose /tokenize was shown
-to match Sluice's (routing/tokenizer_check.py); nothing here guesses.
+to match Sluice's (app/fleet/tokenizer_check.py); nothing here guesses.
 
 Left as the client sent them ("passthrough (why)" in `x-sluice-forward`): requests without
 ids (tokenization bailed out under saturation), completions whose prompt already is ids, and

@@ -13,7 +13,7 @@ Design rules:
    (everything at or before a stamp) then only ever cut chains from the tail. That is what
    lets `match` binary-search instead of walking, and it keeps evicting what a GPU's LRU
    evicts first: the tail (vLLM frees a sequence's blocks in reverse for the same reason).
-   An engine's KV events (`kv_event_index.py`) `record` and `discard` blocks as the engine
+   An engine's KV events (`app/kv_events/index.py`) `record` and `discard` blocks as the engine
    stores and evicts them, which keeps the rule for the same reason: the engine evicts
    tails first.
 2. Every mutation keeps `len(self) <= max_blocks`; nothing else grows.

@@ -25,7 +25,7 @@ Each model has its own prefix index (a backend serving two models holds two KV c
 two tokenizers' ids mean different text): the index's entries are held by (model, backend),
 in one `BlockIndex` whose bound counts every model's blocks together. A backend's first
 model (the one it serves alone, in the usual fleet) is held under the backend's bare id,
-which is where its engine's KV events land (`kv_event_index.py`: they carry no model, and
+which is where its engine's KV events land (`app/kv_events/index.py`: they carry no model, and
 events of LoRA adapters are not indexed).
 
 Checked against reality (`feedback`): backends report how many prompt tokens their cache

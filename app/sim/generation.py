@@ -1,6 +1,6 @@
 """Answering one completion request: whole, or streamed as server-sent events.
 
-A client that disconnects cancels its request (the server does it, http_server.py), so an
+A client that disconnects cancels its request (the server does it, app/http/connection.py), so an
 abandoned request frees its batch slot and KV blocks at once instead of decoding to the end
 for nobody.
 """
