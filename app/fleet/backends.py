@@ -378,6 +378,7 @@ class BackendPool:
                 "others_inflight": b.others_inflight,
                 "others_per_own": round(b.others_per_own, 3),
                 "reported_kv_usage": b.reported_kv_usage,
+                "capacity": b.capacity,
                 "engine": _engine_block(b.engine),
                 "consecutive_failures": max(
                     (breaker.consecutive_failures for breaker in b.breakers.values()), default=0
