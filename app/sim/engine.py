@@ -4,7 +4,8 @@ One task (`run`) is the GPU: it plans a step, sleeps for what the step costs and
 tokens it produced to the requests, which wait in `generate`. GPU time is `trio.sleep`, so a
 busy simulated GPU costs its host loop little. A sequence cancelled anywhere (waiting,
 prefilling or decoding) leaves the batch and gives back its KV blocks at once, which is how a
-client disconnect frees capacity.
+client disconnect frees capacity. A pooling request (embeddings, scores: `pool`) is a prefill
+with no decode: the step that computes its prompt's last chunk gives its answer.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class _Request:
     allocation: KVAllocation | None = None
     produced: int = 0
     changed: trio.Event = field(default_factory=trio.Event)
+    # A pooling sequence: its one "output" is the pooled prompt, not a generated token.
+    pooling: bool = False
 
 
 class SimEngine:
@@ -84,7 +87,8 @@ class SimEngine:
             self.steps += 1
             for progress in self.scheduler.complete(step):
                 request = self._requests[progress.seq_id]
-                self.generation_tokens_total += progress.produced - request.produced
+                if not request.pooling:
+                    self.generation_tokens_total += progress.produced - request.produced
                 request.produced = progress.produced
                 request.changed.set()
             self._notify()
@@ -94,10 +98,23 @@ class SimEngine:
 
         Returns how many prompt tokens the prefix cache served.
         """
+        return await self._run(_Request(prompt, output_tokens), emit)
+
+    async def pool(self, prompt: Sequence[int]) -> int:
+        """Queue and prefill a pooling request (an embedding, a score): no token is decoded
+        or counted as generated. Returns how many prompt tokens the prefix cache served."""
+
+        async def pooled(_index: int) -> None:
+            pass
+
+        return await self._run(_Request(prompt, 1, pooling=True), pooled)
+
+    async def _run(self, request: _Request, emit: EmitToken) -> int:
         if not self._started:
             raise RuntimeError("SimEngine.run must be running before generate is called")
         seq_id = next(self._seq_ids)
-        request = self._requests[seq_id] = _Request(prompt, output_tokens)
+        self._requests[seq_id] = request
+        output_tokens = request.output_tokens
         try:
             self.scheduler.arrive(seq_id, output_tokens)
             self._work.set()
@@ -122,7 +139,9 @@ class SimEngine:
     def _admit(self, seq_id: int) -> int:
         """The scheduler admits a sequence: hold its KV blocks; how much is left to compute."""
         request = self._requests[seq_id]
-        request.allocation = self.kv_cache.allocate(request.prompt, request.output_tokens)
+        # A pooling sequence holds no slot for output: its one step ends with the prefill.
+        output_slots = 0 if request.pooling else request.output_tokens
+        request.allocation = self.kv_cache.allocate(request.prompt, output_slots)
         self.prompt_tokens_total += len(request.prompt)
         self._admitted_prompt_tokens += len(request.prompt)
         self._admitted_cached_tokens += request.allocation.cached_tokens

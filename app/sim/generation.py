@@ -1,14 +1,16 @@
-"""Answering one completion request: whole, or streamed as server-sent events.
+"""Answering one generation request: whole, or streamed as server-sent events.
 
 A client that disconnects cancels its request (the server does it, app/http/connection.py), so an
 abandoned request frees its batch slot and KV blocks at once instead of decoding to the end
-for nobody.
+for nobody. `collect` and `stream_sse` serve every generating endpoint (OpenAI's chat and
+completions here, the Responses API, Anthropic's Messages, transcriptions); each brings its
+own bytes for the head, each token and the tail of a stream.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from app.http.exchange import Exchange
@@ -18,11 +20,65 @@ from app.sim.openai_format import GenerationRequest, ResponseShapes
 # A dropped stream still delivers a couple of tokens first, like a server dying mid-answer.
 TOKENS_BEFORE_DROP = 2
 
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class _Dropped(Exception):
     """The stream stops here, unfinished (the close-mid-stream fault)."""
+
+
+async def collect(
+    engine: SimEngine, prompt: Sequence[int], output_tokens: int, pieces: Iterator[str]
+) -> tuple[str, int]:
+    """The whole generated text and how many prompt tokens the prefix cache served."""
+    text: list[str] = []
+
+    async def keep(_index: int) -> None:
+        text.append(next(pieces))
+
+    cached = await engine.generate(prompt, output_tokens, keep)
+    return "".join(text), cached
+
+
+async def stream_sse(
+    exchange: Exchange,
+    engine: SimEngine,
+    prompt: Sequence[int],
+    output_tokens: int,
+    drop_mid_stream: bool,
+    *,
+    head: bytes,
+    token: Callable[[int], bytes],
+    tail: Callable[[int], bytes],
+) -> None:
+    """`head` at once, `token(i)` as output token i is produced, then `tail(cached_tokens)`.
+
+    A dropped stream returns without ending the body: the server then closes the connection
+    with the answer unfinished, as a crashed backend would.
+    """
+    await exchange.start(200, SSE_HEADERS, head, complete=False)
+    drop_at = min(TOKENS_BEFORE_DROP, output_tokens - 1) if drop_mid_stream else None
+
+    async def emit(index: int) -> None:
+        if index == drop_at:
+            raise _Dropped
+        await exchange.write(token(index))
+
+    try:
+        cached = await engine.generate(prompt, output_tokens, emit)
+    except _Dropped:
+        return
+    await exchange.end(tail(cached))
+
+
+def sse_data(payload: dict[str, Any]) -> bytes:
+    """One `data:` event, as OpenAI's chat and completions streams carry them."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_event(name: str, payload: dict[str, Any]) -> bytes:
+    """One named event (`event:` then `data:`), as the Responses and Messages APIs stream."""
+    return f"event: {name}\n".encode() + sse_data(payload)
 
 
 async def answer_whole(
@@ -32,17 +88,12 @@ async def answer_whole(
     pieces: Iterator[str],
     exchange: Exchange,
 ) -> None:
-    text: list[str] = []
-
-    async def collect(_index: int) -> None:
-        text.append(next(pieces))
-
-    cached = await engine.generate(request.prompt_tokens, request.output_tokens, collect)
+    text, cached = await collect(engine, request.prompt_tokens, request.output_tokens, pieces)
     body = shapes.response(
-        "".join(text),
+        text,
         request.finish_reason,
         len(request.prompt_tokens),
-        len(text),
+        request.output_tokens,
         cached,
     )
     await exchange.respond_json(200, body)
@@ -56,33 +107,30 @@ async def answer_stream(
     drop_mid_stream: bool,
     exchange: Exchange,
 ) -> None:
-    """One chunk per token as it is produced, an optional usage chunk, then `[DONE]`.
-
-    A dropped stream returns without ending the body: the server then closes the connection
-    with the answer unfinished, as a crashed backend would.
-    """
-    await exchange.start(200, _SSE_HEADERS, complete=False)
+    """One chunk per token as it is produced, an optional usage chunk, then `[DONE]`."""
     last = request.output_tokens - 1
-    drop_at = min(TOKENS_BEFORE_DROP, last) if drop_mid_stream else None
 
-    async def emit(index: int) -> None:
-        if index == drop_at:
-            raise _Dropped
-        if index == 0 and request.kind == "chat":
-            await exchange.write(_event(shapes.role_chunk()))
+    def token(index: int) -> bytes:
         finish_reason = request.finish_reason if index == last else None
-        await exchange.write(_event(shapes.token_chunk(next(pieces), finish_reason)))
+        chunk = sse_data(shapes.token_chunk(next(pieces), finish_reason))
+        if index == 0 and request.kind == "chat":
+            return sse_data(shapes.role_chunk()) + chunk
+        return chunk
 
-    try:
-        cached = await engine.generate(request.prompt_tokens, request.output_tokens, emit)
-    except _Dropped:
-        return
-    done = b"data: [DONE]\n\n"
-    if request.include_usage:
-        usage = shapes.usage_chunk(len(request.prompt_tokens), request.output_tokens, cached)
-        done = _event(usage) + done
-    await exchange.end(done)
+    def tail(cached: int) -> bytes:
+        done = b"data: [DONE]\n\n"
+        if not request.include_usage:
+            return done
+        prompt = len(request.prompt_tokens)
+        return sse_data(shapes.usage_chunk(prompt, request.output_tokens, cached)) + done
 
-
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    await stream_sse(
+        exchange,
+        engine,
+        request.prompt_tokens,
+        request.output_tokens,
+        drop_mid_stream,
+        head=b"",
+        token=token,
+        tail=tail,
+    )

@@ -68,6 +68,20 @@ def answering_model(payload: dict[str, Any], settings: SimSettings) -> str:
     return requested
 
 
+def check_context_length(settings: SimSettings, prompt: int, output: int, where: str) -> None:
+    """vLLM's 400 for a prompt and its output that do not fit the context window."""
+    requested = prompt + output
+    if requested > settings.max_model_len:
+        raise request_error(
+            f"This model's maximum context length is {settings.max_model_len} tokens. "
+            f"However, you requested {requested} tokens ({prompt} in the {where}, "
+            f"{output} in the completion). "
+            f"Please reduce the length of the {where} or completion.",
+            param=where,
+            code="context_length_exceeded",
+        )
+
+
 def chat_prompt_text(payload: dict[str, Any]) -> str:
     messages = payload.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -114,18 +128,8 @@ def parse_generation(
         prompt, form = completion_prompt_tokens(payload, tokenizer)
         limit = _optional_positive_int(payload, "max_tokens")
     output_tokens = settings.default_max_tokens if limit is None else limit
-
-    requested = len(prompt) + output_tokens
-    if requested > settings.max_model_len:
-        where = "messages" if kind == "chat" else "prompt"
-        raise request_error(
-            f"This model's maximum context length is {settings.max_model_len} tokens. "
-            f"However, you requested {requested} tokens ({len(prompt)} in the {where}, "
-            f"{output_tokens} in the completion). "
-            f"Please reduce the length of the {where} or completion.",
-            param=where,
-            code="context_length_exceeded",
-        )
+    where = "messages" if kind == "chat" else "prompt"
+    check_context_length(settings, len(prompt), output_tokens, where)
 
     stream = payload.get("stream", False)
     options = payload.get("stream_options") or {}

@@ -5,20 +5,29 @@ real engine's uvicorn: a simulated backend on hypercorn spent ~95 µs of CPU per
 token, so at 200 streams its own loop, not its GPU model, set the pace of every benchmark
 run against it.
 
-Endpoints: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /health`, `GET /metrics`, `POST /tokenize`, `GET /version` (as vLLM answers them), and
-three of its own: `POST /sim/faults` to change the faults at run time, `POST /sim/evict` to
+Endpoints, as vLLM answers them: `POST /v1/chat/completions`, `POST /v1/completions`,
+`POST /v1/responses` with `GET`/`DELETE /v1/responses/{id}` and
+`POST /v1/responses/{id}/cancel` (responses_endpoints.py), Anthropic's `POST /v1/messages`
+(messages_api.py), the pooling endpoints `POST /v1/embeddings`, `/rerank`, `/score`,
+`/classify`, `/pooling` (pooling_endpoints.py), `POST /v1/audio/transcriptions` and
+`/translations` (transcription.py), `POST /tokenize`, `POST /detokenize`, `GET /v1/models`,
+`GET /health`, `GET /metrics`, `GET /version`. An unknown path is FastAPI's
+`{"detail": "Not Found"}` 404 and a known one with another method its 405, as from vLLM
+(whose exception handler is registered for FastAPI's `HTTPException`, which Starlette's
+routing 404 and 405 are not).
+
+Three of its own: `POST /sim/faults` to change the faults at run time, `POST /sim/evict` to
 empty the prefix cache (as memory pressure would; told as `AllBlocksCleared` to KV event
 subscribers), `GET /sim/state` for the engine's numbers as JSON, plus what tests of a proxy
-need to see: how many /tokenize calls came and in which form the prompts arrived (messages,
-text or token ids). With `--kv-events-endpoint` it publishes vLLM's KV-cache events
-(`kv_publisher.py`).
+need to see: how many /tokenize calls came, in which form the prompts arrived (messages,
+text or token ids) and the W3C `traceparent` headers of the latest requests. With
+`--kv-events-endpoint` it publishes vLLM's KV-cache events (`kv_publisher.py`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
 from functools import partial
 from typing import Any
 
@@ -31,25 +40,29 @@ from app.preprocess.request_bodies import parse_json_object
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole
+from app.sim.inference import MAX_BODY_BYTES, Handler, Inference
 from app.sim.kv_publisher import SimKvPublisher
+from app.sim.messages_api import MessagesEndpoints
 from app.sim.metrics import SimMetrics
 from app.sim.openai_format import (
     Kind,
     PromptForm,
     ResponseShapes,
-    answering_model,
     chat_prompt_text,
     parse_generation,
     request_error,
 )
+from app.sim.pooling_endpoints import PoolingEndpoints
+from app.sim.responses_endpoints import ResponsesEndpoints
 from app.sim.settings import SimSettings
-from app.sim.tokens import TextTokenizer, generated_pieces, sim_tokenizer
+from app.sim.tokens import TextTokenizer, sim_tokenizer
+from app.sim.transcription import TranscriptionEndpoint
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 # What `GET /version` reports; SMG asks for it when it registers a worker.
 VERSION = "0.0.0+sluice.sim"
+# How many requests' `traceparent` headers /sim/state shows.
+TRACEPARENTS_KEPT = 1000
 
-Handler = Callable[[Exchange], Awaitable[None]]
 JSON = [(b"content-type", b"application/json")]
 
 
@@ -58,9 +71,9 @@ class SimServer:
 
     def __init__(self, settings: SimSettings, tokenizer: TextTokenizer | None = None) -> None:
         self.settings = settings
-        self.tokenizer: TextTokenizer = tokenizer or sim_tokenizer(settings.tokenize_with)
         self.tokenize_requests = 0
         self.prompts_by_form: dict[PromptForm, int] = {"messages": 0, "text": 0, "token_ids": 0}
+        self.traceparents: deque[str] = deque(maxlen=TRACEPARENTS_KEPT)
         self.engine = SimEngine(settings)
         self.metrics = SimMetrics(self.engine, settings)
         self.faults = SimFaults.from_settings(settings)
@@ -71,36 +84,58 @@ class SimServer:
             )
             self.engine.kv_cache.on_events = self.kv_publisher.publish
         self.created = int(time.time())
-        self.preprocessing = trio.Lock()
+        # Every inference endpoint answers through this one: one engine, one set of faults,
+        # one preprocessing lock.
+        self.inference = Inference(
+            settings, tokenizer or sim_tokenizer(settings.tokenize_with), self.engine, self.faults
+        )
+        self.responses = ResponsesEndpoints(self.inference)
+        transcription = TranscriptionEndpoint(self.inference)
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
             "/v1/completions": {"POST": partial(self._generate, "completion")},
+            "/v1/responses": {"POST": self.responses.create},
+            "/v1/audio/transcriptions": {"POST": transcription.transcribe},
+            # vLLM's translations endpoint answers in the same shapes; the sim's words are
+            # no language in particular.
+            "/v1/audio/translations": {"POST": transcription.transcribe},
+            **MessagesEndpoints(self.inference).routes(),
+            **PoolingEndpoints(self.inference).routes(),
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
             "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
             "/version": {"GET": self._version},
             "/sim/faults": {"POST": self._set_faults},
             "/sim/state": {"GET": self._state},
             "/sim/evict": {"POST": self._evict},
         }
 
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self.inference.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: TextTokenizer) -> None:
+        """A test may give a running server another tokenizer."""
+        self.inference.tokenizer = tokenizer
+
     async def __call__(self, exchange: Exchange) -> None:
-        methods = self._routes.get(exchange.path)
+        traceparent = exchange.header(b"traceparent")
+        if traceparent is not None:
+            self.traceparents.append(traceparent.decode("latin-1"))
+        methods = self._routes.get(exchange.path) or self.responses.route(exchange.path)
         if methods is None:
-            await exchange.respond_error(
-                404, f"Not found: {exchange.path}", "NotFoundError", code=404
-            )
+            await exchange.respond_json(404, {"detail": "Not Found"})
             return
         handler = methods.get(exchange.method)
+        if handler is None and exchange.method == "HEAD":
+            handler = methods.get("GET")  # Starlette answers HEAD wherever GET is routed
         if handler is None:
-            allowed = ", ".join(methods).encode()
-            await exchange.respond_error(
-                405,
-                "Method not allowed",
-                "MethodNotAllowed",
-                code=405,
-                headers=[(b"allow", allowed)],
+            allowed = ", ".join([*methods, *(["HEAD"] if "GET" in methods else [])]).encode()
+            await exchange.respond_json(
+                405, {"detail": "Method Not Allowed"}, [(b"allow", allowed)]
             )
             return
         try:
@@ -110,25 +145,15 @@ class SimServer:
                 await exchange.respond_client_error(exc)
 
     async def _generate(self, kind: Kind, exchange: Exchange) -> None:
-        body = await exchange.read_body(MAX_BODY_BYTES)
-        if self.faults.hang:
-            await trio.sleep_forever()  # until the client leaves (the server cancels us)
-        payload = parse_json_object(body)
-        model = answering_model(payload, self.settings)
+        inference = self.inference
+        payload = await inference.read_json(exchange)
+        model = inference.model(payload)
         request = parse_generation(kind, payload, self.tokenizer, self.settings)
         self.prompts_by_form[request.prompt_form] += 1
-        if request.prompt_form != "token_ids" and self.settings.preprocess_per_token:
-            async with self.preprocessing:  # one GIL: one request preprocessed at a time
-                await trio.sleep(self.settings.preprocess_per_token * len(request.prompt_tokens))
-        if self.faults.draw_error():
-            raise request_error(
-                "Simulated internal server error",
-                status=500,
-                type_="InternalServerError",
-                code=500,
-            )
+        as_text = request.prompt_form != "token_ids"
+        await inference.admit(len(request.prompt_tokens), as_text=as_text)
         shapes = ResponseShapes(kind, model)
-        pieces = generated_pieces(request.prompt_tokens, self.settings.seed)
+        pieces = inference.pieces(request.prompt_tokens)
         if request.stream:
             await answer_stream(
                 request, shapes, self.engine, pieces, self.faults.close_mid_stream, exchange
@@ -166,7 +191,7 @@ class SimServer:
     async def _tokenize(self, exchange: Exchange) -> None:
         self.tokenize_requests += 1
         payload = parse_json_object(await exchange.read_body(MAX_BODY_BYTES))
-        answering_model(payload, self.settings)  # vLLM's /tokenize checks the model too
+        self.inference.model(payload)  # vLLM's /tokenize checks the model too
         if "messages" in payload:
             text = chat_prompt_text(payload)
         elif isinstance(payload.get("prompt"), str):
@@ -183,6 +208,19 @@ class SimServer:
                 "token_strs": None,
             },
         )
+
+    async def _detokenize(self, exchange: Exchange) -> None:
+        payload = parse_json_object(await exchange.read_body(MAX_BODY_BYTES))
+        self.inference.model(payload)
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(token, int) and not isinstance(token, bool) for token in tokens
+        ):
+            raise request_error("`tokens` must be a list of token ids", param="tokens")
+        out_of_range = [token for token in tokens if not 0 <= token < self.tokenizer.vocab_size]
+        if out_of_range:
+            raise request_error(f"Token id {out_of_range[0]} is out of vocabulary", param="tokens")
+        await exchange.respond_json(200, {"prompt": self.tokenizer.decode(tokens)})
 
     async def _set_faults(self, exchange: Exchange) -> None:
         payload = parse_json_object(await exchange.read_body(MAX_BODY_BYTES))
@@ -216,6 +254,8 @@ class SimServer:
             "tokenize_requests": self.tokenize_requests,
             "prompts_by_form": dict(self.prompts_by_form),
             "faults": self.faults.as_dict(),
+            "stored_responses": len(self.responses.store),
+            "traceparents": list(self.traceparents),
             "kv_events": None
             if self.kv_publisher is None
             else {
@@ -245,6 +285,7 @@ async def serve_sim(
         if server.kv_publisher is not None:
             await nursery.start(server.kv_publisher.run)
         await nursery.start(server.engine.run)
+        await nursery.start(server.responses.run)
         url: str = await nursery.start(
             HttpServer(server).serve, settings.host, settings.port, settings.backlog
         )

@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 import re
 import zlib
+from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from app.preprocess.tokenizer_loading import TokenizerLike, load_tokenizer
 
@@ -31,6 +32,8 @@ _OUTPUT_VOCABULARY = (
     "sequence window context "
 )
 _OUTPUT_WORDS = tuple(_OUTPUT_VOCABULARY.split())
+# How many recently encoded texts the word tokenizer keeps to decode ids back (/detokenize).
+RECENT_TEXTS = 256
 
 
 class TextTokenizer(Protocol):
@@ -39,14 +42,49 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def decode(self, ids: Sequence[int]) -> str: ...
+
 
 class WordTokenizer:
-    """Deterministic across processes (crc32, not the salted built-in `hash`)."""
+    """Deterministic across processes (crc32, not the salted built-in `hash`).
+
+    A hash cannot be inverted, so `decode` reads ids back from the texts it encoded lately
+    and from the words the sim generates; any other id comes back as `<id>`. Keeping the
+    texts, not a map per chunk, costs `encode` (on every simulated request) one append.
+    """
 
     vocab_size = VOCAB_SIZE
 
+    def __init__(self) -> None:
+        self._recent: deque[str] = deque(maxlen=RECENT_TEXTS)
+
     def encode(self, text: str) -> list[int]:
+        self._recent.append(text)
+        # Inline, not through `_word_id`: a call per word would cost long prompts.
         return [zlib.crc32(chunk.encode()) % VOCAB_SIZE for chunk in _CHUNK.findall(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        known = {_word_id(chunk): chunk for chunk in _output_chunks()}
+        for text in self._recent:
+            known.update((_word_id(chunk), chunk) for chunk in _CHUNK.findall(text))
+        return "".join(known.get(token, f"<{token}>") for token in ids)
+
+
+def _word_id(chunk: str) -> int:
+    return zlib.crc32(chunk.encode()) % VOCAB_SIZE
+
+
+def _output_chunks() -> Iterator[str]:
+    for word in _OUTPUT_WORDS:
+        yield word
+        yield " " + word
+
+
+@runtime_checkable
+class _Decoding(Protocol):
+    """`tokenizers.Tokenizer.decode`, which the proxy's `TokenizerLike` leaves out."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class RealTokenizer:
@@ -59,6 +97,12 @@ class RealTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if not isinstance(self._tokenizer, _Decoding):
+            raise ValueError("this tokenizer cannot decode")
+        # vLLM's /detokenize keeps special tokens (Hugging Face's `decode` default).
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def sim_tokenizer(spec: str) -> TextTokenizer:

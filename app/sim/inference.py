@@ -1,0 +1,74 @@
+"""What every inference endpoint of the simulated backend shares, in one place.
+
+Reading a request (the `hang` fault holds it after its body arrived, as a stuck engine
+would), the model it names (vLLM's 404 for another), the monolithic server's own
+preprocessing time for prompts sent as text, and the drawn `error_rate` 500: chat and
+completions, the Responses and Messages APIs, the pooling endpoints and transcriptions all
+meet the same faults and the same engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+import trio
+
+from app.http.exchange import Exchange
+from app.preprocess.request_bodies import parse_json_object
+from app.sim.engine import SimEngine
+from app.sim.faults import SimFaults
+from app.sim.openai_format import answering_model, request_error
+from app.sim.settings import SimSettings
+from app.sim.tokens import TextTokenizer, generated_pieces
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+Handler = Callable[[Exchange], Awaitable[None]]
+
+
+class Inference:
+    """The engine, tokenizer, settings and faults one simulated backend answers with."""
+
+    def __init__(
+        self,
+        settings: SimSettings,
+        tokenizer: TextTokenizer,
+        engine: SimEngine,
+        faults: SimFaults,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.faults = faults
+        # One GIL: a monolithic server preprocesses one request at a time.
+        self._preprocessing = trio.Lock()
+
+    async def read_body(self, exchange: Exchange) -> bytes:
+        body = await exchange.read_body(MAX_BODY_BYTES)
+        if self.faults.hang:
+            await trio.sleep_forever()  # until the client leaves (the server cancels us)
+        return body
+
+    async def read_json(self, exchange: Exchange) -> dict[str, Any]:
+        return parse_json_object(await self.read_body(exchange))
+
+    def model(self, payload: dict[str, Any]) -> str:
+        return answering_model(payload, self.settings)
+
+    async def admit(self, prompt_tokens: int, *, as_text: bool = True) -> None:
+        """The server's own work before the engine: preprocessing, then the error fault."""
+        if as_text and self.settings.preprocess_per_token:
+            async with self._preprocessing:
+                await trio.sleep(self.settings.preprocess_per_token * prompt_tokens)
+        if self.faults.draw_error():
+            raise request_error(
+                "Simulated internal server error",
+                status=500,
+                type_="InternalServerError",
+                code=500,
+            )
+
+    def pieces(self, prompt: Sequence[int]) -> Iterator[str]:
+        """The reproducible output text of a prompt, one piece per token."""
+        return generated_pieces(prompt, self.settings.seed)
