@@ -8,10 +8,13 @@ to listen and how many connections the kernel may queue, checked the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from app.models import MAX_MODELS
 
@@ -19,6 +22,7 @@ Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin"
 TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
+AccessLogFormat = Literal["json"]
 
 MAX_WORKERS = 64
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -69,6 +73,13 @@ class ModelConfig:
 def check_backend_url(url: str) -> None:
     if not url.startswith("http://"):
         raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+    parts = urlsplit(url)
+    try:
+        port = parts.port  # ValueError outside 0-65535 or not a number
+    except ValueError:
+        port = 0
+    if not parts.hostname or port == 0:
+        raise ValueError(f"backend {url!r}: expected http://HOST[:PORT], a port from 1 to 65535")
 
 
 def check_fleet(models: tuple[ModelConfig, ...]) -> None:
@@ -96,6 +107,10 @@ class ServerSettings:
     backlog: int = 2048
 
     def __post_init__(self) -> None:
+        for each in dataclasses.fields(self):
+            value = getattr(self, each.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"--{each.name.replace('_', '-')} must be a finite number")
         if self.port not in PORTS:
             raise ValueError(f"--port {self.port}: expected a port from 0 to 65535")
         if self.backlog < 1:
@@ -195,6 +210,9 @@ class Settings(ServerSettings):
     # Observation.
     stall_threshold_ms: float = 10.0
     stall_instrument: bool = True
+    # An OpenTelemetry collector's OTLP/HTTP URL: each request's spans go there.
+    otlp_endpoint: str | None = None
+    access_log: AccessLogFormat | None = None  # json: one line per request on stderr
 
     log_level: str = "info"
 
@@ -222,11 +240,19 @@ class Settings(ServerSettings):
             "breaker_failures",
             "max_connections",
             "max_body_bytes",
+            "demo_backends",
         )
         for name in at_least_one:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        non_negative = ("tokenize_queue", "l0_max_entries", "l0_max_text_bytes", "l1_max_memory")
+        non_negative = (
+            "tokenize_queue",
+            "l0_max_entries",
+            "l0_max_text_bytes",
+            "l1_max_memory",
+            "shutdown_grace",
+            "demo_rps",
+        )
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")
@@ -278,6 +304,13 @@ class Settings(ServerSettings):
         if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
             raise ValueError(
                 f"--redis-url {self.redis_url!r}: expected redis://, rediss:// or unix://"
+            )
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"--otlp-endpoint {self.otlp_endpoint!r}: expected an OTLP/HTTP URL, "
+                "http://HOST:4318 or https://..."
             )
         if self.demo_burst_interval < 0:
             raise ValueError("--demo-burst-interval must not be negative")

@@ -54,7 +54,8 @@ async def snapshot(client: httpx.AsyncClient, dashboard_url: str) -> dict[str, A
 async def test_an_engine_with_room_gets_every_request_at_once(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim(max_num_seqs=1024, inter_token_latency=0.02)
+    # Slow tokens: all 160 are running at once however slowly they arrive.
+    sim = await start_sim(max_num_seqs=1024, inter_token_latency=0.5)
     running = await start_sluice([sim.url], max_connections=1024)
     limits = httpx.Limits(max_connections=400)
     async with httpx.AsyncClient(timeout=60, limits=limits, trust_env=False) as many:
@@ -70,7 +71,8 @@ async def test_an_engine_with_room_gets_every_request_at_once(
                 return sim.app.engine.running == 160
 
             await wait_until(all_running, timeout=30)
-    assert running.sluice.router.gate.held == 0
+            assert running.sluice.router.gate.held == 0
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_light_key_leaves_the_queue_before_a_heavy_keys_backlog(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,42 @@ def test_the_sim_publishes_kv_events_on_request() -> None:
     assert settings.kv_events_endpoint == "tcp://127.0.0.1:0"
     with pytest.raises(SystemExit, match="needs --kv-events-endpoint"):
         parse(["sim-backend", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"])
+
+
+# Each wrong value, as a flag and as its --config line, and the words its one line names.
+WRONG_VALUES = [
+    (["--port", "70000"], "port = 70000", "--port 70000: expected a port from 0 to 65535"),
+    (["--port", "-1"], "port = -1", "--port -1: expected a port from 0 to 65535"),
+    (["--max-body-bytes", "0"], "max_body_bytes = 0", "--max-body-bytes must be at least 1"),
+    (["--dashboard-port", "65536"], "dashboard_port = 65536", "--dashboard-port 65536"),
+    (["--idle-timeout", "nan"], "idle_timeout = nan", "--idle-timeout must be a finite number"),
+    (["--admission-timeout", "0"], "admission_timeout = 0", "--admission-timeout must be"),
+    (["--shutdown-grace", "-1"], "shutdown_grace = -1", "--shutdown-grace must not be"),
+    (["--otlp-endpoint", "collector:4318"], 'otlp_endpoint = "x"', "--otlp-endpoint"),
+]
+
+
+@pytest.mark.parametrize(("flags", "line", "words"), WRONG_VALUES)
+def test_a_wrong_number_stops_sluice_with_one_line_naming_its_flag(
+    tmp_path: Path, flags: list[str], line: str, words: str
+) -> None:
+    """As a user runs it: `sluice serve` exits 2 at once, one line on stderr, whether the
+    value came as a flag or from the --config file."""
+    config = tmp_path / "sluice.toml"
+    config.write_text(line + "\n")
+    backend = ["--backend", "http://127.0.0.1:9"]
+    for argv in (flags, ["--config", str(config)]):
+        done = subprocess.run(
+            [sys.executable, "-m", "app", "serve", *backend, *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, done.stderr
+        assert len(lines) == 1 and lines[0].startswith("sluice: "), done.stderr
+        if argv is flags:
+            assert words in lines[0]
+        else:
+            assert words.split()[0] in lines[0]

@@ -86,8 +86,8 @@ async def test_each_request_goes_only_to_its_own_models_backends(
             seen[served].add(response.headers["x-sluice-backend"])
     assert seen == {"big": fleet.big, "small": fleet.small}  # each pool, all of it
     metrics = (await client.get(fleet.url + "/metrics")).text
-    assert 'sluice_requests_total{code="200",model="big"} 16.0' in metrics
-    assert 'sluice_requests_total{code="200",model="small"} 8.0' in metrics
+    assert 'sluice_requests_total{code="200",endpoint="chat",model="big"} 16.0' in metrics
+    assert 'sluice_requests_total{code="200",endpoint="chat",model="small"} 8.0' in metrics
     assert "chat-default" not in metrics.split("# HELP sluice_requests")[1].split("# HELP")[0]
 
 

@@ -63,10 +63,13 @@ HELP: dict[str, str] = {
     "stall_instrument": "time every task step to find stalls (small cost per step)",
     "admin_token": "bearer token required by the dashboard's writes (PUT /api/policy); "
     "required with a non-loopback --dashboard-host",
+    "otlp_endpoint": "OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318): export "
+    "each request's spans there; an incoming W3C traceparent is continued either way",
+    "access_log": "json: one JSON line per finished request on stderr",
     "demo_burst_interval": "seconds between two bursts of large unique prompts (0: none)",
     "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
     "backlog": "connections the kernel may queue before they are accepted",
-    "max_connections": "completion requests in flight; more get a fast 503 with Retry-After",
+    "max_connections": "inference requests in flight; more get a fast 503 with Retry-After",
     "render_workers": "worker processes that parse and render large requests (default: one "
     "fewer than the CPU count, min 1)",
     "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "

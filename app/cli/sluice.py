@@ -32,12 +32,15 @@ from app.http.relay_hub import RelayHub
 from app.http.server import HttpServer
 from app.kv_events.subscriber import subscribers_for
 from app.models import NO_MODEL
+from app.observe.access_log import AccessLog
 from app.observe.backend_stats import backend_rows
+from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
 from app.observe.model_stats import model_rows
+from app.observe.tracing import Tracer
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
@@ -89,6 +92,14 @@ class Sluice:
         self.kv_subscribers = subscribers_for(settings, self.pool, self.policy)
         self.router.kv_events = {url: s.events for url, s in self.kv_subscribers.items()}
         self.metrics.registry.register(KvEventCollector(self.kv_event_snapshots))
+        self.tracer = Tracer(settings.otlp_endpoint)
+        self.access_log = AccessLog() if settings.access_log == "json" else None
+        self.metrics.registry.register(
+            ExportCollector(
+                self.tracer.counters if self.tracer.enabled else None,
+                self.access_log.counters if self.access_log is not None else None,
+            )
+        )
         self.checker: HealthChecker | None = None  # set once running (backends added later)
         self.monitor = LoopMonitor(
             self.metrics, settings.stall_threshold_ms, settings.stall_instrument
@@ -214,6 +225,9 @@ class Sluice:
             await nursery.start(upstream.expire_late_heads)
             relay_hub = RelayHub()
             await nursery.start(relay_hub.run)
+            await nursery.start(self.tracer.run)
+            if self.access_log is not None:
+                await nursery.start(self.access_log.run)
             proxy = ProxyApp(
                 settings,
                 self.pool,
@@ -223,6 +237,8 @@ class Sluice:
                 self.metrics,
                 self.catalog,
                 relay_hub,
+                self.tracer,
+                self.access_log,
             )
             sources = DashboardSources(
                 self.snapshot,

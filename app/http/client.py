@@ -12,6 +12,7 @@ a request in one write and costs a fraction of that (`python -m load bench overh
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -64,7 +65,12 @@ class UpstreamResponse:
     end cleanly."""
 
     def __init__(
-        self, pool: UpstreamPool, key: str, connection: _Connection, head: ResponseHead
+        self,
+        pool: UpstreamPool,
+        key: str,
+        connection: _Connection,
+        head: ResponseHead,
+        method: bytes = b"POST",
     ) -> None:
         self.status_code = head.status
         self.headers = head.headers
@@ -74,10 +80,11 @@ class UpstreamResponse:
         self._connection: _Connection | None = connection
         self._keep_alive = head.keep_alive
         try:
-            self._decoder = decoder_for(self.status_code, self.headers, b"POST")
+            self._decoder = decoder_for(self.status_code, self.headers, method)
         except FramingError as exc:
             raise UpstreamError(f"invalid response from the backend: {exc}") from None
         self._arrived = head.rest  # body bytes read along with the head
+        self.sent_at = 0.0  # perf_counter once the request was sent (its first byte awaited)
         self._last_read = b""
         self.complete = self._decoder.done  # the whole body has been decoded
 
@@ -258,10 +265,11 @@ class UpstreamPool:
             raise
 
     async def request(
-        self, base_url: str, path: str, headers: Headers, body: bytes
+        self, base_url: str, path: str, headers: Headers, body: bytes, method: bytes = b"POST"
     ) -> UpstreamResponse:
-        """POST and wait for the response head. A reused connection that turns out dead
-        before any response byte is retried once on a fresh one (the server never saw it)."""
+        """Send (a POST of `body`, or a bodiless GET or DELETE) and wait for the response
+        head. A reused connection that turns out dead before any response byte is retried
+        once on a fresh one (the server never saw it)."""
         due: float | None = None
         for attempt in range(2):
             connection = await self._checkout(base_url)
@@ -269,7 +277,7 @@ class UpstreamPool:
                 due = trio.current_time() + self.first_byte_timeout
             self._heads_due[connection] = due
             try:
-                return await self._exchange(base_url, connection, path, headers, body)
+                return await self._exchange(base_url, connection, path, headers, body, method)
             except UpstreamError as exc:
                 await self.discard(connection)
                 if not connection.reused or attempt or exc.timeout:
@@ -282,16 +290,23 @@ class UpstreamPool:
         raise AssertionError("unreachable")
 
     async def _exchange(
-        self, base_url: str, connection: _Connection, path: str, headers: Headers, body: bytes
+        self,
+        base_url: str,
+        connection: _Connection,
+        path: str,
+        headers: Headers,
+        body: bytes,
+        method: bytes,
     ) -> UpstreamResponse:
         host = urlsplit(base_url).netloc.encode()
         stream = connection.stream
         try:
-            await stream.send(request_bytes(host, path.encode(), headers, body))
+            await stream.send(request_bytes(host, path.encode(), headers, body, method))
         except trio.BrokenResourceError as exc:
             raise UpstreamError(f"while sending: {exc}") from None
         except trio.ClosedResourceError:
             raise self._aborted(connection) from None
+        sent_at = time.perf_counter()
         received = b""
         while True:
             try:
@@ -308,7 +323,9 @@ class UpstreamPool:
             except ProtocolError as exc:
                 raise UpstreamError(f"invalid HTTP from the backend: {exc}") from None
             if head is not None:
-                return UpstreamResponse(self, base_url, connection, head)
+                response = UpstreamResponse(self, base_url, connection, head, method)
+                response.sent_at = sent_at
+                return response
 
     def _aborted(self, connection: _Connection) -> UpstreamError:
         if connection.late:

@@ -52,6 +52,7 @@ class Exchange:
         "method",
         "path",
         "status",
+        "target",
     )
 
     def __init__(self, connection: ClientConnection, request: RequestHead) -> None:
@@ -59,6 +60,7 @@ class Exchange:
         self._framing = _NONE
         self.method = request.method.decode("ascii")
         self.path = request.path
+        self.target = request.target  # as sent, with its query
         self.http_version = request.http_version
         self.headers: Headers = request.headers  # names in lower case
         self._first_values = first_values(request.headers)

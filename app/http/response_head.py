@@ -28,10 +28,14 @@ class ProtocolError(ValueError):
     """The backend's response head is not HTTP/1.1."""
 
 
-def request_bytes(host: bytes, path: bytes, headers: Headers, body: bytes) -> bytes:
-    """A POST of `body` with `headers` (valid names and values, lower case, without Host,
-    Content-Length or hop-by-hop ones), in one buffer for one write."""
-    lines = [b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n" % (path, host, len(body))]
+def request_bytes(
+    host: bytes, path: bytes, headers: Headers, body: bytes, method: bytes = b"POST"
+) -> bytes:
+    """A request (a POST of `body`, or a GET or DELETE) with `headers` (valid names and values,
+    lower case, without Host, Content-Length or hop-by-hop ones), in one buffer for one write."""
+    lines = [b"%b %b HTTP/1.1\r\nhost: %b\r\n" % (method, path, host)]
+    if body or method == b"POST":
+        lines.append(b"content-length: %d\r\n" % len(body))
     lines += field_lines(headers)
     lines.append(b"\r\n")
     lines.append(body)

@@ -228,8 +228,14 @@ class Metrics:
         )
         self.requests = Counter(
             "sluice_requests",
-            "Completion requests answered, by model and status code",
-            ["model", "code"],
+            "Requests answered, by model, status code and endpoint (chat, responses, ...)",
+            ["model", "code", "endpoint"],
+            registry=r,
+        )
+        self.untidy_streams = Counter(
+            "sluice_untidy_streams",
+            "Streams cut after their engine had finished them (ended cleanly all the same)",
+            ["endpoint"],
             registry=r,
         )
 

@@ -20,7 +20,8 @@ class RequestRecord(TypedDict):
     seq: int  # 1, 2, 3... in the order requests finished: lets a page render only new rows
     time: float  # Unix seconds when the request arrived
     id: str | None  # x-request-id (the client's, or the one Sluice made)
-    kind: str  # chat | completion
+    trace_id: str | None  # the W3C trace it belongs to (the caller's, or one Sluice started)
+    kind: str  # its endpoint: chat, completion, responses, messages, embeddings, ...
     model: str | None
     stream: bool | None
     backend: str | None  # the backend that answered; None when none did

@@ -104,6 +104,7 @@ class RequestTrace:
         "backend",
         "route_reason",
         "status",
+        "trace_id",
     )
 
     def __init__(self, recorder: TrafficRecorder, timing: TimingLike, kind: str):
@@ -119,6 +120,7 @@ class RequestTrace:
         self.route_reason: str | None = None
         self._request_id: str | None = None
         self.status = CLIENT_GONE_STATUS
+        self.trace_id: str | None = None  # its W3C trace, continued or started
         self._first_byte_at: float | None = None
         self._complete = False
         self._ended = self._wall_ended = 0.0
@@ -127,6 +129,11 @@ class RequestTrace:
     def model(self) -> str | None:
         """The served model, once the request's was resolved (a bounded set of names)."""
         return self._model
+
+    @property
+    def ended(self) -> float:
+        """perf_counter when it finished (0.0 before)."""
+        return self._ended
 
     @property
     def ttft_s(self) -> float | None:
@@ -170,6 +177,7 @@ class RequestTrace:
             "seq": seq,
             "time": round(self._wall_ended - duration, 3),
             "id": self._request_id,
+            "trace_id": self.trace_id,
             "kind": self._kind,
             "model": self._model,
             "stream": self._stream,

@@ -49,7 +49,7 @@ from app.preprocess.rendering import (
     render,
     warm_up,
 )
-from app.preprocess.request_bodies import Kind, nested_too_deeply
+from app.preprocess.request_bodies import ROUTING_RENDERS, Kind, nested_too_deeply
 from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
 from app.preprocess.tokenization import dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (
@@ -178,12 +178,15 @@ class Preprocessor:
             only = models.only if models is not None else None
             return _bailed_out(only, template_seconds)
         prep = self.preps.for_model(rendered.model)
-        if kind == "chat":
+        if rendered.messages:
             label = rendered.model or NO_MODEL
             self._metrics.template_seconds.labels(model=label).observe(template_seconds)
         if isinstance(rendered.prompt, list):
             return self._checked(kind, prep, rendered, rendered.prompt, "given", 0.0, 0.0)
-        window = rendered.window
+        if not rendered.prompt:  # routed by its model alone (embeddings, uploads, ...)
+            return _untokenized(rendered, template_seconds)
+        # A conversation the engine renders itself is tokenized to route it, not judged.
+        window = None if kind in ROUTING_RENDERS else rendered.window
         if window is not None and self._settings.tokenize_mode != "inline":
             try:
                 fits = await self._refuse_if_too_long(kind, prep, rendered, window)
@@ -280,6 +283,8 @@ class Preprocessor:
         prompt_tokens = len(ids)
         prep.tokens.counted(prompt_tokens)
         window, completion = rendered.window, rendered.completion_tokens
+        if kind in ROUTING_RENDERS:  # the engine's to judge: it renders the prompt itself
+            window = None
         if window is not None and prompt_tokens + completion > window:
             raise ClientError(
                 f"This model's maximum context length is {window} tokens. However, you "
@@ -334,6 +339,21 @@ def _bailed_out(
         template_seconds=template_seconds,
         tokenize_seconds=0.0,
         forward_body=None if rendered is None else rendered.body,
+    )
+
+
+def _untokenized(rendered: RenderedRequest, template_seconds: float) -> Prepared:
+    """A request with no prompt of Sluice's to tokenize: its usage is what the engine says."""
+    return Prepared(
+        model=rendered.model,
+        fields=rendered.fields,
+        prompt=None,
+        token_ids=None,
+        estimated=True,
+        tokenize_path="none",
+        template_seconds=template_seconds,
+        tokenize_seconds=0.0,
+        forward_body=rendered.body,
     )
 
 

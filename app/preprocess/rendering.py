@@ -24,7 +24,7 @@ from app.http.errors import ClientError
 from app.models import ModelDirectory
 from app.preprocess.chat_template import ChatTemplate, RenderCost
 from app.preprocess.length_gate import cut_before_whitespace, head_chars, too_many_bytes
-from app.preprocess.request_bodies import ParsedRequest, nested_too_deeply
+from app.preprocess.request_bodies import ROUTING_RENDERS, ParsedRequest, nested_too_deeply
 
 RENDER_ON_LOOP_BUDGET = 1e-3  # seconds a render may hold the event loop
 PROMPT_FILE_PREFIX = "sluice-prompt-"
@@ -64,9 +64,9 @@ class ResolvedRequest:
     body: bytes | None  # the body to forward when its model was rewritten; None: the client's
 
     def render_estimate(self) -> float:
-        """Seconds its render is expected to take (0 for a completion: nothing to render)."""
+        """Seconds its render is expected to take (0 without messages: nothing to render)."""
         cost = self.spec.cost
-        if self.parsed.kind == "completion" or cost is None:
+        if not self.parsed.messages or cost is None:
             return 0.0
         return cost.estimate(len(self.parsed.messages), self.parsed.content_chars)
 
@@ -98,7 +98,8 @@ def resolve(parsed: ParsedRequest, model: str | None, plan: RenderPlan) -> Resol
     if model is not None:
         spec = plan.by_model.get(model, plan.default)
         window = plan.models.windows.get(model) if plan.models is not None else None
-        if parsed.model != model:
+        # An upload's form is forwarded as it came: the engine knows its names too.
+        if parsed.model != model and parsed.kind != "form":
             parsed.fields["model"] = model  # what a body built from the fields must name
             try:
                 # ASCII escapes: a lone surrogate the client sent stays valid JSON.
@@ -115,7 +116,18 @@ def render(resolved: ResolvedRequest) -> RenderedRequest:
     parsed, spec = resolved.parsed, resolved.spec
     prompt: str | list[int] = parsed.prompt
     seconds = 0.0
-    if parsed.kind == "chat":
+    if parsed.kind in ROUTING_RENDERS:
+        # Rendered for routing and counting only: the engine renders it itself, so a template
+        # that cannot render it leaves the request without a prompt, not refused.
+        template = spec.template
+        started = time.perf_counter()
+        try:
+            if template is not None:
+                prompt = template.render(parsed.messages, **parsed.template_arguments)
+        except ClientError:
+            prompt = ""
+        seconds = time.perf_counter() - started
+    elif parsed.kind == "chat":
         template = spec.template
         if template is None:
             raise ClientError(
@@ -153,11 +165,11 @@ def render(resolved: ResolvedRequest) -> RenderedRequest:
     )
 
 
-def keep_head(rendered: RenderedRequest, spec: RenderSpec) -> RenderedRequest:
+def keep_head(rendered: RenderedRequest, spec: RenderSpec, *, judged: bool) -> RenderedRequest:
     """A render worker's answer: a text prompt longer than proving it too long for its
     window needs is cut to its head (before whitespace). Unless its bytes alone prove it too
-    long, the whole is written to a file (`whole_at`) for the loop to read back should it
-    fit after all."""
+    long, or it is not `judged` by the window at all (rendered only to route it), the whole
+    is written to a file (`whole_at`) for the loop to read back should it fit after all."""
     prompt, window = rendered.prompt, rendered.window
     if not isinstance(prompt, str) or window is None:
         return rendered
@@ -166,7 +178,7 @@ def keep_head(rendered: RenderedRequest, spec: RenderSpec) -> RenderedRequest:
         return rendered
     head = replace(rendered, prompt=prompt[:cut], complete=False)
     budget = window - rendered.completion_tokens
-    if too_many_bytes(rendered.prompt_bytes, budget, spec.max_token_bytes):
+    if not judged or too_many_bytes(rendered.prompt_bytes, budget, spec.max_token_bytes):
         return head
     descriptor, path = tempfile.mkstemp(prefix=PROMPT_FILE_PREFIX)
     try:

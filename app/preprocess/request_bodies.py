@@ -16,10 +16,23 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.http.errors import ClientError
+from app.preprocess.conversations import content_chars, messages_messages, responses_messages
+from app.preprocess.forms import form_fields
 
-Kind = Literal["chat", "completion"]
+# How a body is read: a chat, a completion, a Responses or Messages conversation (rendered
+# like a chat, for routing), a JSON body with only a model to route by (embeddings, rerank,
+# score...), or a multipart form (an audio upload).
+Kind = Literal["chat", "completion", "responses", "messages", "model", "form"]
 # The fields that carry a request's prompt; every other field travels in `fields`.
-PROMPT_FIELDS = {"chat": "messages", "completion": "prompt"}
+PROMPT_FIELDS = {
+    "chat": "messages",
+    "completion": "prompt",
+    "responses": "input",
+    "messages": "messages",
+}
+# Kinds rendered as a chat for routing and counting only: the engine renders them itself, so a
+# render that fails or a prompt over the window is not Sluice's to refuse.
+ROUTING_RENDERS = frozenset({"responses", "messages"})
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # Keys a request's chat_template_kwargs may not override: the template's own inputs.
@@ -81,12 +94,38 @@ class ParsedRequest:
 
 def parse_request(kind: Kind, body: bytes) -> ParsedRequest:
     """Parse and check one body; a `ClientError` naming what is wrong."""
-    payload = parse_json_object(body)
+    payload: dict[str, Any] = dict(form_fields(body)) if kind == "form" else parse_json_object(body)
     model = payload.get("model")
     if model is not None and not isinstance(model, str):
         raise ClientError("'model' must be a string", "model", "invalid_type")
     fields = payload.copy()
-    fields.pop(PROMPT_FIELDS[kind], None)
+    fields.pop(PROMPT_FIELDS.get(kind, ""), None)
+    if kind in ("model", "form"):
+        return ParsedRequest(kind, payload, fields, model, [], "", {}, 0, 0)
+    if kind in ROUTING_RENDERS:
+        _check_common(payload)
+        if kind == "responses":
+            messages, budget = responses_messages(payload), payload.get("max_output_tokens")
+        else:
+            messages, budget = messages_messages(payload), payload.get("max_tokens")
+        arguments: dict[str, Any] = {
+            "add_generation_prompt": True,
+            "tools": None,
+            "documents": None,
+            "extra": {},
+        }
+        tokens = budget if isinstance(budget, int) and not isinstance(budget, bool) else 0
+        return ParsedRequest(
+            kind,
+            payload,
+            fields,
+            model,
+            messages,
+            "",
+            arguments,
+            content_chars(messages),
+            max(tokens, 0),
+        )
     if kind == "completion":
         check_completion(payload)
         prompt = _completion_prompt(payload)

@@ -44,7 +44,7 @@ from app.preprocess.rendering import (
     render,
     resolve,
 )
-from app.preprocess.request_bodies import Kind, parse_request
+from app.preprocess.request_bodies import ROUTING_RENDERS, Kind, parse_request
 from app.preprocess.workers import in_thread
 
 log = logging.getLogger("sluice.preprocess")
@@ -77,7 +77,8 @@ def render_request(
     resolved = resolve(parsed, model, plan)
     if on_loop:
         return resolved if resolved.render_estimate() > RENDER_ON_LOOP_BUDGET else render(resolved)
-    return keep_head(render(resolved), resolved.spec)
+    judged = parsed.kind not in ROUTING_RENDERS
+    return keep_head(render(resolved), resolved.spec, judged=judged)
 
 
 @asynccontextmanager

@@ -22,6 +22,14 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
     return token if scheme.lower() == b"bearer" and token else None
 
 
+def credential(authorization: bytes | None, api_key: bytes | None) -> bytes | None:
+    """The caller's `Authorization` value; Anthropic's SDKs send their key as `x-api-key`,
+    which stands for `Authorization: Bearer <key>` when there is no `Authorization`."""
+    if authorization or not api_key:
+        return authorization
+    return b"Bearer " + api_key
+
+
 def fingerprint(token: bytes) -> str:
     """What stands for a key wherever one must be named: never the key itself."""
     return "key-" + hashlib.sha256(token).hexdigest()[:12]

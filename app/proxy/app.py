@@ -1,28 +1,30 @@
 """The proxy's handler: parse -> preprocess -> route -> forward, plus the small GET endpoints.
 
 It answers each `Exchange` the proxy's server (app/http/server.py) hands it: a request costs one
-dict lookup to dispatch, and a backend's answer is relayed by relay.py. Every error leaves as
-OpenAI-shaped JSON. With `--api-keys` a completion or a model list needs a listed key
-(api_keys.py); each request's model is resolved while it is preprocessed (404 for a model that
-is not served, or not the key's), and it goes only to that model's pool. With `--forward tokens`
-the backend gets Sluice's token ids (token_forwarding.py), only backends whose tokenizer was
-verified take traffic (app/fleet/tokenizer_check.py), and chat answers are reshaped back.
+dict lookup to dispatch (endpoints.py names every inference endpoint and how its body is
+read), and forwarding.py takes it to a backend and back. Every error leaves as OpenAI-shaped
+JSON. With `--api-keys` an inference request or a model list needs a listed key
+(api_keys.py; `Authorization: Bearer`, or Anthropic's `x-api-key`); each request's model is
+resolved while it is preprocessed (404 for a model that is not served, or not the key's),
+and it goes only to that model's pool. A stored response, and a Responses request continuing
+one, go to the engine that holds it (response_ids.py). With `--forward tokens` chat and
+completion requests reach the backend as Sluice's token ids (token_forwarding.py), only
+backends whose tokenizer was verified take traffic (app/fleet/tokenizer_check.py), and chat
+answers are reshaped back.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from app.config import Settings
-from app.fleet.backends import ANY_MODEL, Backend, BackendPool
+from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog
 from app.fleet.tokenizer_check import build_probe
 from app.http.client import UpstreamPool
@@ -31,82 +33,43 @@ from app.http.exchange import Exchange
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
 from app.models import NO_MODEL
+from app.observe.access_log import AccessLog
 from app.observe.metrics import Metrics
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
-from app.preprocess.pipeline import Prepared, Preprocessor
-from app.preprocess.request_bodies import Kind
-from app.proxy import errors
-from app.proxy.accounting import KeyLabels
-from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
-from app.proxy.forward import (
-    StreamBroken,
-    UpstreamFailure,
-    open_upstream,
-    upstream_headers,
+from app.observe.tracing import (
+    TRACEPARENT,
+    Attributes,
+    TraceContext,
+    Tracer,
+    parse_traceparent,
+    start_trace,
+    with_traceparent,
 )
-from app.proxy.relay import Relayed, relay, relay_as_chat
+from app.preprocess.pipeline import Prepared, Preprocessor
+from app.proxy import errors
+from app.proxy.accounting import KeyLabels, credential
+from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
+from app.proxy.endpoints import ENDPOINTS, RESPONSES, STORED, STORED_RESPONSES, Endpoint
+from app.proxy.forward import upstream_headers
+from app.proxy.forwarding import Forwarder, Outgoing, Timing
+from app.proxy.request_spans import request_spans
+from app.proxy.response_ids import IdTagger, untag
 from app.proxy.token_forwarding import plan_forward
 from app.routing.admission import Admission, Overloaded
-from app.routing.decision import Decision, RouteRequest
+from app.routing.decision import RouteRequest
 from app.routing.router import Router, estimated_tokens
-from app.routing.usage import usage_from_tail
 
 log = logging.getLogger("sluice.proxy")
 
-COMPLETION_PATHS: dict[str, Kind] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completion",
-}
 GET_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
-# 5xx answers that mean the backend, not the request, is in trouble.
-BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
+STORED_ROUTE = STORED_RESPONSES + "{response_id}"  # its spans' name: no id in it
+# What may be done to a stored response, by what follows its id in the path.
+STORED_METHODS = {"": (b"GET", b"DELETE"), "/cancel": (b"POST",), "/input_items": (b"GET",)}
 # How much of a body stands in for its prompt when a hash must route it unparsed (bail-out).
 ROUTE_KEY_BYTES = 4096
 # A client's own deadline, in seconds: ours, and the one the OpenAI SDKs send.
 CLIENT_TIMEOUT_HEADERS = (b"x-request-timeout", b"x-stainless-timeout")
-
-
-@dataclass
-class Timing:
-    started: float
-    template: float = 0.0
-    tokenize: float = 0.0
-    route: float = 0.0
-    queue: float = 0.0  # held at the gate, every engine of its pool saturated
-
-    def header(self) -> bytes:
-        return b"template;dur=%.3f, tokenize;dur=%.3f, route;dur=%.3f, queue;dur=%.3f" % (
-            self.template * 1000,
-            self.tokenize * 1000,
-            self.route * 1000,
-            self.queue * 1000,
-        )
-
-
-@dataclass(slots=True)
-class Outgoing:
-    """One validated, preprocessed request, ready to be forwarded (and retried).
-
-    Not frozen, like every value a request hands along its path (RequestHead, Prepared,
-    RouteRequest, Decision, ResponseHead, Relayed, Usage): nothing changes them once made,
-    and a frozen dataclass's __init__ sets each field through object.__setattr__, which
-    cost ~60,000 of the proxy's ~1,155,000 instructions a request (callgrind)."""
-
-    path: str
-    body: bytes
-    headers: Headers
-    request_id: bytes
-    route_request: RouteRequest
-    timing: Timing
-    extra_headers: Headers
-    answer_as_chat: bool  # the backend answers a completion to what was a chat request
-    admission: Admission  # its key's label (token budgets, accounting, fair queuing) and more
-    tokens_per_minute: int | None  # the key's own limit (None: --tokens-per-minute)
-
-    @property
-    def model(self) -> str | None:
-        return self.route_request.model
 
 
 class ProxyApp:
@@ -120,8 +83,12 @@ class ProxyApp:
         metrics: Metrics,
         catalog: ModelCatalog,
         relay_hub: RelayHub,
+        tracer: Tracer,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer
+        self.access_log = access_log
         self.relay_hub = relay_hub
         self.preprocessor = preprocessor
         self.key_labels = KeyLabels()
@@ -131,9 +98,8 @@ class ProxyApp:
         self.catalog = catalog
         self.pool = pool
         self.router = router
-        self.policy = router.policy
-        self.upstream = upstream
         self.metrics = metrics
+        self.forwarder = Forwarder(settings, pool, router, upstream, metrics, relay_hub)
         self.active_completions = 0  # what --max-connections bounds
         # Request ids this process makes: a random prefix and a count, unique without a
         # system call for 16 random bytes on every request.
@@ -151,8 +117,8 @@ class ProxyApp:
     async def __call__(self, exchange: Exchange) -> None:
         path = exchange.path
         method = exchange.method
-        kind = COMPLETION_PATHS.get(path)
-        if kind is not None:
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is not None:
             if method != "POST":
                 await exchange.respond_client_error(errors.method_not_allowed(b"POST"))
                 return
@@ -163,7 +129,7 @@ class ProxyApp:
                 return
             self.active_completions += 1
             try:
-                await self.completion(exchange, path, kind)
+                await self.infer(exchange, path, endpoint)
             finally:
                 self.active_completions -= 1
             return
@@ -179,6 +145,9 @@ class ProxyApp:
                 await exchange.respond(200, headers, self.metrics.render())
             else:
                 await self.models(exchange)
+            return
+        if path.startswith(STORED_RESPONSES):
+            await self.stored_response(exchange, path)
             return
         await exchange.respond_client_error(errors.not_found(path))
 
@@ -202,10 +171,14 @@ class ProxyApp:
         `ClientError` when its key is missing or not listed."""
         if self.keys is None:
             return None
-        grant = self.keys.find(exchange.header(b"authorization"))
+        grant = self.keys.find(self._credential(exchange))
         if grant is None:
             raise invalid_api_key()
         return grant
+
+    @staticmethod
+    def _credential(exchange: Exchange) -> bytes | None:
+        return credential(exchange.header(b"authorization"), exchange.header(b"x-api-key"))
 
     async def models(self, exchange: Exchange) -> None:
         try:
@@ -224,29 +197,136 @@ class ProxyApp:
             return
         await exchange.respond_json(200, {"object": "list", "data": cards})
 
-    async def completion(self, exchange: Exchange, path: str, kind: Kind) -> None:
+    async def stored_response(self, exchange: Exchange, path: str) -> None:
+        """GET or DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: on the
+        engine that made it, found by the tag of the id Sluice handed out."""
+        tagged, _, action = path[len(STORED_RESPONSES) :].partition("/")
+        action = "/" + action if action else ""
+        allowed = STORED_METHODS.get(action)
+        if allowed is None:
+            await exchange.respond_client_error(errors.not_found(path))
+            return
+        method = exchange.method.encode()
+        if method not in allowed:
+            await exchange.respond_client_error(errors.method_not_allowed(b", ".join(allowed)))
+            return
         timing = Timing(started=time.perf_counter())
-        trace = self.metrics.traffic.trace(timing, kind)
+        trace = self.metrics.traffic.trace(timing, STORED.name)
+        context = self._traced(exchange, trace)
         try:
-            await self._complete(exchange, path, kind, timing, trace)
+            self.grant(exchange)
+            owner = untag(tagged)
+            backend = self.pool.find(owner[1]) if owner is not None else None
+            if owner is None or backend is None:
+                raise errors.response_not_found(tagged)
+            body = await exchange.read_body(self.settings.max_body_bytes)
+        except ClientError as exc:
+            await exchange.respond_client_error(exc)
+            self._finish(exchange, trace, STORED, timing, context)
+            return
+        engine_id = owner[0]
+        target = STORED_RESPONSES + engine_id + action
+        query = exchange.target.partition(b"?")[2]
+        if query:
+            target += "?" + query.decode("latin-1")
+        _, headers = self._upstream_headers(exchange, context)
+        converter = IdTagger(backend.id, (engine_id,))
+        try:
+            await self.forwarder.direct(
+                exchange, backend, method, target, body, headers, STORED, converter, timing
+            )
         finally:
-            trace.finish(exchange)
-            code = str(CLIENT_GONE_STATUS if exchange.status is None else exchange.status)
-            self.metrics.requests.labels(model=trace.model or NO_MODEL, code=code).inc()
+            self._finish(exchange, trace, STORED, timing, context)
 
-    async def _complete(
-        self, exchange: Exchange, path: str, kind: Kind, timing: Timing, trace: RequestTrace
+    async def infer(self, exchange: Exchange, path: str, endpoint: Endpoint) -> None:
+        timing = Timing(started=time.perf_counter())
+        trace = self.metrics.traffic.trace(timing, endpoint.name)
+        context = self._traced(exchange, trace)
+        try:
+            await self._infer(exchange, path, endpoint, timing, trace, context)
+        finally:
+            self._finish(exchange, trace, endpoint, timing, context)
+
+    def _traced(self, exchange: Exchange, trace: RequestTrace) -> TraceContext | None:
+        """The request's trace with --otlp-endpoint: the caller's continued, or a new one.
+        Without, the caller's traceparent goes to the engine as it came, and its trace id
+        to the request log."""
+        header = exchange.header(TRACEPARENT)
+        if self.tracer.enabled:
+            context = start_trace(header)
+            trace.trace_id = context.trace_id
+            return context
+        if header is not None:
+            parsed = parse_traceparent(header)
+            trace.trace_id = parsed[0] if parsed is not None else None
+        return None
+
+    def _upstream_headers(
+        self, exchange: Exchange, context: TraceContext | None
+    ) -> tuple[bytes, Headers]:
+        """The request's id (the client's x-request-id, or one made here) and the headers
+        the engine gets."""
+        request_id = exchange.header(b"x-request-id") or self._new_request_id()
+        headers = upstream_headers(exchange.headers, request_id)
+        return request_id, headers if context is None else with_traceparent(headers, context)
+
+    def _finish(
+        self,
+        exchange: Exchange,
+        trace: RequestTrace,
+        endpoint: Endpoint,
+        timing: Timing,
+        context: TraceContext | None,
     ) -> None:
+        """Count the request, log it, and hand its spans over: once, when it has ended."""
+        trace.finish(exchange)
+        code = CLIENT_GONE_STATUS if exchange.status is None else exchange.status
+        model = trace.model or NO_MODEL
+        self.metrics.requests.labels(model=model, code=str(code), endpoint=endpoint.name).inc()
+        if context is not None:
+            attributes: Attributes = {
+                "http.request.method": exchange.method,
+                "url.path": exchange.path,
+                "http.response.status_code": code,
+                "sluice.endpoint": endpoint.name,
+            }
+            if trace.model is not None:
+                attributes["gen_ai.request.model"] = trace.model
+            if trace.backend is not None:
+                attributes["sluice.backend"] = trace.backend
+            route = exchange.path if endpoint is not STORED else STORED_ROUTE
+            name = f"{exchange.method} {route}"
+            server, children = request_spans(name, timing, trace.ended, attributes)
+            self.tracer.finish(context, server, children)
+        if self.access_log is not None:
+            self.access_log.write(trace.record(0))
+
+    async def _infer(
+        self,
+        exchange: Exchange,
+        path: str,
+        endpoint: Endpoint,
+        timing: Timing,
+        trace: RequestTrace,
+        context: TraceContext | None,
+    ) -> None:
+        kind = endpoint.kind
         directory = self.catalog.directory(self.pool.backends)
         try:
             grant = self.grant(exchange)
             body = await exchange.read_body(self.settings.max_body_bytes)
+            timing.read_at = time.perf_counter()
             prepared = await self.preprocessor.prepare(
                 kind,
                 body,
                 models=directory,
                 allowed=grant.allowed(directory) if grant else None,
             )
+            body = prepared.forward_body or body
+            route_request = self._route_request(exchange, prepared, body)
+            known_ids: tuple[str, ...] = ()
+            if endpoint is RESPONSES:
+                body, known_ids = self._follow_up(prepared, body, route_request)
         except ClientError as exc:
             await exchange.respond_client_error(exc)
             return
@@ -254,31 +334,29 @@ class ProxyApp:
         timing.template = prepared.template_seconds
         timing.tokenize = prepared.tokenize_seconds
         model = prepared.model
-        key = grant.label if grant else self.key_labels.label(exchange.header(b"authorization"))
+        key = grant.label if grant else self.key_labels.label(self._credential(exchange))
         if prepared.token_ids is not None:
             self.metrics.prompt_tokens.labels(api_key=key, model=model or NO_MODEL).inc(
                 len(prepared.token_ids)
             )
-
-        request_id = exchange.header(b"x-request-id") or self._new_request_id()
-        headers = upstream_headers(exchange.headers, request_id)
-        body = prepared.forward_body or body
-        route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
-        session = exchange.header(b"x-session-id") or prepared.fields.get("user")
-        route_request = RouteRequest(prepared.token_ids, route_key, _session_key(session), model)
         per_minute = grant.tokens_per_minute if grant else None
+        # Without a prompt of Sluice's (embeddings, uploads), the engine's usage is charged.
+        prompt_admitted = prepared.tokenize_path != "none"
+        prompt_tokens = estimated_tokens(route_request) if prompt_admitted else 0
         try:
-            self.router.admit(key, model, estimated_tokens(route_request), per_minute)
+            self.router.admit(key, model, prompt_tokens, per_minute)
         except Overloaded as exc:
             await exchange.respond_client_error(exc)
             return
+        request_id, headers = self._upstream_headers(exchange, context)
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
         as_chat = False
-        if self.forward_tokens:
+        if self.forward_tokens and kind in ("chat", "completion"):
             plan = plan_forward(kind, path, body, prepared)
             path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
             extra_headers.append((b"x-sluice-forward", plan.label.encode()))
         outgoing = Outgoing(
+            endpoint,
             path,
             body,
             headers,
@@ -289,8 +367,32 @@ class ProxyApp:
             as_chat,
             self._admission(exchange, grant, key, prepared.fields, timing),
             per_minute,
+            known_ids,
+            prompt_admitted,
         )
-        await self.forward(exchange, outgoing, trace)
+        await self.forwarder.forward(exchange, outgoing, trace)
+
+    def _route_request(self, exchange: Exchange, prepared: Prepared, body: bytes) -> RouteRequest:
+        route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
+        session = exchange.header(b"x-session-id") or prepared.fields.get("user")
+        return RouteRequest(prepared.token_ids, route_key, _session_key(session), prepared.model)
+
+    def _follow_up(
+        self, prepared: Prepared, body: bytes, route_request: RouteRequest
+    ) -> tuple[bytes, tuple[str, ...]]:
+        """A Responses request continuing a stored one (`previous_response_id`) goes to the
+        engine that stores it, asked by the engine's own id: the body, and that id."""
+        previous = prepared.fields.get("previous_response_id")
+        owner = untag(previous) if isinstance(previous, str) else None
+        if owner is None or not isinstance(previous, str):
+            return body, ()
+        engine_id, backend_id = owner
+        backend = self.pool.find(backend_id)
+        if backend is None:
+            raise errors.response_not_found(previous, "previous_response_id")
+        route_request.pinned = backend
+        quoted = b'"%b"' % previous.encode()
+        return body.replace(quoted, b'"%b"' % engine_id.encode(), 1), (engine_id,)
 
     def _admission(
         self,
@@ -317,106 +419,6 @@ class ProxyApp:
         deadline = trio.current_time() + timeout - elapsed
         return Admission(key, grant.weight if grant else 1.0, priority, deadline)
 
-    async def forward(self, exchange: Exchange, outgoing: Outgoing, trace: RequestTrace) -> None:
-        tried: list[Backend] = []
-        failure: UpstreamFailure | None = None
-        while len(tried) < 2:
-            route_started = time.perf_counter()
-            try:
-                chosen = await self.router.choose(
-                    outgoing.route_request, tuple(tried), outgoing.admission
-                )
-            except Overloaded as exc:
-                await exchange.respond_client_error(exc)
-                return
-            if chosen is None:
-                break
-            decision = dataclasses.replace(chosen, reason="retry") if tried else chosen
-            outgoing.timing.queue += decision.waited
-            outgoing.timing.route += time.perf_counter() - route_started - decision.waited
-            backend = decision.backend
-            self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
-            tried.append(backend)
-            try:
-                await self._exchange(exchange, backend, decision, outgoing, trace)
-                return
-            except UpstreamFailure as exc:
-                failure = exc
-                log.warning("backend %s failed before answering: %s", backend.url, exc)
-            except StreamBroken as exc:
-                # The client has part of an answer that cannot be finished: the server
-                # closes its connection, which is how HTTP says the answer is incomplete.
-                log.warning("backend %s broke off its answer: %s", backend.url, exc)
-                return
-        if failure is None:
-            no_backend = errors.no_backend(outgoing.model, self.pool.tokenizer_refusals())
-            await exchange.respond_client_error(no_backend)
-        else:
-            await exchange.respond_client_error(errors.upstream_failure(failure))
-
-    async def _exchange(
-        self,
-        exchange: Exchange,
-        backend: Backend,
-        decision: Decision,
-        outgoing: Outgoing,
-        trace: RequestTrace,
-    ) -> None:
-        """One try on one backend. Raises `UpstreamFailure` while a retry is still possible.
-
-        `decision` was reserved by the router, which `release` gives back."""
-        code = "error"
-        broken: str | None = None
-        relayed: Relayed | None = None
-        try:
-            timing = outgoing.timing
-            self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
-            try:
-                response = await open_upstream(
-                    self.upstream,
-                    backend.url,
-                    outgoing.path,
-                    outgoing.body,
-                    outgoing.headers,
-                )
-            except UpstreamFailure as exc:
-                broken = str(exc)
-                raise
-            code = str(response.status_code)
-            if response.status_code in BACKEND_FAULT_STATUSES:
-                broken = f"answered {response.status_code}"
-            route = f"{self.policy.name}:{decision.reason}"
-            trace.routed(backend.url, route, outgoing.request_id)
-            extra = [
-                (b"x-request-id", outgoing.request_id),
-                (b"x-sluice-backend", backend.url.encode()),
-                (b"x-sluice-route", route.encode()),
-                (b"server-timing", timing.header()),
-                *outgoing.extra_headers,
-            ]
-            relay_answer = relay_as_chat if outgoing.answer_as_chat else relay
-            try:
-                relayed = await relay_answer(
-                    response, exchange, extra, self.settings.idle_timeout, self.relay_hub
-                )
-                if relayed.broken is not None:
-                    broken = relayed.broken
-            except (StreamBroken, UpstreamFailure) as exc:
-                broken = str(exc)
-                raise
-            finally:
-                await response.release()
-        finally:
-            usage = usage_from_tail(relayed.tail) if relayed is not None else None
-            key = outgoing.admission.tenant
-            self.router.release(decision, usage, key, outgoing.tokens_per_minute)
-            self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
-            pool_model = outgoing.model or ANY_MODEL
-            if broken is None:
-                self.pool.request_succeeded(backend, pool_model)
-            else:
-                self.pool.request_failed(backend, trio.current_time(), broken, pool_model)
-
 
 def _seconds(value: bytes | None) -> float | None:
     """A header's positive number of seconds, or None."""
@@ -437,7 +439,10 @@ def _session_key(session: object) -> str | None:
 
 
 def _prompt_tokens_header(prepared: Prepared) -> bytes:
-    """The prompt's token count, or `estimated` when tokenization was skipped (bail-out)."""
+    """The prompt's token count, `estimated` when tokenization was skipped (bail-out), or
+    `engine` when Sluice has no prompt of its own to count (embeddings, uploads, ...)."""
+    if prepared.tokenize_path == "none":
+        return b"engine"
     if prepared.token_ids is None:
         return b"estimated"
     return str(len(prepared.token_ids)).encode()

@@ -14,6 +14,17 @@ def not_found(path: str) -> ClientError:
     return ClientError(f"Unknown path {path}", code="not_found", status=404)
 
 
+def response_not_found(response_id: str, param: str | None = None) -> ClientError:
+    """404 for a stored response Sluice cannot find: not an id it handed out, or its backend
+    has left the pool."""
+    return ClientError(
+        f"No response found with id '{response_id[:200]}'.",
+        param,
+        "response_not_found",
+        status=404,
+    )
+
+
 def method_not_allowed(allowed: bytes) -> ClientError:
     return ClientError(
         f"Method not allowed; use {allowed.decode()}.",

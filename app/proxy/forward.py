@@ -1,15 +1,12 @@
 """Forwarding to one backend: which headers cross, and opening the upstream response.
 
 Opening is where a failure can still be retried elsewhere (nothing has reached the client);
-relaying (relay.py) is where it can't, so a broken stream ends with an SSE error event.
+relaying (relay.py) is where it can't, so a broken stream ends with its API's error event.
 """
 
 from __future__ import annotations
 
-import json
-
 from app.http.client import UpstreamError, UpstreamPool, UpstreamResponse
-from app.http.errors import error_body
 from app.http.fields import Headers
 
 HOP_BY_HOP = frozenset(
@@ -79,17 +76,17 @@ def is_event_stream(response: UpstreamResponse) -> bool:
 
 
 async def open_upstream(
-    pool: UpstreamPool, base_url: str, path: str, body: bytes, headers: Headers
+    pool: UpstreamPool,
+    base_url: str,
+    path: str,
+    body: bytes,
+    headers: Headers,
+    method: bytes = b"POST",
 ) -> UpstreamResponse:
     """Send the request and wait for the response head (within the pool's first-byte
     timeout)."""
     try:
-        return await pool.request(base_url, path, headers, body)
+        return await pool.request(base_url, path, headers, body, method)
     except UpstreamError as exc:
         kind = "timeout" if exc.timeout else "connect" if exc.connect else "protocol"
         raise UpstreamFailure(kind, str(exc)) from None
-
-
-def sse_error_event(message: str) -> bytes:
-    payload = error_body(message, "upstream_error", None, "backend_stream_broken")
-    return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"

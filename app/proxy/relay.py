@@ -11,38 +11,51 @@ Nothing else runs per token: usage, `cached_tokens` and the finish reason are re
 tail once the answer has ended (routing/usage.py), the request's trace reads the exchange's
 first-byte time once, and there is no per-chunk metric.
 
-On a failure mid-answer an event stream gets an error event and a clean end; any other body
-raises `StreamBroken`, so the server drops the connection rather than let a truncated JSON
-document look complete. `relay_as_chat` is the relay for `--forward tokens` chat requests:
-the backend answered a completion, the client gets a chat completion (chat_conversion.py).
+On a failure mid-answer an event stream the engine had finished (its API's end marker is in
+the tail: endpoints.py) ends cleanly, counted as untidy; one cut before its end gets its API's
+error event and a clean end; any other body raises `StreamBroken`, so the server drops the
+connection rather than let a truncated JSON document look complete. A `Converter` may rewrite
+what passes (a stored response's id, the chat shape for `--forward tokens`). `relay_as_chat`
+is the relay for `--forward tokens` chat requests: the backend answered a completion, the
+client gets a chat completion (chat_conversion.py).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from app.http.client import UpstreamError, UpstreamResponse
 from app.http.exchange import ClientGone, Exchange
 from app.http.fields import Headers
 from app.http.relay_hub import HubStream, RelayHub
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
+from app.proxy.endpoints import CHAT, Endpoint
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,
     downstream_headers,
     is_event_stream,
-    sse_error_event,
 )
 from app.routing.usage import TAIL_BYTES
 
 log = logging.getLogger("sluice.forward")
 
 
+class Converter(Protocol):
+    """Rewrites an answer's body as it passes, read by read."""
+
+    def feed(self, data: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+
 @dataclass(slots=True)
 class Relayed:
     broken: str | None  # None when the answer ended well, else what broke it
     tail: bytes  # the answer's last TAIL_BYTES, where its usage is
+    untidy: bool = False  # cut after its engine had finished it: ended cleanly all the same
 
 
 class _Passage:
@@ -50,7 +63,7 @@ class _Passage:
 
     __slots__ = ("_converter", "_response", "tail")
 
-    def __init__(self, response: UpstreamResponse, converter: ChatStreamConverter | None) -> None:
+    def __init__(self, response: UpstreamResponse, converter: Converter | None) -> None:
         self._response = response
         self._converter = converter
         self.tail = b""
@@ -74,8 +87,13 @@ class _Passage:
         return self._response.complete
 
     def last(self, data: bytes) -> bytes:
-        """The body's last content, and whatever the converter still held."""
-        return data if self._converter is None else data + self._converter.finish()
+        """The body's last content (converted already), and what the converter still held."""
+        if self._converter is None:
+            return data
+        held = self._converter.finish()
+        if held:
+            self.tail = (self.tail + held)[-TAIL_BYTES:]
+        return data + held
 
 
 async def relay(
@@ -84,11 +102,14 @@ async def relay(
     extra_headers: Headers,
     idle: float,
     hub: RelayHub,
-    converter: ChatStreamConverter | None = None,
+    converter: Converter | None = None,
+    endpoint: Endpoint = CHAT,
 ) -> Relayed:
     """Relay the response (through `converter` if given), its body's middle by `hub`.
     `UpstreamFailure` if the body is broken before anything was sent."""
     headers = downstream_headers(response, extra_headers)
+    if converter is not None:  # it changes the body's length: chunked, unless all is here
+        headers = [(name, value) for name, value in headers if name != b"content-length"]
     passage = _Passage(response, converter)
     try:
         first = passage.take_arrived()
@@ -96,7 +117,10 @@ async def relay(
         raise UpstreamFailure("protocol", str(exc)) from None
     if response.complete:
         await response.release()
-        await exchange.start(response.status_code, headers, passage.last(first), complete=True)
+        body = passage.last(first)
+        if converter is not None:
+            headers.append((b"content-length", b"%d" % len(body)))
+        await exchange.start(response.status_code, headers, body, complete=True)
         return Relayed(None, passage.tail)
     await exchange.start(response.status_code, headers, first, complete=False)
     sink = exchange.relay_sink()
@@ -118,20 +142,29 @@ async def relay(
     if ended.client_gone:
         raise ClientGone
     if ended.broken is not None:
-        return await _broken_off(response, exchange, ended.broken, passage.tail)
+        return await _broken_off(response, exchange, ended.broken, passage, endpoint)
     await response.release()
     await exchange.end(passage.last(ended.last))
     return Relayed(None, passage.tail)
 
 
 async def _broken_off(
-    response: UpstreamResponse, exchange: Exchange, detail: str, tail: bytes
+    response: UpstreamResponse,
+    exchange: Exchange,
+    detail: str,
+    passage: _Passage,
+    endpoint: Endpoint,
 ) -> Relayed:
     if not is_event_stream(response):
         raise StreamBroken(detail)
+    rest = passage.last(b"")
+    if endpoint.finished_in(passage.tail):
+        log.info("stream cut after its end (%s): ended cleanly", detail)
+        await exchange.end(rest)
+        return Relayed(None, passage.tail, untidy=True)
     log.warning("stream broke: %s", detail)
-    await exchange.end(sse_error_event(f"The backend stream broke: {detail}"))
-    return Relayed(detail, tail)
+    await exchange.end(rest + endpoint.broken(f"The backend stream broke: {detail}"))
+    return Relayed(detail, passage.tail)
 
 
 async def relay_as_chat(

@@ -74,6 +74,7 @@ class Held:
     arrived: float
     ticket: object = None
     prefers: str | None = None  # the backend holding its prefix when it was held, if any
+    only: str | None = None  # the one backend it may go to, if pinned
     start: float = field(default=0.0, init=False)  # virtual start, set when queued
 
 
@@ -129,13 +130,23 @@ class FairQueue:
         self._held += 1
         return shed
 
-    def pop(self, prefer: Callable[[Held], bool] | None = None, window: int = 1) -> Held | None:
+    def pop(
+        self,
+        prefer: Callable[[Held], bool] | None = None,
+        window: int = 1,
+        eligible: Callable[[Held], bool] | None = None,
+    ) -> Held | None:
         """The next request to leave: the first in fair order of the best band, or the first
-        of its next `window` that `prefer` accepts."""
+        of its next `window` that `prefer` accepts; only a tenant's first request that is
+        `eligible` (one pinned to a backend without room waits, and its tenant's behind it)."""
         if not self._bands:
             return None
         band = self._bands[min(self._bands)]
         heads = sorted((queue[0] for queue in band.tenants.values()), key=_order)
+        if eligible is not None:
+            heads = [head for head in heads if eligible(head)]
+            if not heads:
+                return None
         chosen = heads[0]
         if prefer is not None:
             chosen = next((h for h in heads[:window] if prefer(h)), chosen)

@@ -24,12 +24,14 @@ class RouteRequest:
     """What a policy may look at. `token_ids` is None when tokenization was skipped; `text` is
     the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
     client's `x-session-id` header or the body's `user` field; `model` the served model whose
-    pool the candidates are (None: a pool of every backend)."""
+    pool the candidates are (None: a pool of every backend); `pinned` the one backend it may
+    go to (a follow-up of a response that backend stores), None for any."""
 
     token_ids: Sequence[int] | None = None
     text: str | None = None
     session: str | None = None
     model: str | None = None
+    pinned: Backend | None = None
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,8 @@ class Gate:
         model = request.model
         now = trio.current_time()
         candidates = self.pool.available(now, exclude, model)
+        if request.pinned is not None:
+            candidates = [b for b in candidates if b is request.pinned]
         if not candidates:
             return None
         if not exclude:  # a retry asked once already
@@ -137,6 +139,7 @@ class Gate:
             arrived,
             ticket,
             prefers.url if prefers is not None else None,
+            request.pinned.url if request.pinned is not None else None,
         )
         shed = queue.push(held)
         if shed is held:
@@ -145,6 +148,8 @@ class Gate:
         if shed is not None:
             self._refuse(model, shed, "queue_full")
         self._anything_held.set()
+        # Room may be open to others while a request pinned to a full backend is held.
+        self._release_from(model, queue)
         deadline = min(arrived + self.limits.timeout, admission.deadline)
         try:
             with trio.move_on_at(deadline):
@@ -182,11 +187,15 @@ class Gate:
             open_ = self.with_room(candidates)
             if not open_:
                 return
-            held = queue.pop(prefer=_prefers_one_of(open_), window=AFFINITY_WINDOW)
+            urls = frozenset(backend.url for backend in open_)
+            held = queue.pop(_prefers_one_of(urls), AFFINITY_WINDOW, _may_go_to_one_of(urls))
             if held is None:
                 return
             ticket = self._ticket(held)
-            choices = [b for b in open_ if b not in ticket.exclude] or open_
+            if held.only is not None:
+                choices = [b for b in open_ if b.url == held.only]
+            else:
+                choices = [b for b in open_ if b not in ticket.exclude] or open_
             decision = self._route(choices, ticket.request)
             decision.waited = now - held.arrived
             self._wake(held, decision)
@@ -232,6 +241,9 @@ class Gate:
             self.opened()
 
 
-def _prefers_one_of(backends: Sequence[Backend]) -> Callable[[Held], bool]:
-    urls = {backend.url for backend in backends}
+def _prefers_one_of(urls: frozenset[str]) -> Callable[[Held], bool]:
     return lambda held: held.prefers in urls
+
+
+def _may_go_to_one_of(urls: frozenset[str]) -> Callable[[Held], bool]:
+    return lambda held: held.only is None or held.only in urls

@@ -196,16 +196,23 @@ class Router:
         usage: Usage | None,
         api_key: str | None = None,
         per_minute: int | None = None,
+        prompt_admitted: bool = True,
     ) -> None:
-        """The exchange with `decision.backend` is over; `usage` is what its answer reported."""
+        """The exchange with `decision.backend` is over; `usage` is what its answer reported.
+        Its completion tokens are charged to the key's budget, and its prompt's too when
+        they were not taken at `admit` (`prompt_admitted`: Sluice counted no prompt)."""
         backend = decision.backend
         backend.inflight -= 1
         backend.pending_tokens -= decision.pending_tokens
         self.gate.opened((None, *backend.served))
         limit = self.budget(per_minute)
-        if usage is not None and usage.completion_tokens and limit and api_key:
-            key = (api_key, decision.model)
-            self.buckets.charge(key, usage.completion_tokens, trio.current_time(), limit)
+        if usage is not None and limit and api_key:
+            tokens = usage.completion_tokens or 0
+            if not prompt_admitted:
+                tokens += usage.prompt_tokens or 0
+            if tokens:
+                key = (api_key, decision.model)
+                self.buckets.charge(key, tokens, trio.current_time(), limit)
         if isinstance(self.policy, CacheAware) and decision.prediction is not None:
             self._check_prediction(self.policy, decision, usage)
 

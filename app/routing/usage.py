@@ -1,5 +1,8 @@
 """What a backend's answer says it used: `usage` read off the end of the response. Pure.
 
+Every API's shape: chat, completions and embeddings (`prompt_tokens`, `completion_tokens`),
+the Responses API and Anthropic's Messages (`input_tokens`, `output_tokens`).
+
 vLLM (with `--enable-prompt-tokens-details`) and the simulated backend report
 `usage.prompt_tokens_details.cached_tokens`: the prompt tokens its prefix cache served. It
 sits at the end of an answer: the last object of a JSON body, or the last event before
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 TAIL_BYTES = 2048
 
 _USAGE = b'"usage"'
-_FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)"\s*:\s*(\d+)')
+_FIELD = re.compile(
+    rb'"(prompt_tokens|completion_tokens|input_tokens|output_tokens|cached_tokens)"\s*:\s*(\d+)'
+)
 
 
 @dataclass(slots=True)
@@ -39,6 +44,11 @@ def usage_from_tail(tail: bytes) -> Usage | None:
     }
     if not fields:
         return None
+    # OpenAI's chat and completions say prompt/completion tokens; its Responses API and
+    # Anthropic's Messages say input/output tokens (Messages' last usage, in `message_delta`,
+    # may hold only the output's).
     return Usage(
-        fields.get("prompt_tokens"), fields.get("completion_tokens"), fields.get("cached_tokens")
+        fields.get("prompt_tokens", fields.get("input_tokens")),
+        fields.get("completion_tokens", fields.get("output_tokens")),
+        fields.get("cached_tokens"),
     )

@@ -30,7 +30,7 @@ from typing import Any
 
 from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, calibrate_render_cost
 from app.preprocess.encoding import gil_releasing_encoder
-from app.preprocess.pipeline import RENDER_ON_LOOP_BUDGET
+from app.preprocess.rendering import RENDER_ON_LOOP_BUDGET
 from app.preprocess.tokenizer_loading import load_tokenizer
 from load import harness
 from load.harness import Bench, Scenario, Table
