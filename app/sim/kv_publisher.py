@@ -3,7 +3,8 @@
 `--kv-events-endpoint tcp://HOST:PORT` binds a PUB socket (port 0: any free port) that sends
 `[topic, seq, payload]` for every batch of events the prefix cache tells
 (`kv_cache.py`), `seq` counting from 0 as 8 big-endian bytes and `payload` encoded as current
-vLLM encodes it (`app/kv_events/wire.py`'s `encode_batch`). `--kv-events-replay-endpoint` binds a ROUTER
+vLLM encodes it (app/kv_events/wire.py's `encode_batch`). `--kv-events-replay-endpoint` binds
+a ROUTER
 socket that keeps the last `REPLAY_BUFFER` messages and answers `[b"", start_seq]` with
 every one from `start_seq` on, then the end marker, as vLLM's `ZmqEventPublisher` does.
 
