@@ -176,10 +176,10 @@ async def measure(bench: Bench) -> dict[str, Any]:
     rounds, seconds = bench.rounds(1, 3), bench.pick(5.0, 10.0)
     warmup = TOKENS * INTER_TOKEN_S + 1.0
     sim = await bench.stack.sim(*SIM_FLAGS)
-    url = await bench.stack.proxy(sim, *SLUICE_FLAGS)
     targets: dict[str, tuple[str, int | None]] = {"direct": (sim, None)}
-    targets["sluice"] = (url, bench.stack.pids[url])
-    smg = await bench.stack.smg([sim], "round_robin")
+    for name, url in (await bench.proxies("sluice", sim, *SLUICE_FLAGS)).items():
+        targets[name] = (url, bench.stack.pids[url])
+    smg = None if bench.comparing else await bench.stack.smg([sim], "round_robin")
     if smg is not None:
         targets["smg"] = (smg, bench.stack.pids[smg])
     for name, (url, _) in list(targets.items()):
