@@ -139,11 +139,16 @@ class Settings(ServerSettings):
     balance_abs_threshold: float = 16.0
     balance_rel_threshold: float = 1.5
     max_index_blocks: int = 262144
-    # Admission: requests per backend at once, then a bounded wait, then 429.
-    max_inflight_per_backend: int = 128
-    # As many as --max-connections lets in: a burst of 1,000 streams waits for slots (as vLLM
-    # queues beyond its batch) instead of being refused; memory stays bounded by that flag.
+    # Admission: a request passes while an engine of its model's pool has room, as the
+    # engines' own metrics say (app/fleet/saturation.py); else it is held, fairly across API
+    # keys, up to admission_queue requests (admission_queue_per_key of one key) for at most
+    # admission_timeout seconds, then 429. max_inflight_per_backend: an optional ceiling on
+    # our requests on one backend; max_kv_usage: an engine whose KV cache is this full takes
+    # no more.
+    max_inflight_per_backend: int | None = None
+    max_kv_usage: float = 0.95
     admission_queue: int = 1024
+    admission_queue_per_key: int = 256
     admission_timeout: float = 30.0
     tokens_per_minute: int = 0  # per API key and model; 0: no limit
     # A TOML file of API keys, the models each may call and its tokens per minute; without
@@ -241,10 +246,18 @@ class Settings(ServerSettings):
         for url in self.backends:
             check_backend_url(url)
         check_fleet(self.models)
-        for name in ("max_index_blocks", "max_inflight_per_backend"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        for name in ("admission_queue", "tokens_per_minute", "balance_abs_threshold"):
+        if self.max_index_blocks < 1:
+            raise ValueError("--max-index-blocks must be at least 1")
+        if self.max_inflight_per_backend is not None and self.max_inflight_per_backend < 1:
+            raise ValueError("--max-inflight-per-backend must be at least 1 (leave it out: none)")
+        if not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError("--max-kv-usage must be above 0 and at most 1")
+        for name in (
+            "admission_queue",
+            "admission_queue_per_key",
+            "tokens_per_minute",
+            "balance_abs_threshold",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative")
         if not 0.0 <= self.cache_threshold <= 1.0:

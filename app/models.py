@@ -25,6 +25,8 @@ from app.http.errors import ClientError
 # are ignored, so that a backend listing thousands of adapters cannot grow every per-model
 # structure, nor the metrics' label sets, without end.
 MAX_MODELS = 64
+# The `model` label of what was refused, or prepared, before a served model was known.
+NO_MODEL = "(none)"
 
 
 @dataclass(frozen=True)

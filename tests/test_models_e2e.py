@@ -209,12 +209,12 @@ async def test_a_full_pool_does_not_hold_up_another_pools_requests(
         router = running.sluice.router
 
         async def slow_queue_waits() -> bool:
-            return router.waiting == 2
+            return router.gate.held == 2
 
         await wait_until(slow_queue_waits)
         with trio.fail_after(3):
             assert (await ask(client, fleet, "quick")).status_code == 200
-        assert router.snapshot()["admission"]["waiting_by_model"] == {"slow": 2, "quick": 0}
+        assert router.snapshot()["admission"]["held_by_model"] == {"slow": 2}
 
 
 async def test_a_backend_that_stops_listing_a_model_leaves_its_pool(

@@ -1,17 +1,15 @@
-"""Admission and feedback plumbing alone: token buckets per API key (refill, charge after the
-fact, too-large requests, bounded keys), the slot queue's bounds under trio's MockClock, and
-usage read off an answer's tail."""
+"""Budgets and feedback plumbing alone: token buckets per API key (refill, charge after the
+fact, too-large requests, bounded keys), a 429's Retry-After, and usage read off an answer's
+tail. The gate that holds requests: tests/test_admission.py."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-import trio
-import trio.testing
 
 from app.budgets.buckets import TokenBuckets
-from app.routing.admission import Overloaded, SlotQueue
+from app.routing.admission import Overloaded
 from app.routing.usage import Usage, usage_from_tail
 
 # --- tokens per minute --------------------------------------------------------------------------
@@ -52,34 +50,6 @@ def test_overloaded_says_when_to_retry_in_whole_seconds() -> None:
 
 
 # --- the slot queue -----------------------------------------------------------------------------
-
-
-async def test_the_queue_is_bounded_and_times_out(autojump_clock: trio.abc.Clock) -> None:
-    queue = SlotQueue(max_waiting=2, timeout=5.0)
-    outcomes: list[str] = []
-
-    async def waiter() -> None:
-        """As the router does: wait, re-check (here: nothing to take), wait again."""
-        deadline = trio.current_time() + 5.0
-        try:
-            await queue.wait(deadline, poll=100.0)
-            outcomes.append(f"back at {trio.current_time():g}")
-            await queue.wait(deadline, poll=100.0)
-        except Overloaded as exc:
-            outcomes.append(exc.reason)
-
-    async with trio.open_nursery() as nursery:
-        for _ in range(3):
-            nursery.start_soon(waiter)
-        await trio.testing.wait_all_tasks_blocked()
-        assert queue.waiting == 2 and outcomes == ["queue_full"]
-        queue.wake_one()
-        await trio.testing.wait_all_tasks_blocked()
-        assert outcomes == ["queue_full", "back at 0"]
-    # The unwoken one was back at the deadline, and refused on its next wait.
-    assert outcomes == ["queue_full", "back at 0", "back at 5", "queue_timeout"]
-    assert queue.waiting == 0
-    assert (queue.rejected_full, queue.rejected_timeout) == (1, 1)
 
 
 # --- usage off the tail ---------------------------------------------------------------------------

@@ -203,7 +203,7 @@ async def test_too_many_tokens_per_minute_is_a_429(
     assert too_large.json()["error"]["code"] == "request_too_large"
 
 
-async def test_every_backend_at_its_limit_queues_then_refuses_and_the_bound_holds(
+async def test_every_backend_at_its_ceiling_holds_then_refuses_and_the_bound_holds(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
     sim = await start_sim(inter_token_latency=0.02)
@@ -235,4 +235,4 @@ async def test_every_backend_at_its_limit_queues_then_refuses_and_the_bound_hold
     assert most_running <= 2
     snap = await snapshot(client, running.dashboard_url)
     assert snap["routing"]["admission"]["rejected"] == {"queue_full": 4}
-    assert snap["routing"]["admission"]["waiting"] == 0
+    assert snap["routing"]["admission"]["held"] == 0

@@ -33,10 +33,15 @@ HELP: dict[str, str] = {
     "affinity goes only past both thresholds (default: 1.5)",
     "max_index_blocks": "bound of the prefix index, in (backend, 16-token block) entries, "
     "and of the engine blocks followed from --kv-events, shared by them (default: 262144)",
-    "max_inflight_per_backend": "requests in flight per backend; beyond, requests wait in "
-    "the admission queue (default: 128)",
-    "admission_queue": "requests that may wait for a backend slot before 429 (default: 1024)",
-    "admission_timeout": "seconds a request may wait for a backend slot before 429 (default: 30)",
+    "max_inflight_per_backend": "an optional ceiling on this proxy's requests in flight on one "
+    "backend (default: none; the engines' own metrics say when one is saturated)",
+    "max_kv_usage": "an engine whose KV-cache usage reaches this takes no new request until "
+    "it falls (default: 0.95)",
+    "admission_queue": "requests that may be held while every engine of their model is "
+    "saturated, before 429 (default: 1024)",
+    "admission_queue_per_key": "of those, held for one API key (default: 256)",
+    "admission_timeout": "seconds a request may be held before 429 (default: 30; a client's "
+    "X-Request-Timeout header may say less)",
     "tokens_per_minute": "prompt + completion tokens per minute per API key and model, 429 "
     "beyond (default: 0, no limit; a key's own limit in --api-keys wins)",
     "api_keys": "TOML file of API keys: the models each may call, its tokens per minute "

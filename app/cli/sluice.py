@@ -31,6 +31,7 @@ from app.http.client import UpstreamPool
 from app.http.relay_hub import RelayHub
 from app.http.server import HttpServer
 from app.kv_events.subscriber import subscribers_for
+from app.models import NO_MODEL
 from app.observe.backend_stats import backend_rows
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
@@ -128,8 +129,12 @@ class Sluice:
             requests["recent"],
         )
         kv_events = self.kv_event_snapshots()
+        gate = self.router.gate
+        saturated = {b.url: gate.saturated(b) for b in self.pool.backends}
         for backend in backends:
             backend["kv_events"] = kv_events.get(backend["url"])
+            backend["saturated"] = saturated.get(backend["url"])
+        held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
         return {
             "time": now,
             "wall_time": time.time(),
@@ -141,6 +146,7 @@ class Sluice:
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics),
             "requests": requests,
+            "admission": self.metrics.admission.snapshot(held, now),
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
@@ -187,6 +193,7 @@ class Sluice:
             self.checker = checker
             await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
+            await nursery.start(self.router.gate.run)
             for subscriber in self.kv_subscribers.values():
                 await nursery.start(subscriber.run)
             if self.budget_sync is not None:
@@ -196,6 +203,7 @@ class Sluice:
                 client,
                 settings.health_check_timeout,
                 traffic=lambda: self.router.reservations,
+                reported=self.router.gate.opened,
             )
             nursery.start_soon(scraper.run)
             upstream = UpstreamPool(

@@ -68,6 +68,9 @@ SAME = frozenset(
         "engine_waiting",
         "engine_kv_cache_usage",
         "engine_prefix_cache_hit_rate",
+        # Admission: an API key's weight, and the window's length.
+        "weight",
+        "window_s",
     }
 )
 # Lists of entries merged entry by entry, by this field.
@@ -90,6 +93,8 @@ WORST = frozenset(
         "breakers_open",
         "ttft_p50_ms",
         "ttft_p99_ms",
+        "wait_p50_s",
+        "wait_p99_s",
     }
 )
 STALLS_SHOWN = 20

@@ -32,6 +32,7 @@ again (it may have been replaced by another model while it was down).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,6 +96,9 @@ class Backend:
     inflight_at_report: int = 0  # our own in flight then
     others_per_own: float = 0.0  # the fleet's, at the last scrapes (`engines_reported`)
     engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
+    # Requests its engine runs at once, as learnt from its reports (saturation.py); None:
+    # never seen queueing.
+    capacity: int | None = None
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
     # The models a configuration names for it, in the order of its tables; None: those its
@@ -136,17 +140,28 @@ class Backend:
         requests = self.inflight + max(others, 0.0) + self.reported_waiting
         return requests + self.pending_tokens / TOKENS_PER_LOAD
 
+    @property
+    def on_engine(self) -> float:
+        """Requests its engine runs or queues now, everyone's: what it last reported, moved
+        since as our own in flight moved (others' with ours, `others_per_own` of theirs for
+        each of ours)."""
+        moved = (1.0 + self.others_per_own) * (self.inflight - self.inflight_at_report)
+        return max(self.others_inflight + self.inflight_at_report + moved, float(self.inflight))
+
     def engine_reported(self, engine: EngineLoad | None) -> None:
         """What its engine's metrics said just now (None: it reports no load). What it ran
         and queued beyond this process's requests in flight is other senders' work."""
         self.engine = engine
         if engine is None:
             self.reported_waiting = self.others_inflight = 0
+            self.capacity = None
             return
         self.reported_waiting = engine.waiting or 0
-        on_engine = (engine.running or 0) + self.reported_waiting
+        running = engine.running or 0
+        on_engine = running + self.reported_waiting
         self.others_inflight = max(on_engine - self.inflight, 0)
         self.inflight_at_report = self.inflight
+        self.capacity = learnt_capacity(self.capacity, running, self.reported_waiting)
 
     @property
     def reported_kv_usage(self) -> float | None:
@@ -195,6 +210,23 @@ class Backend:
     def _breaker_allows(self, now: float, model: str) -> bool:
         breaker = self.breakers.get(model)
         return breaker is None or now >= breaker.open_until
+
+
+# An engine that ran all it was thought to hold without queueing is given this much more room
+# at its next report, until a queue says where its room ends.
+CAPACITY_GROWTH = 1.5
+
+
+def learnt_capacity(capacity: int | None, running: int, waiting: int) -> int | None:
+    """How many requests an engine runs at once, from one report: what it ran while some
+    waited is its room (a batch limit, or KV-cache space: both vary); one that ran all it
+    was thought to hold, with none waiting, may have more, probed by half again. Never seen
+    queueing: unknown (None), and nothing is held back for it."""
+    if waiting > 0:
+        return max(running, 1)
+    if capacity is not None and running >= capacity:
+        return max(capacity + 1, math.ceil(running * CAPACITY_GROWTH))
+    return capacity
 
 
 # Others' requests assumed to move with each of ours, at most: 8 replicas' worth.
@@ -346,6 +378,7 @@ class BackendPool:
                 "others_inflight": b.others_inflight,
                 "others_per_own": round(b.others_per_own, 3),
                 "reported_kv_usage": b.reported_kv_usage,
+                "capacity": b.capacity,
                 "engine": _engine_block(b.engine),
                 "consecutive_failures": max(
                     (breaker.consecutive_failures for breaker in b.breakers.values()), default=0

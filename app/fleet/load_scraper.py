@@ -41,12 +41,15 @@ class LoadScraper:
         client: httpx.AsyncClient,
         timeout: float,
         traffic: Callable[[], int],
+        reported: Callable[[], None] = lambda: None,
     ) -> None:
-        """`traffic` counts the requests sent to backends so far (it only ever grows)."""
+        """`traffic` counts the requests sent to backends so far (it only ever grows);
+        `reported` is told after each round of reports (an engine may have room now)."""
         self.pool = pool
         self.client = client
         self.timeout = timeout
         self._traffic = traffic
+        self._reported = reported
         self._unsupported_until: dict[str, float] = {}
         self._last_reading: dict[str, EngineReading] = {}
 
@@ -80,6 +83,7 @@ class LoadScraper:
                 if backend.healthy and self._unsupported_until.get(backend.id, 0.0) <= now:
                     nursery.start_soon(self.scrape, backend)
         self.pool.engines_reported()
+        self._reported()
 
     async def scrape(self, backend: Backend) -> None:
         try:

@@ -16,11 +16,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Self, cast
 
 import prometheus_client
+import trio
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
 
+from app.observe.admission_stats import WAIT_BUCKETS, AdmissionStats
 from app.observe.request_trace import TrafficRecorder
 
 # The `*_created` series double the exposition and no dashboard of ours reads them.
@@ -145,7 +147,8 @@ class LabelledReading(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = trio.current_time) -> None:
+        """`clock`: the loop's, for what is counted by the second (admission's window)."""
         r = self.registry = CollectorRegistry()
 
         # Preprocessing.
@@ -317,15 +320,50 @@ class Metrics:
         )
         self.admission_rejected = Counter(
             "sluice_admission_rejected",
-            "Requests refused with 429, by reason "
-            "(tokens_per_minute, request_too_large, queue_full, queue_timeout)",
+            "Requests refused with 429, by reason (tokens_per_minute, request_too_large, "
+            "queue_full, key_queue_full, queue_timeout)",
             ["reason"],
             registry=r,
         )
         self.admission_waiting = Gauge(
             "sluice_admission_waiting",
-            "Requests waiting for a backend under --max-inflight-per-backend",
+            "Requests held at the proxy while every engine of their pool is saturated",
             registry=r,
+        )
+        self.admission_held = LabelledReading(
+            "sluice_admission_held", "Requests held now, by model", "model", registry=r
+        )
+        self.backend_saturated = LabelledReading(
+            "sluice_backend_saturated",
+            "1 while the proxy judges a backend's engine saturated (it holds requests back)",
+            "backend",
+            registry=r,
+        )
+        admission_wait = Histogram(
+            "sluice_admission_wait_seconds",
+            "Time a held request waited for an engine with room, by model",
+            ["model"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        admission_dispatched = Counter(
+            "sluice_admission_dispatched",
+            "Requests that passed the gate to a backend, by model and API key (its label)",
+            ["model", "api_key"],
+            registry=r,
+        )
+        admission_shed = Counter(
+            "sluice_admission_shed",
+            "Requests refused at the gate, by model and reason "
+            "(queue_full, key_queue_full, queue_timeout, tokens_per_minute, request_too_large)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.admission = AdmissionStats(
+            lambda model, waited: admission_wait.labels(model).observe(waited),
+            lambda model, key: admission_dispatched.labels(model, key).inc(),
+            lambda model, reason: admission_shed.labels(model, reason).inc(),
+            clock,
         )
 
     def forget_backend(self, url: str) -> None:

@@ -30,6 +30,7 @@ class RequestRecord(TypedDict):
     template_ms: float
     tokenize_ms: float
     route_ms: float
+    queue_ms: float  # held at the proxy while every engine of its model was saturated
     status: int  # the status sent to the client, or 499 if it left before a response
     ttft_ms: float | None  # until the first body byte went to the client
     duration_ms: float

@@ -29,6 +29,7 @@ class TimingLike(Protocol):
     template: float
     tokenize: float
     route: float
+    queue: float  # held at the gate, every engine of its pool saturated
 
 
 class PreparedLike(Protocol):
@@ -180,6 +181,7 @@ class RequestTrace:
             "template_ms": round(timing.template * 1000, 3),
             "tokenize_ms": round(timing.tokenize * 1000, 3),
             "route_ms": round(timing.route * 1000, 3),
+            "queue_ms": round(timing.queue * 1000, 3),
             "status": self.status,
             "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
             "duration_ms": round(duration * 1000, 3),

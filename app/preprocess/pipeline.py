@@ -37,7 +37,7 @@ from prometheus_client import Gauge
 
 from app.config import Saturation, Settings
 from app.http.errors import ClientError
-from app.models import ModelDirectory
+from app.models import NO_MODEL, ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess import length_gate
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
@@ -51,7 +51,7 @@ from app.preprocess.rendering import (
 )
 from app.preprocess.request_bodies import Kind, nested_too_deeply
 from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
-from app.preprocess.tokenization import NO_MODEL, dispatcher_snapshot
+from app.preprocess.tokenization import dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
     TokenizerLike,

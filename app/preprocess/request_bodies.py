@@ -121,6 +121,9 @@ def _check_common(body: dict[str, Any]) -> None:
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise ClientError("'stream_options' must be an object", "stream_options", "invalid_type")
+    priority = body.get("priority")
+    if priority is not None and not _is_int(priority):
+        raise ClientError("'priority' must be an integer", "priority", "invalid_type")
     for name in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(name)
         if value is not None and (not _is_int(value) or value < 1):

@@ -27,6 +27,7 @@ from array import array
 from typing import Any
 
 from app.config import Settings
+from app.models import NO_MODEL
 from app.observe.metrics import Metrics
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import TokenizerFacts, gil_releasing_encoder, naive_encoder
@@ -43,8 +44,6 @@ ON_LOOP_MAX_CHARS = 256
 # The largest text the capacity-one fallback encodes on the loop: ~2k tokens, ~2 ms.
 FALLBACK_MAX_CHARS = 8192
 PATHS = {"offloaded": "thread", "fallback": "fallback", "inline": "inline"}
-# The model label of requests prepared without a served model (a Preprocessor used alone).
-NO_MODEL = "(none)"
 
 
 class TokenCaches:

@@ -4,6 +4,8 @@
     key = "sk-team-a-7f3c..."           # what the client sends as `Authorization: Bearer`
     models = ["deepseek-v4", "chat-default"]   # served names or aliases; absent: every model
     tokens_per_minute = 100000          # per model, as OpenAI's limits; absent: the flag's
+    weight = 2                          # its share when engines are saturated; absent: 1
+    priority = 0                        # its band when held: lower leaves first; absent: 0
 
 A request without a listed key gets 401 `invalid_api_key`; a model its key may not use is
 404, worded as for a model that does not exist. Keys are never kept, logged or shown: the
@@ -27,7 +29,7 @@ from app.http.errors import ClientError
 from app.models import ModelDirectory
 from app.proxy.accounting import bearer_token, fingerprint
 
-ENTRY_KEYS = frozenset({"key", "models", "tokens_per_minute"})
+ENTRY_KEYS = frozenset({"key", "models", "tokens_per_minute", "weight", "priority"})
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class KeyGrant:
     label: str  # the key's fingerprint: metrics, budgets, the dashboard
     models: frozenset[str] | None  # names or aliases it may call; None: every model
     tokens_per_minute: int | None  # None: --tokens-per-minute
+    weight: float = 1.0  # its share of what leaves the queue while engines are saturated
+    priority: int = 0  # its requests' band when held (lower first); a body may only lower it
 
     def allowed(self, directory: ModelDirectory) -> frozenset[str] | None:
         """The served names this key may call now (an alias grants the model behind it)."""
@@ -121,8 +125,18 @@ def _entry(where: str, entry: Mapping[str, Any]) -> tuple[bytes, KeyGrant]:
     limit = entry.get("tokens_per_minute")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
         raise ConfigError(f"{where}: tokens_per_minute must be an integer, 0 or more")
+    weight = entry.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < 1e6:
+        raise ConfigError(f"{where}: weight must be a positive number")
+    priority = entry.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"{where}: priority must be an integer (lower goes first)")
     token = key.encode()
     grant = KeyGrant(
-        fingerprint(token), None if models is None else frozenset(models), limit or None
+        fingerprint(token),
+        None if models is None else frozenset(models),
+        limit or None,
+        float(weight),
+        priority,
     )
     return hashlib.sha256(token).digest(), grant

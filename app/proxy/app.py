@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -29,12 +30,12 @@ from app.http.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
+from app.models import NO_MODEL
 from app.observe.metrics import Metrics
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.request_bodies import Kind
-from app.preprocess.tokenization import NO_MODEL
 from app.proxy import errors
 from app.proxy.accounting import KeyLabels
 from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
@@ -46,7 +47,7 @@ from app.proxy.forward import (
 )
 from app.proxy.relay import Relayed, relay, relay_as_chat
 from app.proxy.token_forwarding import plan_forward
-from app.routing.admission import Overloaded
+from app.routing.admission import Admission, Overloaded
 from app.routing.decision import Decision, RouteRequest
 from app.routing.router import Router, estimated_tokens
 from app.routing.usage import usage_from_tail
@@ -62,6 +63,8 @@ GET_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
 BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
 # How much of a body stands in for its prompt when a hash must route it unparsed (bail-out).
 ROUTE_KEY_BYTES = 4096
+# A client's own deadline, in seconds: ours, and the one the OpenAI SDKs send.
+CLIENT_TIMEOUT_HEADERS = (b"x-request-timeout", b"x-stainless-timeout")
 
 
 @dataclass
@@ -70,12 +73,14 @@ class Timing:
     template: float = 0.0
     tokenize: float = 0.0
     route: float = 0.0
+    queue: float = 0.0  # held at the gate, every engine of its pool saturated
 
     def header(self) -> bytes:
-        return b"template;dur=%.3f, tokenize;dur=%.3f, route;dur=%.3f" % (
+        return b"template;dur=%.3f, tokenize;dur=%.3f, route;dur=%.3f, queue;dur=%.3f" % (
             self.template * 1000,
             self.tokenize * 1000,
             self.route * 1000,
+            self.queue * 1000,
         )
 
 
@@ -96,7 +101,7 @@ class Outgoing:
     timing: Timing
     extra_headers: Headers
     answer_as_chat: bool  # the backend answers a completion to what was a chat request
-    api_key: str  # the key's label: token admission and accounting
+    admission: Admission  # its key's label (token budgets, accounting, fair queuing) and more
     tokens_per_minute: int | None  # the key's own limit (None: --tokens-per-minute)
 
     @property
@@ -282,10 +287,35 @@ class ProxyApp:
             timing,
             extra_headers,
             as_chat,
-            key,
+            self._admission(exchange, grant, key, prepared.fields, timing),
             per_minute,
         )
         await self.forward(exchange, outgoing, trace)
+
+    def _admission(
+        self,
+        exchange: Exchange,
+        grant: KeyGrant | None,
+        key: str,
+        fields: dict[str, Any],
+        timing: Timing,
+    ) -> Admission:
+        """Its tenant (the key's label) and weight, its priority band (the key's, or the
+        body's `priority` as vLLM takes it, never above the key's), and when it stops
+        waiting: --admission-timeout after it arrived, or sooner if the client says so."""
+        priority = grant.priority if grant else 0
+        asked = fields.get("priority")
+        if isinstance(asked, int) and not isinstance(asked, bool):
+            priority = max(priority, asked)
+        timeout = self.settings.admission_timeout
+        for name in CLIENT_TIMEOUT_HEADERS:
+            seconds = _seconds(exchange.header(name))
+            if seconds is not None:
+                timeout = min(timeout, seconds)
+                break
+        elapsed = time.perf_counter() - timing.started
+        deadline = trio.current_time() + timeout - elapsed
+        return Admission(key, grant.weight if grant else 1.0, priority, deadline)
 
     async def forward(self, exchange: Exchange, outgoing: Outgoing, trace: RequestTrace) -> None:
         tried: list[Backend] = []
@@ -293,14 +323,17 @@ class ProxyApp:
         while len(tried) < 2:
             route_started = time.perf_counter()
             try:
-                chosen = await self.router.choose(outgoing.route_request, tuple(tried))
+                chosen = await self.router.choose(
+                    outgoing.route_request, tuple(tried), outgoing.admission
+                )
             except Overloaded as exc:
                 await exchange.respond_client_error(exc)
                 return
             if chosen is None:
                 break
             decision = dataclasses.replace(chosen, reason="retry") if tried else chosen
-            outgoing.timing.route += time.perf_counter() - route_started
+            outgoing.timing.queue += decision.waited
+            outgoing.timing.route += time.perf_counter() - route_started - decision.waited
             backend = decision.backend
             self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
             tried.append(backend)
@@ -375,13 +408,25 @@ class ProxyApp:
                 await response.release()
         finally:
             usage = usage_from_tail(relayed.tail) if relayed is not None else None
-            self.router.release(decision, usage, outgoing.api_key, outgoing.tokens_per_minute)
+            key = outgoing.admission.tenant
+            self.router.release(decision, usage, key, outgoing.tokens_per_minute)
             self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
             pool_model = outgoing.model or ANY_MODEL
             if broken is None:
                 self.pool.request_succeeded(backend, pool_model)
             else:
                 self.pool.request_failed(backend, trio.current_time(), broken, pool_model)
+
+
+def _seconds(value: bytes | None) -> float | None:
+    """A header's positive number of seconds, or None."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds > 0 and math.isfinite(seconds) else None
 
 
 def _session_key(session: object) -> str | None:

@@ -1,19 +1,36 @@
-"""Admission: a bounded wait for a free backend, and the 429 a request gets instead.
+"""Requests held at the proxy while every engine of their pool is saturated, and the order in
+which they leave. Pure: no Trio, no clock of its own (the caller passes times).
 
-`SlotQueue` is where requests wait when every backend of their model's pool already has
-`--max-inflight-per-backend` requests (one queue per pool, so that a full pool never holds up
-another's requests): at most `max_waiting` of them, each for at most `timeout` seconds, first
-come first served; beyond either, the request is refused (429) instead of being held in memory.
+Design rules:
+1. Held requests are not bound to a backend: they wait in their model's `FairQueue`, and the
+   router routes the one that leaves at the moment an engine has room (late binding), with
+   the same policy as any other request.
+2. Priority first: a request leaves before any held request of a higher band (a larger
+   number, as vLLM's `priority`). Within a band, start-time fair queuing across tenants (API
+   keys; requests without a key are one anonymous tenant): each request of a tenant of
+   weight w takes 1/w of virtual time, and the request with the earliest virtual start
+   leaves first. A tenant that sends ten times another's rate gets its weight's share of
+   what leaves, and the other never waits behind its backlog; a tenant that was idle comes
+   back at the present, with no credit saved up.
+3. Affinity within a few places of fairness: `pop` may be asked to prefer a request (one
+   whose prefix the engine with room holds) among the next `window` in fair order, so a
+   held request keeps its cache affinity while fairness bends by at most that many places.
+4. Bounded twice: `max_per_tenant` held for one tenant, `max_held` for all; a tenant over its
+   bound is refused at once, and a full queue makes room by shedding the newest request of
+   the tenant holding the most, unless that is the newcomer's own: one tenant's flood never
+   fills the queue for everyone.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-
-import trio
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from app.http.errors import ClientError
+
+ANONYMOUS = "anonymous"
 
 
 class Overloaded(ClientError):
@@ -28,53 +45,131 @@ class Overloaded(ClientError):
             type_="rate_limit_error",
             headers=[(b"retry-after", retry)],
         )
-        self.reason = reason  # tokens_per_minute | request_too_large | queue_full | queue_timeout
+        # tokens_per_minute | request_too_large | queue_full | key_queue_full | queue_timeout
+        self.reason = reason
         self.retry_after = retry_after
 
 
-class SlotQueue:
-    def __init__(self, max_waiting: int, timeout: float) -> None:
-        self.max_waiting = max_waiting
-        self.timeout = timeout
-        self._waiters: deque[trio.Event] = deque()
-        self.rejected_full = 0
-        self.rejected_timeout = 0
+@dataclass(frozen=True)
+class Admission:
+    """Who a request is for admission: its tenant (the API key's label, or ANONYMOUS), the
+    tenant's weight, its priority band (lower leaves first), and when it stops waiting."""
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
+    tenant: str = ANONYMOUS
+    weight: float = 1.0
+    priority: int = 0
+    deadline: float = math.inf
 
-    async def wait(self, deadline: float, poll: float) -> None:
-        """Wait until woken, `poll` seconds pass (the caller re-checks), or `deadline`.
 
-        Raises `Overloaded` when the queue is full or the deadline passed.
-        """
-        now = trio.current_time()
-        if now >= deadline:
-            self.rejected_timeout += 1
-            raise Overloaded(
-                "queue_timeout",
-                f"Every backend stayed at its in-flight limit for {self.timeout:g}s; "
-                "try again later.",
-                1.0,
-            )
-        if len(self._waiters) >= self.max_waiting:
-            self.rejected_full += 1
-            raise Overloaded(
-                "queue_full",
-                "Every backend is at its in-flight limit and the wait queue is full; "
-                "try again later.",
-                1.0,
-            )
-        woken = trio.Event()
-        self._waiters.append(woken)
-        try:
-            with trio.move_on_at(min(deadline, now + poll)):
-                await woken.wait()
-        finally:
-            if not woken.is_set():
-                self._waiters.remove(woken)
+ANYONE = Admission()  # a request without a key, weight or deadline of its own
 
-    def wake_one(self) -> None:
-        if self._waiters:
-            self._waiters.popleft().set()
+
+@dataclass(eq=False)
+class Held:
+    """One held request. `ticket` is the caller's: what to route, and whom to wake."""
+
+    tenant: str
+    weight: float
+    priority: int
+    arrived: float
+    ticket: object = None
+    prefers: str | None = None  # the backend holding its prefix when it was held, if any
+    start: float = field(default=0.0, init=False)  # virtual start, set when queued
+
+
+@dataclass
+class _Band:
+    """One priority band: each tenant's requests in arrival order, and virtual time."""
+
+    now: float = 0.0  # the virtual start of the last request to leave
+    tenants: dict[str, deque[Held]] = field(default_factory=dict)
+    finish: dict[str, float] = field(default_factory=dict)  # tenants' last virtual finish
+
+
+class FairQueue:
+    def __init__(self, max_held: int, max_per_tenant: int) -> None:
+        if max_held < 0 or max_per_tenant < 0:
+            raise ValueError("queue bounds must not be negative")
+        self.max_held = max_held
+        self.max_per_tenant = max_per_tenant
+        self._bands: dict[int, _Band] = {}
+        self._by_tenant: dict[str, int] = {}
+        self._held = 0
+
+    def __len__(self) -> int:
+        return self._held
+
+    def held_by(self, tenant: str) -> int:
+        return self._by_tenant.get(tenant, 0)
+
+    def holds_ahead_of(self, priority: int) -> bool:
+        """Whether a request of this band would have to leave after one held already."""
+        return any(band <= priority for band in self._bands)
+
+    def push(self, held: Held) -> Held | None:
+        """Queue `held`. Returns the request shed to make room for it (it may be `held`
+        itself: then it was not queued)."""
+        count = self.held_by(held.tenant)
+        if count >= self.max_per_tenant:
+            return held
+        shed = None
+        if self._held >= self.max_held:
+            heaviest = max(self._by_tenant, key=self._by_tenant.__getitem__, default=None)
+            if heaviest is None or self._by_tenant[heaviest] <= count + 1:
+                return held
+            shed = self._newest_of(heaviest)
+            self.remove(shed)
+        band = self._bands.get(held.priority)
+        if band is None:
+            band = self._bands[held.priority] = _Band()
+        held.start = max(band.now, band.finish.get(held.tenant, band.now))
+        band.finish[held.tenant] = held.start + 1.0 / held.weight
+        band.tenants.setdefault(held.tenant, deque()).append(held)
+        self._by_tenant[held.tenant] = count + 1
+        self._held += 1
+        return shed
+
+    def pop(self, prefer: Callable[[Held], bool] | None = None, window: int = 1) -> Held | None:
+        """The next request to leave: the first in fair order of the best band, or the first
+        of its next `window` that `prefer` accepts."""
+        if not self._bands:
+            return None
+        band = self._bands[min(self._bands)]
+        heads = sorted((queue[0] for queue in band.tenants.values()), key=_order)
+        chosen = heads[0]
+        if prefer is not None:
+            chosen = next((h for h in heads[:window] if prefer(h)), chosen)
+        band.now = max(band.now, chosen.start)
+        self.remove(chosen)
+        return chosen
+
+    def remove(self, held: Held) -> None:
+        """Take `held` out, wherever it is (it left, gave up, or was shed)."""
+        band = self._bands.get(held.priority)
+        queue = band.tenants.get(held.tenant) if band is not None else None
+        if band is None or queue is None or held not in queue:
+            return
+        queue.remove(held)
+        if not queue:
+            del band.tenants[held.tenant]
+            del band.finish[held.tenant]  # idle now: it comes back at the present
+            if not band.tenants:
+                del self._bands[held.priority]
+        self._held -= 1
+        left = self._by_tenant[held.tenant] - 1
+        if left:
+            self._by_tenant[held.tenant] = left
+        else:
+            del self._by_tenant[held.tenant]
+
+    def _newest_of(self, tenant: str) -> Held:
+        """The tenant's request shed first: the lowest band's (the largest number), newest."""
+        for priority in sorted(self._bands, reverse=True):
+            queue = self._bands[priority].tenants.get(tenant)
+            if queue:
+                return queue[-1]
+        raise KeyError(tenant)
+
+
+def _order(held: Held) -> tuple[float, float]:
+    return held.start, held.arrived

@@ -147,6 +147,21 @@ class CacheAware:
         self.index.record(holder, hashes)
         return Decision(backend, reason, Prediction(len(tokens), blocks, stamps, holder))
 
+    def holder(self, candidates: Sequence[Backend], request: RouteRequest) -> Backend | None:
+        """The candidate holding the longest prefix of the prompt over the threshold,
+        however busy: where a request held at the proxy would rather go."""
+        tokens = request.token_ids
+        if tokens is None:
+            return None
+        hashes = block_hashes(tokens)
+        needed = self.cache_threshold * len(tokens)
+        best, found = 0, None
+        for backend in candidates:
+            blocks = self.index.match(index_holder(backend, request.model), hashes)
+            if blocks > best and blocks * BLOCK_SIZE > needed:
+                best, found = blocks, backend
+        return found
+
     def feedback(
         self, decision: Decision, cached_tokens: int | None, reported_prompt_tokens: int | None
     ) -> str:

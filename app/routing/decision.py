@@ -60,6 +60,7 @@ class Decision:
     prediction: Prediction | None = None
     pending_tokens: int = 0  # prompt tokens left to prefill, reserved on the backend's load
     model: str | None = None  # the pool it was chosen in
+    waited: float = 0.0  # seconds the request was held before an engine had room
 
 
 class Policy(Protocol):

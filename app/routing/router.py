@@ -1,21 +1,22 @@
-"""The proxy's one door into routing: admit, choose (waiting for a free slot), release.
+"""The proxy's one door into routing: admit, choose, release.
 
 Everything is per model pool: `admit` applies the tokens-per-minute limit of the request's (API
-key, model) before anything is forwarded. `choose` asks the policy among the backends of the
-request's model that take traffic and are under `--max-inflight-per-backend`; when every one is
-at that limit, the request waits in its pool's bounded `SlotQueue` (or is refused with
-`Overloaded`, a 429). The chosen backend's in-flight count and pending prompt tokens are
-reserved at once (no await in between, so two requests never both see the last free slot), and
-`release` gives them back, wakes one waiter and feeds the backend's reported usage to the policy
-(cache_aware checks its prediction) and to the token limiter (completion tokens). A backend in
-several pools wakes a waiter of each. Backends added or removed at run time go through here too,
-so the index forgets a removed backend.
+key, model) before anything is forwarded. `choose` goes through the pool's gate (gate.py): the
+policy chooses among the backends of the request's model that take traffic and whose engines
+have room, or the request is held, unrouted, until one has (fairly across API keys), or is
+refused with `Overloaded` (a 429). The chosen backend's in-flight count and pending prompt
+tokens are reserved at once (no await in between, so two requests never both take the last
+room), and `release` gives them back, lets held requests of the backend's pools leave, and
+feeds the backend's reported usage to the policy (cache_aware checks its prediction) and to
+the token limiter (completion tokens). Backends added or removed at run time go through here
+too, so the index forgets a removed backend.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import trio
@@ -24,17 +25,17 @@ from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
 from app.config import Settings
 from app.fleet.backends import Backend, BackendPool
+from app.models import NO_MODEL
 from app.observe.metrics import Metrics
-from app.routing.admission import Overloaded, SlotQueue
+from app.routing.admission import ANYONE, Admission, Overloaded
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, Policy, RouteRequest
+from app.routing.gate import Gate, GateLimits
 from app.routing.policies import RoutingParams, make_policy
 from app.routing.usage import Usage
 
 log = logging.getLogger("sluice.router")
 
-# A waiter re-checks this often even unwoken: backends also free up by becoming healthy.
-QUEUE_POLL = 0.5
 # Without token ids, prompt tokens are estimated at four characters a token.
 CHARS_PER_TOKEN = 4
 
@@ -88,12 +89,24 @@ class Router:
         self.pool = pool
         self.metrics = metrics
         self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
-        self.max_inflight = settings.max_inflight_per_backend
         self.reservations = 0  # requests sent to a backend so far: whether traffic flows
-        self.max_waiting = settings.admission_queue
-        self.queue_timeout = settings.admission_timeout
-        # One per pool (model), made at its first request: at most MAX_MODELS + 1 (no model).
-        self.queues: dict[str | None, SlotQueue] = {}
+        limits = GateLimits(
+            ceiling=settings.max_inflight_per_backend,
+            max_kv_usage=settings.max_kv_usage,
+            max_held=settings.admission_queue,
+            max_per_tenant=settings.admission_queue_per_key,
+            timeout=settings.admission_timeout,
+        )
+        holder = self.policy.holder if isinstance(self.policy, CacheAware) else None
+        self.gate = Gate(
+            pool,
+            self._route,
+            lambda decision: self.release(decision, None),
+            limits,
+            metrics.admission,
+            prefers=holder,
+            refused=self._count_refusal,
+        )
         self.tokens_per_minute = settings.tokens_per_minute
         self.buckets = budgets_for(settings)
         self.rejected: dict[str, int] = {}
@@ -101,23 +114,19 @@ class Router:
         # told when a request goes there that will make the engine store blocks (silence
         # while such requests flow is a publisher gone).
         self.kv_events: dict[str, EngineEvents] = {}
-        metrics.admission_waiting.set_function(lambda: self.waiting)
+        metrics.admission_waiting.set_function(lambda: self.gate.held)
+        metrics.admission_held.set_function(
+            lambda: [(model or NO_MODEL, len(queue)) for model, queue in self.gate.queues.items()]
+        )
         metrics.backend_inflight.set_function(
             lambda: [(backend.url, backend.inflight) for backend in pool.backends]
+        )
+        metrics.backend_saturated.set_function(
+            lambda: [(b.url, float(self.gate.saturated(b) is not None)) for b in pool.backends]
         )
         if isinstance(self.policy, CacheAware):
             index = self.policy.index
             metrics.route_index_blocks.set_function(lambda: len(index))
-
-    @property
-    def waiting(self) -> int:
-        return sum(queue.waiting for queue in self.queues.values())
-
-    def _queue(self, model: str | None) -> SlotQueue:
-        queue = self.queues.get(model)
-        if queue is None:
-            queue = self.queues[model] = SlotQueue(self.max_waiting, self.queue_timeout)
-        return queue
 
     def budget(self, per_minute: int | None) -> int:
         """Tokens per minute for a key: its own limit, else --tokens-per-minute (0: none)."""
@@ -135,43 +144,38 @@ class Router:
             return
         scope = "its API key" if model is None else f"its API key and model {model}"
         if math.isinf(wait):
-            self._refuse(
-                Overloaded(
-                    "request_too_large",
-                    f"This request's {prompt_tokens} prompt tokens exceed the limit of "
-                    f"{limit} tokens per minute for {scope}.",
-                    60.0,
-                )
+            refusal = Overloaded(
+                "request_too_large",
+                f"This request's {prompt_tokens} prompt tokens exceed the limit of "
+                f"{limit} tokens per minute for {scope}.",
+                60.0,
             )
-        self._refuse(
-            Overloaded(
+        else:
+            refusal = Overloaded(
                 "tokens_per_minute",
                 f"Rate limit reached: {limit} tokens per minute for {scope}; retry in {wait:.1f}s.",
                 wait,
             )
-        )
+        self._count_refusal(model, refusal.reason)
+        raise refusal
 
     async def choose(
-        self, request: RouteRequest, exclude: tuple[Backend, ...] = ()
+        self,
+        request: RouteRequest,
+        exclude: tuple[Backend, ...] = (),
+        admission: Admission = ANYONE,
     ) -> Decision | None:
         """A reserved decision among the backends of `request.model` (all of them when it is
-        None); None when none takes traffic at all."""
-        deadline: float | None = None
-        queue = self._queue(request.model)
-        while True:
-            candidates = self.pool.available(trio.current_time(), exclude, request.model)
-            if not candidates:
-                return None
-            open_ = [b for b in candidates if b.inflight < self.max_inflight]
-            # Newcomers queue behind waiters; a waiter that was woken may take the slot.
-            if open_ and (deadline is not None or not queue.waiting):
-                return self._reserve(self.policy.choose(open_, request), request)
-            if deadline is None:
-                deadline = trio.current_time() + queue.timeout
-            try:
-                await queue.wait(deadline, QUEUE_POLL)
-            except Overloaded as exc:
-                self._refuse(exc)
+        None) whose engines have room, at once or once one has; None when none takes
+        traffic at all. `Overloaded` when held too long, or shed."""
+        return await self.gate.enter(request, exclude, admission)
+
+    def _route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
+        return self._reserve(self.policy.choose(candidates, request), request)
+
+    def _count_refusal(self, model: str | None, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        self.metrics.admission_rejected.labels(reason=reason).inc()
 
     def _reserve(self, decision: Decision, request: RouteRequest) -> Decision:
         prediction = decision.prediction
@@ -197,10 +201,7 @@ class Router:
         backend = decision.backend
         backend.inflight -= 1
         backend.pending_tokens -= decision.pending_tokens
-        for model in (None, *backend.served):
-            queue = self.queues.get(model)
-            if queue is not None:
-                queue.wake_one()
+        self.gate.opened((None, *backend.served))
         limit = self.budget(per_minute)
         if usage is not None and usage.completion_tokens and limit and api_key:
             key = (api_key, decision.model)
@@ -246,21 +247,26 @@ class Router:
             events.clear()
         self.metrics.forget_backend(backend.url)
 
-    def _refuse(self, exc: Overloaded) -> None:
-        self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
-        self.metrics.admission_rejected.labels(reason=exc.reason).inc()
-        raise exc
-
     def snapshot(self) -> dict[str, Any]:
+        gate = self.gate
+        limits = gate.limits
         snapshot: dict[str, Any] = {
             "policy": self.policy.name,
             "admission": {
-                "max_inflight_per_backend": self.max_inflight,
-                "waiting": self.waiting,
-                "waiting_by_model": {
-                    model: queue.waiting for model, queue in self.queues.items() if model
+                "max_inflight_per_backend": limits.ceiling,
+                "max_kv_usage": limits.max_kv_usage,
+                "held": gate.held,
+                "held_by_model": {
+                    model or NO_MODEL: len(queue) for model, queue in gate.queues.items()
                 },
-                "max_waiting": self.max_waiting,
+                "max_held": limits.max_held,
+                "max_held_per_key": limits.max_per_tenant,
+                "timeout_s": limits.timeout,
+                "saturated": {
+                    backend.url: reason
+                    for backend in self.pool.backends
+                    if (reason := gate.saturated(backend)) is not None
+                },
                 "tokens_per_minute": self.tokens_per_minute or None,
                 "api_keys": len(self.buckets),
                 "rejected": dict(self.rejected),

@@ -1,10 +1,12 @@
 // Backends, grouped by the model they serve: a row per model's pool (its health, load,
-// requests, what its engines report, its caches' hit rates), then a row per backend of that
+// requests, what its engines report, its caches' hit rates, how many requests are held at the
+// proxy and for how long, how many were shed), then a row per backend of that
 // pool — health, breaker for that model, load, rate, time to first token, errors, why the
 // router picked it, what its engine (vLLM, SGLang, llama.cpp, TGI) reports about itself in
 // its /metrics, when it does, and what the prefix index of it stands on: the engine's KV
 // events (with their lag), or Sluice's own predictions. A backend serving two models is
-// under both.
+// under both; one whose engine Sluice judges saturated says why (full, kv, ceiling). Below,
+// each API key's share of the requests that left the admission queue against its fair share.
 
 import { COLORS, TimeChart } from "../charts.js";
 import { DASH, count, el, ms, pct, rate, seconds } from "../format.js";
@@ -49,10 +51,11 @@ function backendRow(b, model) {
   const engine = b.engine || {};
   const breaker = model === null ? b.breaker : (b.breakers || {})[model] || "closed";
   const serving = b.takes_traffic && breaker !== "open";
-  const state = serving ? "up" : b.healthy ? "held back" : "down";
-  return el("tr", { dataset: { backend: b.url, model: model ?? "" } }, [
+  const state = !serving ? (b.healthy ? "held back" : "down") : b.saturated ? `saturated (${b.saturated})` : "up";
+  const saturatedTitle = b.saturated ? "its engine has no room now: new requests are held at the proxy" : null;
+  return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "" } }, [
     el("td", { class: "mono", title: (b.models || []).join(", ") }, b.url),
-    el("td", { class: serving ? "up" : "down", title: b.last_error || null }, state),
+    el("td", { class: serving ? (b.saturated ? "warn" : "up") : "down", title: b.last_error || saturatedTitle }, state),
     el("td", { class: breaker === "closed" ? "" : "down" }, breaker),
     el("td", { class: "num" }, count(b.inflight)),
     el("td", { class: "num" }, rate(traffic.requests_per_s)),
@@ -72,7 +75,9 @@ function stat(field, label, value, title = null, cls = "") {
   return el("span", { class: `pool-stat ${cls}`, dataset: { field }, title }, [el("span", { class: "label" }, label), value]);
 }
 
-function poolRow(model) {
+function poolRow(model, admission) {
+  const held = (admission.models || {})[model.name] || {};
+  const shed = Object.values(held.shed || {}).reduce((sum, n) => sum + n, 0);
   const pool = model.pool;
   const requests = model.requests;
   const caches = model.caches;
@@ -94,8 +99,36 @@ function poolRow(model) {
     stat("prefix", "prefix hits", fraction(pool.engine_prefix_cache_hit_rate)),
     stat("l0", "L0 hits", pct(caches.l0_hit_pct), "exact-text cache, last 10 s"),
     stat("l1", "L1 hits", pct(caches.l1_hit_pct), "prefix cache of L0 misses, last 10 s"),
+    stat("held", "held", count(held.held || 0), "requests waiting at the proxy for an engine with room"),
+    stat("wait", "wait p50 / p99", held.wait_p50_s == null ? DASH : `${seconds(held.wait_p50_s)} / ${seconds(held.wait_p99_s)}`, "of the last held requests"),
+    stat("shed", "shed", count(shed), JSON.stringify(held.shed || {}), shed ? "down" : ""),
   ];
   return el("tr", { class: "pool", dataset: { model: model.name } }, el("td", { colspan: COLUMNS }, parts));
+}
+
+function keyRows(admission) {
+  const rows = [];
+  for (const [model, block] of Object.entries(admission.models || {})) {
+    const keys = Object.entries(block.keys || {});
+    const total = keys.reduce((sum, [, k]) => sum + k.left, 0);
+    for (const [key, k] of keys.sort((a, b) => b[1].asked - a[1].asked)) {
+      const share = total ? (100 * k.left) / total : null;
+      const fair = total ? (100 * k.fair_left) / total : null;
+      const short = fair !== null && share !== null && share < 0.9 * fair;
+      rows.push(
+        el("tr", { dataset: { model, key } }, [
+          el("td", { class: "mono" }, model),
+          el("td", { class: "mono" }, key),
+          el("td", { class: "num" }, String(k.weight)),
+          el("td", { class: "num" }, count(k.asked)),
+          el("td", { class: "num" }, count(k.left)),
+          el("td", { class: `num ${short ? "down" : ""}` }, share === null ? DASH : pct(share)),
+          el("td", { class: "num" }, fair === null ? DASH : pct(fair)),
+        ]),
+      );
+    }
+  }
+  return rows;
 }
 
 function groupRow(label) {
@@ -105,6 +138,8 @@ function groupRow(label) {
 export function createBackendsPanel(root) {
   const table = root.querySelector("table.backends tbody");
   const routing = root.querySelector(".routing");
+  const admissionBlock = root.querySelector(".admission");
+  const keysTable = root.querySelector("table.keys tbody");
   const chart = new TimeChart(root.querySelector(".charts"), {
     title: "Requests per backend (5 s windows)",
     yLabel: "requests/s",
@@ -121,8 +156,9 @@ export function createBackendsPanel(root) {
     const byId = new Map(backends.map((b) => [b.id, b]));
     const rows = [];
     const placed = new Set();
+    const admission = snapshot.admission || {};
     for (const model of models) {
-      rows.push(poolRow(model));
+      rows.push(poolRow(model, admission));
       for (const id of model.pool.backends) {
         const backend = byId.get(id);
         if (!backend) continue;
@@ -134,6 +170,9 @@ export function createBackendsPanel(root) {
     if (rest.length && models.length) rows.push(groupRow("serving no model yet (down, or listing none at /v1/models)"));
     for (const backend of rest) rows.push(backendRow(backend, null));
     table.replaceChildren(...rows);
+    const keys = keyRows(admission);
+    admissionBlock.hidden = !keys.length;
+    keysTable.replaceChildren(...keys);
     const block = snapshot.routing;
     routing.hidden = !block;
     if (block) {

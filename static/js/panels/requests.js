@@ -24,6 +24,7 @@ function row(record) {
     el("td", { class: "num" }, ms(record.template_ms, 2)),
     el("td", { class: "num" }, ms(record.tokenize_ms, 2)),
     el("td", { class: "num" }, ms(record.route_ms, 2)),
+    el("td", { class: "num", title: "held at the proxy while every engine of its model was saturated" }, record.queue_ms ? ms(record.queue_ms) : DASH),
     el("td", { class: `num status ${statusClass(record)}` }, status),
     el("td", { class: "num" }, ms(record.ttft_ms)),
     el("td", { class: "num" }, ms(record.duration_ms)),

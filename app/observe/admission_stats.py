@@ -1,0 +1,158 @@
+"""Admission as the operator sees it: per model, how long held requests waited and how many
+were shed; per API key, its share of what left the queue against its fair share. Feeds
+Prometheus and the dashboard from the same counts. Pure: the caller passes `now` where the
+window needs it.
+
+A key's fair share of what left over the last `WINDOW_S` is max-min fair by weight over what
+it asked for (`fair_shares`): a key asking less than its weight's share is owed all it asked,
+and what it leaves goes to the others by weight. Bounded: at most `MAX_TENANTS` keys are kept per
+window slot (the rest are counted as "other"), `MAX_WAITS` waits per model for percentiles.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.models import NO_MODEL
+
+WINDOW_S = 60
+MAX_TENANTS = 256
+MAX_WAITS = 1024
+OTHER = "other"
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class _Second:
+    at: int
+    # (model, tenant) -> [requests that arrived at the gate, requests that left it]
+    counts: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+class AdmissionStats:
+    def __init__(
+        self,
+        observe_wait: Callable[[str, float], None],
+        count_left: Callable[[str, str], None],
+        count_shed: Callable[[str, str], None],
+        clock: Callable[[], float],
+    ) -> None:
+        """The three callbacks move the Prometheus series (wait histogram, dispatches by
+        model and key, sheds by model and reason); `clock` is the loop's."""
+        self._observe_wait = observe_wait
+        self._count_left = count_left
+        self._count_shed = count_shed
+        self._clock = clock
+        self._seconds: deque[_Second] = deque(maxlen=WINDOW_S)
+        self._waits: dict[str, deque[float]] = {}
+        self._shed: dict[str, dict[str, int]] = {}
+
+    def arrived(self, model: str | None, tenant: str, weight: float) -> None:
+        """A request came to the gate: what its key asked for."""
+        self._count(model or NO_MODEL, tenant, weight)[0] += 1
+
+    def left(self, model: str | None, tenant: str, weight: float, waited: float) -> None:
+        """A request passed the gate, after `waited` seconds held (0: at once)."""
+        label = model or NO_MODEL
+        self._count(label, tenant, weight)[1] += 1
+        self._count_left(label, tenant)
+        if waited > 0:
+            self._waits.setdefault(label, deque(maxlen=MAX_WAITS)).append(waited)
+            self._observe_wait(label, waited)
+
+    def _count(self, model: str, tenant: str, weight: float) -> list[int]:
+        at = int(self._clock())
+        if not self._seconds or self._seconds[-1].at != at:
+            self._seconds.append(_Second(at))
+        second = self._seconds[-1]
+        if (model, tenant) not in second.counts and len(second.counts) >= MAX_TENANTS:
+            tenant = OTHER
+        second.weights[tenant] = weight
+        return second.counts.setdefault((model, tenant), [0, 0])
+
+    def shed(self, model: str | None, reason: str) -> None:
+        label = model or NO_MODEL
+        by_reason = self._shed.setdefault(label, {})
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+        self._count_shed(label, reason)
+
+    def snapshot(self, held: Mapping[str, int], now: float) -> dict[str, Any]:
+        """Per model: held now, wait p50/p99 of its last held requests, shed by reason; per
+        key over the window: requests it sent, those that left, and its fair number of them."""
+        asked: dict[str, dict[str, int]] = {}
+        left: dict[str, dict[str, int]] = {}
+        weights: dict[str, float] = {}
+        for second in self._seconds:
+            if second.at <= now - WINDOW_S:
+                continue
+            weights.update(second.weights)
+            for (model, tenant), (arrived, passed) in second.counts.items():
+                model_asked = asked.setdefault(model, {})
+                model_asked[tenant] = model_asked.get(tenant, 0) + arrived
+                model_left = left.setdefault(model, {})
+                model_left[tenant] = model_left.get(tenant, 0) + passed
+        models = sorted({*held, *left, *self._waits, *self._shed})
+        return {
+            "window_s": WINDOW_S,
+            "models": {
+                model: {
+                    "held": held.get(model, 0),
+                    "wait_p50_s": _percentile(self._waits.get(model, ()), 0.5),
+                    "wait_p99_s": _percentile(self._waits.get(model, ()), 0.99),
+                    "shed": dict(self._shed.get(model, {})),
+                    "keys": _shares(asked.get(model, {}), left.get(model, {}), weights),
+                }
+                for model in models
+            },
+        }
+
+
+def _shares(
+    asked: Mapping[str, int], left: Mapping[str, int], weights: Mapping[str, float]
+) -> dict[str, dict[str, float]]:
+    """By key: what it asked and got, and its fair number of what left (counts, so the
+    snapshots of several workers add up; the page divides by what left in all)."""
+    fair = fair_shares(asked, weights, sum(left.values()))
+    return {
+        tenant: {
+            "weight": weights.get(tenant, 1.0),
+            "asked": asked.get(tenant, 0),
+            "left": left.get(tenant, 0),
+            "fair_left": round(fair.get(tenant, 0.0), 3),
+        }
+        for tenant in asked
+    }
+
+
+def fair_shares(
+    demand: Mapping[str, float], weights: Mapping[str, float], total: float
+) -> dict[str, float]:
+    """Each tenant's fair share of `total` (max-min fair by weight): no tenant is owed more
+    than it asked for (`demand`), and what one leaves goes to the others by their weights."""
+    shares = dict.fromkeys(demand, 0.0)
+    active = {tenant for tenant, wanted in demand.items() if wanted > 0}
+    left = float(total)
+    while active and left > 1e-9:
+        weight = sum(weights.get(tenant, 1.0) for tenant in active)
+        portion = {tenant: left * weights.get(tenant, 1.0) / weight for tenant in active}
+        capped = {t for t in active if shares[t] + portion[t] >= demand[t]}
+        if not capped:
+            for tenant in active:
+                shares[tenant] += portion[tenant]
+            break
+        for tenant in capped:
+            left -= demand[tenant] - shares[tenant]
+            shares[tenant] = float(demand[tenant])
+        active -= capped
+    return shares
+
+
+def _percentile(values: Iterable[float], q: float) -> float | None:
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,0 +1,237 @@
+"""The door of each model's pool: a request passes at once while an engine of the pool has
+room, and is held, unrouted, while none has (late binding).
+
+`enter` routes a request among the pool's backends that are not saturated (saturation.py:
+the engines' own reports, corrected by what the proxy sent since), unless requests of its
+priority band are held already: a newcomer never overtakes them. Otherwise it is held in the
+pool's `FairQueue` (admission.py) until an engine has room, its deadline passes (429 with
+Retry-After), or it is shed to make room for a lighter tenant. Room is looked for whenever
+it may have appeared (`opened`): a request on a backend ended, an engine reported, a backend
+came back; and, while anything is held, every `POLL_S` (a backend that recovered, a report
+that freed room). Each request that leaves is routed then, by the pool's policy, among the
+backends with room, preferring among the next few in fair order one whose prefix the backend
+with room holds (`AFFINITY_WINDOW`).
+
+A request that leaves is reserved on its backend before its task wakes; a task cancelled in
+between (its client left) gives the reservation back, so nothing is reserved for nobody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from app.fleet.backends import Backend, BackendPool
+from app.fleet.saturation import saturation
+from app.observe.admission_stats import AdmissionStats
+from app.routing.admission import Admission, FairQueue, Held, Overloaded
+from app.routing.decision import Decision, RouteRequest
+
+POLL_S = 0.5
+# How many places of fair order a held request may be passed over for one that keeps its
+# cache affinity on the backend with room.
+AFFINITY_WINDOW = 4
+
+Route = Callable[[Sequence[Backend], RouteRequest], Decision]
+Prefers = Callable[[Sequence[Backend], RouteRequest], Backend | None]
+
+
+@dataclass(eq=False)
+class _Ticket:
+    request: RouteRequest
+    exclude: tuple[Backend, ...]
+    left: trio.Event = field(default_factory=trio.Event)
+    decision: Decision | None = None
+    refusal: Overloaded | None = None
+    taken: bool = False  # its task has its decision
+
+
+@dataclass(frozen=True)
+class GateLimits:
+    ceiling: int | None  # --max-inflight-per-backend: our requests on one backend, at most
+    max_kv_usage: float  # an engine this full takes no more
+    max_held: int  # held requests of one pool, every tenant's
+    max_per_tenant: int  # held requests of one tenant in one pool
+    timeout: float  # --admission-timeout: the longest a request is held
+
+
+class Gate:
+    def __init__(
+        self,
+        pool: BackendPool,
+        route: Route,
+        give_back: Callable[[Decision], None],
+        limits: GateLimits,
+        stats: AdmissionStats,
+        *,
+        prefers: Prefers | None = None,
+        refused: Callable[[str | None, str], None] | None = None,
+    ) -> None:
+        """`route` chooses and reserves a backend, `give_back` releases a reservation nobody
+        took; `stats` hears of every request that comes and leaves; `prefers` names the
+        backend holding a request's prefix; `refused(model, reason)` hears of each refusal."""
+        self.pool = pool
+        self._route = route
+        self._give_back = give_back
+        self.limits = limits
+        self.stats = stats
+        self._prefers = prefers
+        self._refused = refused
+        # One per pool (model), made at its first held request: at most MAX_MODELS + 1.
+        self.queues: dict[str | None, FairQueue] = {}
+        self._anything_held = trio.Event()
+
+    @property
+    def held(self) -> int:
+        return sum(len(queue) for queue in self.queues.values())
+
+    def saturated(self, backend: Backend) -> str | None:
+        return saturation(backend, self.limits.ceiling, self.limits.max_kv_usage)
+
+    def with_room(self, candidates: Iterable[Backend]) -> list[Backend]:
+        return [b for b in candidates if self.saturated(b) is None]
+
+    async def enter(
+        self, request: RouteRequest, exclude: tuple[Backend, ...], admission: Admission
+    ) -> Decision | None:
+        """A reserved decision in `request.model`'s pool (every backend's for None); None
+        when none of its backends takes traffic at all. `Overloaded` when held too long or
+        shed."""
+        model = request.model
+        now = trio.current_time()
+        candidates = self.pool.available(now, exclude, model)
+        if not candidates:
+            return None
+        if not exclude:  # a retry asked once already
+            self.stats.arrived(model, admission.tenant, admission.weight)
+        queue = self.queues.get(model)
+        if queue is None or not queue.holds_ahead_of(admission.priority):
+            open_ = self.with_room(candidates)
+            if open_:
+                decision = self._route(open_, request)
+                self.stats.left(model, admission.tenant, admission.weight, 0.0)
+                return decision
+        return await self._hold(request, exclude, admission, candidates)
+
+    async def _hold(
+        self,
+        request: RouteRequest,
+        exclude: tuple[Backend, ...],
+        admission: Admission,
+        candidates: Sequence[Backend],
+    ) -> Decision | None:
+        model = request.model
+        queue = self.queues.get(model)
+        if queue is None:
+            limits = self.limits
+            queue = self.queues[model] = FairQueue(limits.max_held, limits.max_per_tenant)
+        ticket = _Ticket(request, exclude)
+        prefers = self._prefers(candidates, request) if self._prefers is not None else None
+        arrived = trio.current_time()
+        held = Held(
+            admission.tenant,
+            admission.weight,
+            admission.priority,
+            arrived,
+            ticket,
+            prefers.url if prefers is not None else None,
+        )
+        shed = queue.push(held)
+        if shed is held:
+            full = queue.held_by(held.tenant) >= queue.max_per_tenant
+            raise self._refusal(model, "key_queue_full" if full else "queue_full")
+        if shed is not None:
+            self._refuse(model, shed, "queue_full")
+        self._anything_held.set()
+        deadline = min(arrived + self.limits.timeout, admission.deadline)
+        try:
+            with trio.move_on_at(deadline):
+                await ticket.left.wait()
+            ticket.taken = ticket.left.is_set()
+        finally:
+            if not ticket.left.is_set():
+                queue.remove(held)
+            elif ticket.decision is not None and not ticket.taken:
+                # Cancelled after it was routed: nobody will use the reservation.
+                self._give_back(ticket.decision)
+        if ticket.refusal is not None:
+            raise ticket.refusal
+        if not ticket.taken:
+            raise self._refusal(model, "queue_timeout")
+        return ticket.decision
+
+    def opened(self, models: Iterable[str | None] | None = None) -> None:
+        """Room may have appeared in these pools (every pool for None): let held requests
+        leave while it lasts."""
+        for model in list(self.queues) if models is None else models:
+            queue = self.queues.get(model)
+            if queue:
+                self._release_from(model, queue)
+
+    def _release_from(self, model: str | None, queue: FairQueue) -> None:
+        now = trio.current_time()
+        while queue:
+            candidates = self.pool.available(now, (), model)
+            if not candidates:
+                # Nothing of this pool takes traffic: the held learn it now (503).
+                while (held := queue.pop()) is not None:
+                    self._wake(held, None)
+                return
+            open_ = self.with_room(candidates)
+            if not open_:
+                return
+            held = queue.pop(prefer=_prefers_one_of(open_), window=AFFINITY_WINDOW)
+            if held is None:
+                return
+            ticket = self._ticket(held)
+            choices = [b for b in open_ if b not in ticket.exclude] or open_
+            decision = self._route(choices, ticket.request)
+            decision.waited = now - held.arrived
+            self._wake(held, decision)
+            self.stats.left(model, held.tenant, held.weight, decision.waited)
+
+    def _wake(self, held: Held, decision: Decision | None) -> None:
+        ticket = self._ticket(held)
+        ticket.decision = decision
+        ticket.left.set()
+
+    def _refuse(self, model: str | None, held: Held, reason: str) -> None:
+        ticket = self._ticket(held)
+        ticket.refusal = self._refusal(model, reason)
+        ticket.left.set()
+
+    def _refusal(self, model: str | None, reason: str) -> Overloaded:
+        self.stats.shed(model, reason)
+        if self._refused is not None:
+            self._refused(model, reason)
+        if reason == "queue_timeout":
+            message = (
+                f"Every backend stayed saturated for the {self.limits.timeout:g}s this request "
+                "could wait (or its own deadline); try again later."
+            )
+        else:
+            whose = "this API key's" if reason == "key_queue_full" else "the"
+            message = f"Every backend is saturated and {whose} wait queue is full; try again."
+        return Overloaded(reason, message, 1.0)
+
+    @staticmethod
+    def _ticket(held: Held) -> _Ticket:
+        assert isinstance(held.ticket, _Ticket)
+        return held.ticket
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """While anything is held, look for room every POLL_S; an idle proxy sleeps."""
+        task_status.started()
+        while True:
+            if not self.held:
+                self._anything_held = trio.Event()
+                await self._anything_held.wait()
+            await trio.sleep(POLL_S)
+            self.opened()
+
+
+def _prefers_one_of(backends: Sequence[Backend]) -> Callable[[Held], bool]:
+    urls = {backend.url for backend in backends}
+    return lambda held: held.prefers in urls
