@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -54,13 +54,35 @@ class Bench:
     args: argparse.Namespace
     stack: Stack
     name: str
+    # Where `proxies` runs Sluice from, by the suffix of the variant's name: this checkout
+    # (a bench), or also another version's `app/` ({"": None, "@REV": tree}: compare --bench).
+    sources: dict[str, Path | None] = field(default_factory=lambda: {"": None})
 
     @property
     def quick(self) -> bool:
         return bool(self.args.quick)
 
+    @property
+    def comparing(self) -> bool:
+        """Two versions of Sluice side by side (`python -m load compare REV --bench NAME`):
+        peers, floors and other variants left out but for those a ratio needs (direct)."""
+        return len(self.sources) > 1
+
     def rounds(self, quick: int, full: int) -> int:
-        return int(self.args.rounds or (quick if self.quick else full))
+        """--rounds, else the scenario's default; when comparing, at least 2 (each version
+        goes first once)."""
+        default = quick if self.quick else full
+        return int(self.args.rounds or (max(default, 2) if self.comparing else default))
+
+    async def proxies(
+        self, variant: str, backends: str | Sequence[str], *flags: str
+    ) -> dict[str, str]:
+        """The Sluice variant `variant` (`sluice serve` before `backends` with `flags`), one
+        process per source: {variant + suffix: URL}, e.g. {"sluice": ..., "sluice@REV": ...}."""
+        return {
+            variant + suffix: await self.stack.proxy(backends, *flags, source=source)
+            for suffix, source in self.sources.items()
+        }
 
     def pick(self, quick: Any, full: Any) -> Any:
         return quick if self.quick else full
@@ -380,10 +402,12 @@ def report(scenario: Scenario, blob: dict[str, Any]) -> str:
     return f"{head}\n{tables}\n\n{scenario.reference}"
 
 
-def run(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
-    """Measure, write the JSON (and PNG), print the report; returns the blob."""
+def measured(
+    scenario: Scenario, args: argparse.Namespace, sources: dict[str, Path | None] | None = None
+) -> dict[str, Any]:
+    """Measure (`sources`: see `Bench.sources`); the blob, with its provenance."""
 
-    bench = Bench(args, Stack(args.proxy_arg), scenario.name)
+    bench = Bench(args, Stack(args.proxy_arg), scenario.name, sources or {"": None})
 
     async def measure() -> dict[str, Any]:
         assert scenario.measure is not None
@@ -402,7 +426,7 @@ def run(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
         progress("")
     if scenario.measure is not None:
         result.update(trio.run(measure))
-    blob = {
+    return {
         "scenario": scenario.name,
         "reproduces": scenario.reproduces,
         **provenance(),
@@ -410,10 +434,15 @@ def run(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 1),
         "result": result,
     }
+
+
+def run(scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
+    """Measure, write the JSON (and PNG), print the report; returns the blob."""
+    blob = measured(scenario, args)
     path = write(scenario.name, blob, args.out_dir)
     print(report(scenario, blob))
     png = png_beside(path) if scenario.plot is not None else None
     if scenario.plot is not None and png is not None:
-        scenario.plot(result, png)
+        scenario.plot(blob["result"], png)
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return blob

@@ -1,14 +1,23 @@
 """The dashboard in a real headless Chromium (Debian's, driven by Playwright) against
 `sluice demo` run as a user runs it, in its own process on free ports: every panel shows live,
-changing numbers and draws its charts, nothing is logged to the console as an error, a burst
-from the page's button makes the loop stall and a stall row opens its stack, the switch
-changes the policy that `/api/snapshot` reports and a second open page shows it, and the page
-says so when Sluice goes away and reconnects by itself when it is back. In front of one
-simulated backend per engine metrics style, each publishing KV events, the backends table
-shows each engine's name, every number the snapshot has from it, and that each backend's
-index follows its events. In front of a fleet of two models on three engines (`sluice serve
---config fleet.toml`), the backends are grouped by model under each pool's own row (health,
-engines' load, window), and the request log filters by model.
+changing numbers and draws its charts, nothing is logged to the console as an error, the
+switch changes the policy that `/api/snapshot` reports and a second open page shows it, and
+the request log filters; with the naive inline tokenizer, a burst from the page's button makes
+the loop stall and a stall row opens its stack; and the page says so when Sluice goes away and
+reconnects by itself when it is back. In front of one simulated backend per engine metrics
+style, each publishing KV events, the backends table shows each engine's name, every number
+the snapshot has from it, and that each backend's index follows its events. In front of a
+fleet of two models on three engines (`sluice serve --config fleet.toml`), the backends are
+grouped by model under each pool's own row (health, engines' load, window), and the request
+log filters by model.
+
+Every wait is on the page's own signals, never on the clock: the connection's state, the
+number of snapshots the page has rendered (`body[data-snapshot-seq]`), the request log's rows
+(`tr[data-id]`, `tr[data-kind]`), the stall rows' keys, the switch's `data-value`. Something
+that must happen is made to happen by the test (a request with an id of its own, a burst) and
+waited for by what identifies it; whatever can only be seen over time is checked again at
+each snapshot the page renders. Timeouts are outer bounds, minutes long, that only make a
+broken test fail: on a loaded machine everything may be slow, nothing may be missed.
 
 With SLUICE_UPDATE_SCREENSHOT=1 the screenshot is also written to static/dashboard.png (the
 one the README shows); otherwise it only goes to pytest's temporary directory.
@@ -19,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import socket
 import subprocess
@@ -27,7 +37,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +61,10 @@ CHROMIUM_ARGS = [
 ]
 PANELS = ("loop", "caches", "tokenize", "backends", "requests")
 ROOT = Path(__file__).resolve().parents[1]
-WAIT_MS = 30_000
+# Outer bounds only, to fail a broken test: nothing waits for them to pass.
+WAIT_MS = 180_000  # any one wait for the page, or Playwright action
+DEADLINE_S = 180.0  # a condition checked again at each snapshot or request; a start, a stop
+HTTP_TIMEOUT_S = 60.0  # one HTTP exchange with Sluice
 
 if not Path(CHROMIUM).exists():
     if os.environ.get("CI"):
@@ -73,10 +87,18 @@ class Sluice:
         lines: queue.Queue[str] = queue.Queue()
         assert self.process.stdout is not None
         stdout = self.process.stdout
-        threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+
+        def read() -> None:
+            for line in stdout:
+                lines.put(line)
+            lines.put("")  # it exited
+
+        threading.Thread(target=read, daemon=True).start()
         self.urls: dict[str, str] = {}
         while len(self.urls) < len(prefixes):
-            line = lines.get(timeout=60)
+            line = lines.get(timeout=DEADLINE_S)
+            if not line:
+                raise RuntimeError(f"{arguments} exited with {self.process.wait()}")
             for prefix in prefixes:
                 if line.startswith(prefix):
                     self.urls[prefix] = line.split()[-1]
@@ -84,14 +106,14 @@ class Sluice:
     def stop(self) -> None:
         self.process.terminate()
         try:
-            self.process.wait(timeout=15)
+            self.process.wait(timeout=DEADLINE_S)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
 
 
 def fetch_snapshot(dashboard_url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(dashboard_url + "/api/snapshot", timeout=10) as answer:
+    with urllib.request.urlopen(dashboard_url + "/api/snapshot", timeout=HTTP_TIMEOUT_S) as answer:
         result: dict[str, Any] = json.load(answer)
         return result
 
@@ -101,7 +123,9 @@ class Demo(Sluice):
 
     def __init__(self, dashboard_port: int = 0, *flags: str) -> None:
         arguments = ["demo", "--port", "0", "--dashboard-port", str(dashboard_port), *flags]
-        super().__init__([*arguments, "--demo-burst-interval", "0"], "Sluice dashboard:")
+        prefixes = ("Sluice proxy:", "Sluice dashboard:")
+        super().__init__([*arguments, "--demo-burst-interval", "0"], *prefixes)
+        self.proxy_url = self.urls["Sluice proxy:"]
         self.dashboard_url = self.urls["Sluice dashboard:"]
 
     def snapshot(self) -> dict[str, Any]:
@@ -111,14 +135,24 @@ class Demo(Sluice):
 @pytest.fixture
 def browser() -> Iterator[Any]:
     with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=WAIT_MS
+        )
         yield launched
         launched.close()
 
 
 @pytest.fixture
 def demo() -> Iterator[Demo]:
-    # The naive baseline, so that a burst stalls the loop: the default no longer does.
+    running = Demo(0)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def inline_demo() -> Iterator[Demo]:
+    # The naive baseline, so that a burst stalls the loop: the default no longer does. (It
+    # has no caches, so its Caches panel has no numbers that change.)
     running = Demo(0, "--tokenize-mode", "inline")
     yield running
     running.stop()
@@ -126,10 +160,13 @@ def demo() -> Iterator[Demo]:
 
 def open_page(browser: Any, url: str, problems: list[str]) -> Any:
     page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.set_default_timeout(WAIT_MS)
     page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda error: problems.append(str(error)))
     page.goto(url)
+    # The page says "live" as it renders its first snapshot, in the same task.
     wait_for(page, '#connection[data-state="live"]')
+    wait_for(page, "body[data-snapshot-seq]")
     return page
 
 
@@ -138,57 +175,48 @@ def wait_for(page: Any, selector: str) -> None:
     page.wait_for_selector(selector, state="attached", timeout=WAIT_MS)
 
 
-def poll(page: Any, script: str, arg: Any = None, timeout_ms: int = WAIT_MS) -> None:
-    """Until `script` (a function of `arg`, run by evaluate) is true; the page ticks once a
-    second, so check four times a second."""
-    for _ in range(timeout_ms // 250):
-        if page.evaluate(script, arg):
+def until(page: Any, wrong: Callable[[], Any]) -> None:
+    """`wrong()` (what is not yet as it should be) again each time the page has rendered a
+    newer snapshot, until it finds nothing."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        seen = page.get_attribute("body", "data-snapshot-seq")
+        found = wrong()
+        if not found:
             return
-        page.wait_for_timeout(250)
-    raise AssertionError(f"never true: {script}")
+        assert time.monotonic() < deadline, found
+        wait_for(page, f'body:not([data-snapshot-seq="{seen}"])')
 
 
-def test_a_live_dashboard_a_stall_stack_and_a_switch_seen_by_every_page(
-    browser: Any, demo: Demo, tmp_path: Path
-) -> None:
+def attribute_selector(name: str, value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'[{name}="{escaped}"]'
+
+
+def panel_texts(page: Any) -> dict[str, str]:
+    return {name: page.inner_text(f"#panel-{name}") for name in PANELS}
+
+
+def test_a_live_dashboard_and_a_switch_seen_by_every_page(browser: Any, demo: Demo) -> None:
     problems: list[str] = []
     page = open_page(browser, demo.dashboard_url, problems)
 
-    # Every panel: numbers that change while we watch, and charts drawn.
-    page.evaluate(
-        "names => { window.before = Object.fromEntries(names.map("
-        "n => [n, document.querySelector('#panel-' + n).innerText])); }",
-        list(PANELS),
-    )
-    poll(
-        page,
-        "names => names.every(n => document.querySelector('#panel-' + n).innerText"
-        " !== window.before[n])",
-        list(PANELS),
-    )
+    # Every panel: numbers that change while we watch, and charts drawn. A request of our
+    # own moves a number in each (the requests, its tokenize path and cache, its backend);
+    # the loop's lag moves by itself.
+    before = panel_texts(page)
+    request_id = f"browser-{uuid.uuid4().hex[:12]}"
+    model = demo.snapshot()["models"][0]["name"]
+    assert ask(demo.proxy_url, 0, model, request_id) == 200
+    ours = f"#panel-requests table.requests tr{attribute_selector('data-id', request_id)}"
+    wait_for(page, ours)
+    until(page, lambda: [n for n, text in panel_texts(page).items() if text == before[n]])
     for name in PANELS:
-        panel = page.locator(f"#panel-{name}")
-        assert panel.locator(".plot canvas").count() >= 1, name
-        assert any(ch.isdigit() for ch in panel.inner_text()), name
+        wait_for(page, f"#panel-{name} .plot canvas")
+        assert any(ch.isdigit() for ch in page.inner_text(f"#panel-{name}")), name
 
-    # A burst from the page's own button (demo only) stalls the inline loop; a stall opens
-    # its stack.
-    burst = page.locator("#burst-button")
-    assert burst.is_visible()
-    burst.click()
-    first_stall = page.locator("#panel-loop tr.stall-row").first
-    first_stall.wait_for(timeout=WAIT_MS)
-    first_stall.click()
-    stack = page.locator("#panel-loop tr.stall-stack:not([hidden]) pre").first
-    stack.wait_for(timeout=WAIT_MS)
-    assert first_stall.get_attribute("aria-expanded") == "true"
-    frames = stack.inner_text()
-    if demo.snapshot()["loop"]["stacks"]:
-        assert ".py:" in frames or "No stack" in frames, frames
-    else:
-        assert "Stacks are off" in frames
-
-    # The switch: the policy the API reports changes, and a second page shows it too.
+    # The switch: the policy the API reports changes, and a second page shows it too. A page
+    # shows a new value of its own only once Sluice has answered its write.
     toggle = page.locator("#saturation-switch")
     assert toggle.get_attribute("data-value") == "wait"
     other = open_page(browser, demo.dashboard_url, problems)
@@ -198,31 +226,71 @@ def test_a_live_dashboard_a_stall_stack_and_a_switch_seen_by_every_page(
     assert demo.snapshot()["preprocess"]["saturation"] == "bail-out"
     wait_for(other, '#saturation-switch[data-value="bail-out"]')
     other.locator("#saturation-switch").click()
-    wait_for(page, '#saturation-switch[data-value="wait"]')
+    wait_for(other, '#saturation-switch[data-value="wait"]')
     assert demo.snapshot()["preprocess"]["saturation"] == "wait"
+    wait_for(page, '#saturation-switch[data-value="wait"]')
 
-    # The request log filters.
+    # The request log filters: by our request's id, ours alone.
     log = page.locator("#panel-requests")
+    shown = log.locator("table.requests tbody tr:not([hidden])")
     log.locator("input.filter-text").fill("no-such-request-anywhere")
-    assert log.locator("table.requests tbody tr:not([hidden])").count() == 0
+    assert shown.count() == 0
+    log.locator("input.filter-text").fill(request_id)
+    assert shown.count() == 1
+    assert shown.get_attribute("data-id") == request_id
     log.locator("input.filter-text").fill("")
-    assert log.locator("table.requests tbody tr:not([hidden])").count() > 0
+    counted = log.locator(".shown").inner_text()  # "N of M shown", as the filter ran
+    assert re.fullmatch(r"(\d+) of \1 shown", counted), counted
+    assert not problems, problems
+
+
+def test_a_burst_from_the_page_stalls_the_inline_loop_and_a_stall_opens_its_stack(
+    browser: Any, inline_demo: Demo, tmp_path: Path
+) -> None:
+    problems: list[str] = []
+    page = open_page(browser, inline_demo.dashboard_url, problems)
+
+    # A burst from the page's own button (demo only) stalls the inline loop: its prompts
+    # (the demo's only completions; its steady traffic is chats) are each ~12k tokens, tens
+    # of milliseconds of encoding on the loop. Once one is in the log, its stall is recorded.
+    burst = page.locator("#burst-button")
+    assert burst.is_visible()
+    burst.click()
+    wait_for(page, '#panel-requests table.requests tr[data-kind="completion"]')
+    opened = open_newest_stall(page)
+    frames = page.inner_text(opened)
+    if inline_demo.snapshot()["loop"]["stacks"]:
+        assert ".py:" in frames or "No stack" in frames, frames
+    else:
+        assert "Stacks are off" in frames
 
     screenshot = tmp_path / "dashboard.png"
     if os.environ.get("SLUICE_UPDATE_SCREENSHOT"):
         # For the README: a minute and a half of history, a second burst, its stack open.
-        script = "() => document.querySelectorAll('#panel-requests table.requests tr').length > 150"
-        poll(page, script, timeout_ms=180_000)
+        until(page, lambda: page.locator("#panel-requests table.requests tr").count() <= 150)
+        newest_burst = '#panel-requests table.requests tr[data-kind="completion"]'
+        first = page.get_attribute(newest_burst, "data-seq")
         burst.click()
-        newest = page.locator("#panel-loop tr.stall-row").first
-        newest.wait_for(timeout=WAIT_MS)
-        if newest.get_attribute("aria-expanded") != "true":
-            newest.click()
+        until(page, lambda: page.get_attribute(newest_burst, "data-seq") == first)
+        open_newest_stall(page)
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(screenshot), full_page=True)
     if os.environ.get("SLUICE_UPDATE_SCREENSHOT"):
         shutil.copy(screenshot, ROOT / "static" / "dashboard.png")
     assert not problems, problems
+
+
+def open_newest_stall(page: Any) -> str:
+    """Opens the newest stall row's stack (by its key: rows are redrawn as stalls come);
+    the selector of its stack's text."""
+    key = page.get_attribute("#panel-loop tr.stall-row", "data-key")
+    row = f"#panel-loop tr.stall-row{attribute_selector('data-key', key)}"
+    if page.get_attribute(row, "aria-expanded") != "true":
+        page.click(row)
+    wait_for(page, f'{row}[aria-expanded="true"]')
+    stack = f"{row} + tr.stall-stack:not([hidden]) pre"
+    wait_for(page, stack)
+    return stack
 
 
 def free_port() -> int:
@@ -237,16 +305,27 @@ def test_the_page_says_when_sluice_is_gone_and_reconnects_when_it_is_back(browse
     first = Demo(port)
     try:
         page = open_page(browser, first.dashboard_url, [])
+        # "reconnected" shows for a few seconds only: every state the page shows is kept
+        # in an attribute of the document, so that none goes unseen on a busy machine.
+        page.evaluate(KEEP_CONNECTION_STATES)
     finally:
         first.stop()
-    wait_for(page, '#connection[data-state="lost"]')
-    assert "reconnecting" in page.inner_text("#connection")
+    # (It may say "no data for N s" first, also "lost", if the stop took long.)
+    wait_for(page, '#connection[data-state="lost"]:has-text("reconnecting")')
     second = Demo(port)
     try:
-        wait_for(page, '#connection[data-state="reconnected"]')
-        assert "reconnected" in page.inner_text("#connection")
+        wait_for(page, "html[data-said-reconnected]")
+        assert "reconnected" in page.get_attribute("html", "data-said-reconnected")
     finally:
         second.stop()
+
+
+KEEP_CONNECTION_STATES = """() => {
+  const status = document.querySelector('#connection');
+  new MutationObserver(() => document.documentElement.setAttribute(
+    'data-said-' + status.dataset.state, status.textContent))
+    .observe(status, {attributes: true, childList: true, characterData: true, subtree: true});
+}"""
 
 
 # The backends table's columns filled from each backend's `engine` block in the snapshot.
@@ -259,9 +338,11 @@ ENGINE_COLUMNS = {
 ENGINE_STYLES = ("vllm", "sglang", "llamacpp", "tgi")
 
 
-def ask(proxy_url: str, question: int, model: str = DEFAULT_MODEL) -> int:
-    """A chat for `model`; the answer's status. The question first: each is a new prefix,
-    placed by its hash on any of the backends."""
+def ask(
+    proxy_url: str, question: int, model: str = DEFAULT_MODEL, request_id: str | None = None
+) -> int:
+    """A chat for `model` (with `request_id` as its x-request-id); the answer's status. The
+    question first: each is a new prefix, placed by its hash on any of the backends."""
     body = {
         "model": model,
         "messages": [
@@ -270,13 +351,14 @@ def ask(proxy_url: str, question: int, model: str = DEFAULT_MODEL) -> int:
         ],
         "max_tokens": 2,
     }
+    headers = {"content-type": "application/json"}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
     request = urllib.request.Request(
-        proxy_url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
+        proxy_url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
     )
     try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
+        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S) as answer:
             return int(answer.status)
     except urllib.error.HTTPError as refused:
         return int(refused.code)
@@ -321,17 +403,6 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
     return mismatched or ([] if table["rows"] else ["no rows"])
 
 
-def settled(page: Any, dashboard_url: str, mismatches: Any) -> list[str]:
-    """`mismatches(page, snapshot)` until it finds none (the page ticks once a second)."""
-    mismatched: list[str] = []
-    for _ in range(WAIT_MS // 250):
-        mismatched = mismatches(page, fetch_snapshot(dashboard_url))
-        if not mismatched:
-            break
-        page.wait_for_timeout(250)
-    return list(mismatched)
-
-
 def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None:
     started: list[Sluice] = []
     try:
@@ -350,7 +421,7 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
 
         # Prompts for every backend, over several scrapes, until each engine's numbers are in
         # and each backend's events flow.
-        deadline = time.monotonic() + WAIT_MS / 1000
+        deadline = time.monotonic() + DEADLINE_S
         question = 0
 
         def all_known() -> bool:
@@ -363,8 +434,7 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
             question += 1
 
         page = open_page(browser, dashboard_url, [])
-        mismatched = settled(page, dashboard_url, engine_cells_mismatched)
-        assert not mismatched, mismatched
+        until(page, lambda: engine_cells_mismatched(page, fetch_snapshot(dashboard_url)))
     finally:
         for process in started:
             process.stop()
@@ -448,7 +518,7 @@ def test_a_fleet_groups_its_backends_by_model_and_filters_its_log_by_model(
 
         # Prompts for both models (one by its alias), over several scrapes, until every
         # engine's numbers are in.
-        deadline = time.monotonic() + WAIT_MS / 1000
+        deadline = time.monotonic() + DEADLINE_S
         question = 0
         while question < 3 or not pools_known(fetch_snapshot(dashboard_url)):
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["models"]
@@ -458,8 +528,7 @@ def test_a_fleet_groups_its_backends_by_model_and_filters_its_log_by_model(
         assert ask(proxy_url, 0, "no-such-model") == 404
 
         page = open_page(browser, dashboard_url, [])
-        mismatched = settled(page, dashboard_url, pool_cells_mismatched)
-        assert not mismatched, mismatched
+        until(page, lambda: pool_cells_mismatched(page, fetch_snapshot(dashboard_url)))
         panel = page.locator("#panel-backends")
         assert (
             panel.locator('tr.pool[data-model="big"] [data-field="health"]')
@@ -480,7 +549,7 @@ def test_a_fleet_groups_its_backends_by_model_and_filters_its_log_by_model(
             )
             assert visible and set(visible) == {model}, visible
         log.locator("select.filter-model").select_option("all")
-        assert "small" in log.locator(".u-legend").inner_text()
+        wait_for(page, '#panel-requests .u-legend:has-text("small")')
     finally:
         for process in started:
             process.stop()

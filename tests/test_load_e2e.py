@@ -9,7 +9,9 @@ predictions; the overhead scenario's two floor servers (hypercorn, h11 on Trio) 
 keep-alive chat requests as a proxy would; the replicas scenario's TCP round robin hands
 each new connection to the next replica and each of its rounds runs on simulated GPUs of its
 own, and a benchmark's own Redis answers until the stack kills it;
-`python -m load compare REV` exports a revision that runs as `python -m app`."""
+`python -m load compare REV` exports a revision that runs as `python -m app`, and with
+`--bench NAME` runs that scenario with its Sluice variant from both trees, printing each
+figure this/REV (read off the scenario's result as the scenario writes it)."""
 
 from __future__ import annotations
 
@@ -261,3 +263,38 @@ def test_compare_exports_a_revision_that_runs(tmp_path: Path) -> None:
     where = run_python("-c", "import app; print(app.__file__)", cwd=tmp_path)
     assert Path(where.stdout.strip()).is_relative_to(tmp_path)  # not the installed one
     assert (tmp_path / "static").is_dir()
+
+
+def test_compare_runs_a_scenario_with_its_sluice_variant_from_both_trees(tmp_path: Path) -> None:
+    completed = run_python(
+        "-m", "load", "compare", "HEAD", "--bench", "hardening", "--quick",
+        "--part", "huge-prompt", "--rounds", "1", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    rows = [line.split() for line in completed.stdout.splitlines()]
+    assert [r[:2] for r in rows if r[:1] == ["huge-prompt"]] == [
+        ["huge-prompt", "offload"], ["huge-prompt", "offload@HEAD"]
+    ]  # fmt: skip
+    assert "this/REV" in completed.stdout
+    blob = json.loads((tmp_path / "compare-hardening.json").read_text())
+    assert blob["rev"] == "HEAD" and "processes_died" not in blob["result"]
+    figures = {f["figure"]: f for f in blob["this_to_rev"]}
+    refused = figures["huge-prompt: result"]
+    assert refused["this"] == refused["rev"] == "400 context_length_exceeded"
+    assert float(figures["huge-prompt: time to refuse s (worst)"]["this_to_rev"]) > 0
+
+
+@pytest.mark.parametrize("name", ["streams", "overhead"])
+def test_compare_reads_its_figures_off_a_scenarios_own_result(name: str) -> None:
+    """SMG's figures in the reference results stand in for REV's Sluice."""
+    text = (CHECKOUT / "load" / "reference" / f"{name}.json").read_text()
+    result = json.loads(text.replace('"smg"', '"sluice@REV"'))["result"]
+    rows = compare.FIGURES[name](result, "sluice", "sluice@REV")
+    by_figure = {row[0]: row for row in rows}
+    if name == "streams":
+        what, this, rev = "200 streams: CPU ms per 1,000 tokens", 32.58, 29.21
+    else:
+        what, this, rev = "200 req/s: CPU ms/request", 0.53, 0.39
+    row = by_figure[what]
+    assert (round(row[1], 2), round(row[2], 2)) == (this, rev)
+    assert float(row[3]) == pytest.approx(row[1] / row[2], abs=1e-3)
+    assert all(len(row) == 5 for row in rows)

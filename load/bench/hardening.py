@@ -132,13 +132,16 @@ async def measure(bench: Bench) -> dict[str, Any]:
     parts = bench.args.part or list(PARTS)
     rounds, chats = bench.rounds(1, 3), bench.pick(1, 4)
     sim = await bench.stack.sim(instant=True)
-    urls = {m: await bench.stack.proxy(sim, "--tokenize-mode", m) for m in ("inline", "offload")}
+    urls: dict[str, str] = {}
+    if not bench.comparing:  # the naive baseline: left out when comparing two versions
+        urls["inline"] = await bench.stack.proxy(sim, "--tokenize-mode", "inline")
+    urls |= await bench.proxies("offload", sim, "--tokenize-mode", "offload")
     pools = {mode: Pool(url) for mode, url in urls.items()}
     result: dict[str, Any] = {}
     for url in urls.values():
         await harness.wait_healthy(url)
     for part in parts:
-        modes = ["inline", "offload"] if part == "long-chats" else ["offload"]
+        modes = [m for m in urls if m != "inline" or part == "long-chats"]
 
         async def one(mode: str, number: int, part: str = part) -> dict[str, Any]:
             url, pool = urls[mode], pools[mode]
@@ -174,7 +177,7 @@ def summary(result: dict[str, Any]) -> Table:
             stalled = [r["stalls"] for r in rounds if r["stalls"] != "none"]
             wall = max(r["wall_s"] for r in rounds)
             met = None
-            if mode == "offload":
+            if mode.startswith("offload"):  # offload@REV too, when comparing versions
                 met = s["health_worst_ms"] <= TARGET_WORST_MS and (
                     wall <= TARGET_REFUSAL_S and all(r.startswith("400 ") for r in results)
                     if part == "huge-prompt"

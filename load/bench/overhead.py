@@ -46,8 +46,11 @@ async def start_targets(bench: Bench) -> dict[str, Target]:
     stack = bench.stack
     # The model is called "sim" on the backend too: SMG routes by the backend's model id.
     sim = await stack.sim(instant=True)
-    url = await stack.proxy(sim)
-    targets = {"direct": Target(sim, None), "sluice": Target(url, stack.pids[url])}
+    targets = {"direct": Target(sim, None)}
+    for name, url in (await bench.proxies("sluice", sim)).items():
+        targets[name] = Target(url, stack.pids[url])
+    if bench.comparing:  # two versions of Sluice: no floors, no peers
+        return targets
     for kind in ("hypercorn", "h11"):
         url = await stack.floor(kind)
         targets[f"floor-{kind}"] = Target(url, stack.pids[url])

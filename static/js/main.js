@@ -20,6 +20,7 @@ const updates = [
   ["requests", createRequestsPanel(document.querySelector("#panel-requests"))],
 ];
 const updated = document.querySelector("#updated");
+let rendered = 0;
 
 connect(document.querySelector("#connection"), (snapshot) => {
   updated.textContent = `snapshot ${clock(snapshot.wall_time)}`;
@@ -31,4 +32,7 @@ connect(document.querySelector("#connection"), (snapshot) => {
       console.error(`panel ${name}:`, error);
     }
   }
+  // How many snapshots this page has rendered, every panel updated: what scripts and tests
+  // wait on (`body:not([data-snapshot-seq="7"])`: a newer one is on the page).
+  document.body.dataset.snapshotSeq = String(++rendered);
 });

@@ -31,7 +31,7 @@ function row(record) {
     el("td", {}, record.stream === null ? DASH : record.stream ? "stream" : "whole"),
     el("td", { class: "mono small" }, record.id ?? DASH),
   ];
-  const node = el("tr", { dataset: { seq: record.seq } }, cells);
+  const node = el("tr", { dataset: { seq: record.seq, id: record.id ?? "", kind: record.kind ?? "" } }, cells);
   node.searchText = [record.model, record.backend, record.route, record.tokenize_path, record.status, record.id, record.kind]
     .filter((v) => v !== null && v !== undefined)
     .join(" ")
