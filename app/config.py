@@ -73,13 +73,18 @@ class ModelConfig:
 def check_backend_url(url: str) -> None:
     if not url.startswith("http://"):
         raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
+    if not _has_host_and_port(url):
+        raise ValueError(f"backend {url!r}: expected http://HOST[:PORT], a port from 1 to 65535")
+
+
+def _has_host_and_port(url: str) -> bool:
+    """Whether a URL names a host, and a port from 1 to 65535 if any."""
     parts = urlsplit(url)
     try:
-        port = parts.port  # ValueError outside 0-65535 or not a number
+        port = parts.port  # ValueError outside 0-65535, or not a number
     except ValueError:
-        port = 0
-    if not parts.hostname or port == 0:
-        raise ValueError(f"backend {url!r}: expected http://HOST[:PORT], a port from 1 to 65535")
+        return False
+    return bool(parts.hostname) and port != 0
 
 
 def check_fleet(models: tuple[ModelConfig, ...]) -> None:
@@ -301,16 +306,21 @@ class Settings(ServerSettings):
             )
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ValueError(f"--workers must be between 1 and {MAX_WORKERS}")
-        if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
+        if self.redis_url is not None and (
+            not self.redis_url.startswith(REDIS_SCHEMES)
+            or (not self.redis_url.startswith("unix://") and not _has_host_and_port(self.redis_url))
+        ):
             raise ValueError(
-                f"--redis-url {self.redis_url!r}: expected redis://, rediss:// or unix://"
+                f"--redis-url {self.redis_url!r}: expected redis://HOST[:PORT], rediss://... "
+                "or unix://PATH, a port from 1 to 65535"
             )
-        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(
-            ("http://", "https://")
+        if self.otlp_endpoint is not None and (
+            not self.otlp_endpoint.startswith(("http://", "https://"))
+            or not _has_host_and_port(self.otlp_endpoint)
         ):
             raise ValueError(
                 f"--otlp-endpoint {self.otlp_endpoint!r}: expected an OTLP/HTTP URL, "
-                "http://HOST:4318 or https://..."
+                "http://HOST:4318 or https://..., a port from 1 to 65535"
             )
         if self.demo_burst_interval < 0:
             raise ValueError("--demo-burst-interval must not be negative")

@@ -192,7 +192,14 @@ WRONG_VALUES = [
     (["--admission-timeout", "0"], "admission_timeout = 0", "--admission-timeout must be"),
     (["--shutdown-grace", "-1"], "shutdown_grace = -1", "--shutdown-grace must not be"),
     (["--otlp-endpoint", "collector:4318"], 'otlp_endpoint = "x"', "--otlp-endpoint"),
+    (["--redis-url", "redis://r:99999"], 'redis_url = "redis://r:0"', "--redis-url"),
 ]
+
+
+def test_a_backends_port_is_checked() -> None:
+    for url in ("http://127.0.0.1:70000", "http://127.0.0.1:0", "http://:8000"):
+        with pytest.raises(SystemExit, match="a port from 1 to 65535"):
+            parse(["serve", "--backend", url])
 
 
 @pytest.mark.parametrize(("flags", "line", "words"), WRONG_VALUES)
