@@ -46,6 +46,7 @@ from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import TokenizerLike
 from app.proxy.app import ProxyApp
+from app.proxy.forwarding import Forwarder
 from app.routing.router import Router
 
 log = logging.getLogger("sluice")
@@ -228,17 +229,11 @@ class Sluice:
             await nursery.start(self.tracer.run)
             if self.access_log is not None:
                 await nursery.start(self.access_log.run)
+            forwarder = Forwarder(
+                settings, self.pool, self.router, self.metrics, upstream, relay_hub
+            )
             proxy = ProxyApp(
-                settings,
-                self.pool,
-                self.router,
-                upstream,
-                self.preprocessor,
-                self.metrics,
-                self.catalog,
-                relay_hub,
-                self.tracer,
-                self.access_log,
+                settings, self.preprocessor, self.catalog, forwarder, self.tracer, self.access_log
             )
             sources = DashboardSources(
                 self.snapshot,

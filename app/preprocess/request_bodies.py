@@ -102,55 +102,34 @@ def parse_request(kind: Kind, body: bytes) -> ParsedRequest:
     fields.pop(PROMPT_FIELDS.get(kind, ""), None)
     if kind in ("model", "form"):
         return ParsedRequest(kind, payload, fields, model, [], "", {}, 0, 0)
-    if kind in ROUTING_RENDERS:
-        _check_common(payload)
-        if kind == "responses":
-            messages, budget = responses_messages(payload), payload.get("max_output_tokens")
-        else:
-            messages, budget = messages_messages(payload), payload.get("max_tokens")
-        arguments: dict[str, Any] = {
-            "add_generation_prompt": True,
-            "tools": None,
-            "documents": None,
-            "extra": {},
-        }
-        tokens = budget if isinstance(budget, int) and not isinstance(budget, bool) else 0
-        return ParsedRequest(
-            kind,
-            payload,
-            fields,
-            model,
-            messages,
-            "",
-            arguments,
-            content_chars(messages),
-            max(tokens, 0),
-        )
     if kind == "completion":
         check_completion(payload)
         prompt = _completion_prompt(payload)
         return ParsedRequest(
             kind, payload, fields, model, [], prompt, {}, 0, requested_completion_tokens(payload)
         )
-    check_chat(payload)
-    messages, chars = template_messages(payload["messages"])
-    arguments = {
-        "add_generation_prompt": _add_generation_prompt(payload),
-        "tools": payload.get("tools"),
-        "documents": payload.get("documents"),
-        "extra": _template_extras(payload),
-    }
-    return ParsedRequest(
-        kind,
-        payload,
-        fields,
-        model,
-        messages,
-        "",
-        arguments,
-        chars,
-        requested_completion_tokens(payload),
-    )
+    arguments: dict[str, Any]
+    if kind in ROUTING_RENDERS:
+        _check_common(payload)
+        if kind == "responses":
+            messages, budget = responses_messages(payload), payload.get("max_output_tokens")
+        else:
+            messages, budget = messages_messages(payload), payload.get("max_tokens")
+        chars = content_chars(messages)
+        arguments = {"add_generation_prompt": True, "tools": None, "documents": None, "extra": {}}
+        wanted = budget if isinstance(budget, int) and not isinstance(budget, bool) else 0
+        completion = max(wanted, 0)
+    else:
+        check_chat(payload)
+        messages, chars = template_messages(payload["messages"])
+        arguments = {
+            "add_generation_prompt": _add_generation_prompt(payload),
+            "tools": payload.get("tools"),
+            "documents": payload.get("documents"),
+            "extra": _template_extras(payload),
+        }
+        completion = requested_completion_tokens(payload)
+    return ParsedRequest(kind, payload, fields, model, messages, "", arguments, chars, completion)
 
 
 def _check_common(body: dict[str, Any]) -> None:

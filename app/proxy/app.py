@@ -24,17 +24,13 @@ from typing import Any
 import trio
 
 from app.config import Settings
-from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog
 from app.fleet.tokenizer_check import build_probe
-from app.http.client import UpstreamPool
 from app.http.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.fields import Headers
-from app.http.relay_hub import RelayHub
 from app.models import NO_MODEL
 from app.observe.access_log import AccessLog
-from app.observe.metrics import Metrics
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
 from app.observe.tracing import (
@@ -52,13 +48,13 @@ from app.proxy.accounting import KeyLabels, credential
 from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
 from app.proxy.endpoints import ENDPOINTS, RESPONSES, STORED, STORED_RESPONSES, Endpoint
 from app.proxy.forward import upstream_headers
-from app.proxy.forwarding import Forwarder, Outgoing, Timing
+from app.proxy.forwarding import Attempt, Forwarder, Outgoing, Timing
 from app.proxy.request_spans import request_spans
 from app.proxy.response_ids import IdTagger, untag
 from app.proxy.token_forwarding import plan_forward
 from app.routing.admission import Admission, Overloaded
 from app.routing.decision import RouteRequest
-from app.routing.router import Router, estimated_tokens
+from app.routing.router import estimated_tokens
 
 log = logging.getLogger("sluice.proxy")
 
@@ -76,31 +72,28 @@ class ProxyApp:
     def __init__(
         self,
         settings: Settings,
-        pool: BackendPool,
-        router: Router,
-        upstream: UpstreamPool,
         preprocessor: Preprocessor,
-        metrics: Metrics,
         catalog: ModelCatalog,
-        relay_hub: RelayHub,
+        forwarder: Forwarder,
         tracer: Tracer,
         access_log: AccessLog | None = None,
     ) -> None:
+        """`forwarder` takes a prepared request to a backend and back (its pool, router and
+        metrics are the proxy's too); `tracer` and `access_log` hear of each request."""
         self.settings = settings
         self.tracer = tracer
         self.access_log = access_log
-        self.relay_hub = relay_hub
         self.preprocessor = preprocessor
         self.key_labels = KeyLabels()
         self.keys: KeyTable | None = (
             None if settings.api_keys is None else load_api_keys(settings.api_keys)
         )
         self.catalog = catalog
-        self.pool = pool
-        self.router = router
-        self.metrics = metrics
-        self.forwarder = Forwarder(settings, pool, router, upstream, metrics, relay_hub)
-        self.active_completions = 0  # what --max-connections bounds
+        self.forwarder = forwarder
+        self.pool = forwarder.pool
+        self.router = forwarder.router
+        self.metrics = forwarder.metrics
+        self.active_requests = 0  # what --max-connections bounds
         # Request ids this process makes: a random prefix and a count, unique without a
         # system call for 16 random bytes on every request.
         self._id_prefix = os.urandom(8).hex().encode()
@@ -108,7 +101,7 @@ class ProxyApp:
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
             probe = build_probe(preprocessor.encode_plain, preprocessor.special_tokens())
-            pool.require_tokenizer_match(probe)
+            self.pool.require_tokenizer_match(probe)
 
     def _new_request_id(self) -> bytes:
         self._ids_made += 1
@@ -122,16 +115,16 @@ class ProxyApp:
             if method != "POST":
                 await exchange.respond_client_error(errors.method_not_allowed(b"POST"))
                 return
-            if self.active_completions >= self.settings.max_connections:
+            if self.active_requests >= self.settings.max_connections:
                 # Refused before reading the body: past the bound, memory stays flat.
                 limit = self.settings.max_connections
                 await exchange.respond_client_error(errors.overloaded(limit))
                 return
-            self.active_completions += 1
+            self.active_requests += 1
             try:
                 await self.infer(exchange, path, endpoint)
             finally:
-                self.active_completions -= 1
+                self.active_requests -= 1
             return
         if path in GET_PATHS:
             if method not in ("GET", "HEAD"):
@@ -230,11 +223,11 @@ class ProxyApp:
         if query:
             target += "?" + query.decode("latin-1")
         _, headers = self._upstream_headers(exchange, context)
-        converter = IdTagger(backend.id, (engine_id,))
+        attempt = Attempt(
+            method, target, body, headers, [], STORED, IdTagger(backend.id, (engine_id,))
+        )
         try:
-            await self.forwarder.direct(
-                exchange, backend, method, target, body, headers, STORED, converter, timing
-            )
+            await self.forwarder.direct(exchange, backend, attempt, timing)
         finally:
             self._finish(exchange, trace, STORED, timing, context)
 

@@ -95,22 +95,37 @@ class Outgoing:
         return self.route_request.model
 
 
+@dataclass(slots=True)
+class Attempt:
+    """One request as one backend gets it, and how its answer comes back."""
+
+    method: bytes
+    target: str
+    body: bytes
+    headers: Headers
+    extra: Headers  # added to the answer's headers
+    endpoint: Endpoint
+    converter: Converter | None = None  # rewrites the answer's body as it passes
+    as_chat: bool = False  # a completion answered to a chat request (--forward tokens)
+
+
 class Forwarder:
     def __init__(
         self,
         settings: Settings,
         pool: BackendPool,
         router: Router,
-        upstream: UpstreamPool,
         metrics: Metrics,
+        upstream: UpstreamPool,
         relay_hub: RelayHub,
     ) -> None:
+        """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
         self.settings = settings
         self.pool = pool
         self.router = router
         self.policy = router.policy
-        self.upstream = upstream
         self.metrics = metrics
+        self.upstream = upstream
         self.relay_hub = relay_hub
 
     async def forward(self, exchange: Exchange, outgoing: Outgoing, trace: RequestTrace) -> None:
@@ -181,9 +196,7 @@ class Forwarder:
                 if outgoing.endpoint.tags_response_ids
                 else None
             )
-            relayed = await self._try(
-                exchange,
-                backend,
+            attempt = Attempt(
                 b"POST",
                 outgoing.path,
                 outgoing.body,
@@ -192,9 +205,8 @@ class Forwarder:
                 outgoing.endpoint,
                 converter,
                 outgoing.answer_as_chat,
-                outcome,
-                timing,
             )
+            relayed = await self._try(exchange, backend, attempt, outcome, timing)
         finally:
             usage = usage_from_tail(relayed.tail) if relayed is not None else None
             key = outgoing.admission.tenant
@@ -204,36 +216,14 @@ class Forwarder:
             self._count(backend, outcome, outgoing.model or ANY_MODEL)
 
     async def direct(
-        self,
-        exchange: Exchange,
-        backend: Backend,
-        method: bytes,
-        target: str,
-        body: bytes,
-        headers: Headers,
-        endpoint: Endpoint,
-        converter: Converter | None,
-        timing: Timing,
+        self, exchange: Exchange, backend: Backend, attempt: Attempt, timing: Timing
     ) -> None:
         """Send one request to `backend` itself and relay its answer (502/504 on failure)."""
         timing.routed_at = time.perf_counter()
         outcome = _Outcome()
-        extra = [(b"x-sluice-backend", backend.url.encode())]
+        attempt.extra.append((b"x-sluice-backend", backend.url.encode()))
         try:
-            await self._try(
-                exchange,
-                backend,
-                method,
-                target,
-                body,
-                headers,
-                extra,
-                endpoint,
-                converter,
-                False,
-                outcome,
-                timing,
-            )
+            await self._try(exchange, backend, attempt, outcome, timing)
         except UpstreamFailure as exc:
             await exchange.respond_client_error(errors.upstream_failure(exc))
         except StreamBroken as exc:
@@ -245,20 +235,18 @@ class Forwarder:
         self,
         exchange: Exchange,
         backend: Backend,
-        method: bytes,
-        target: str,
-        body: bytes,
-        headers: Headers,
-        extra: Headers,
-        endpoint: Endpoint,
-        converter: Converter | None,
-        as_chat: bool,
+        attempt: Attempt,
         outcome: _Outcome,
         timing: Timing,
     ) -> Relayed:
         try:
             response = await open_upstream(
-                self.upstream, backend.url, target, body, headers, method
+                self.upstream,
+                backend.url,
+                attempt.target,
+                attempt.body,
+                attempt.headers,
+                attempt.method,
             )
         except UpstreamFailure as exc:
             outcome.broken = str(exc)
@@ -267,12 +255,14 @@ class Forwarder:
         outcome.code = str(response.status_code)
         if response.status_code in BACKEND_FAULT_STATUSES:
             outcome.broken = f"answered {response.status_code}"
-        idle, hub = self.settings.idle_timeout, self.relay_hub
+        idle, hub, extra = self.settings.idle_timeout, self.relay_hub, attempt.extra
         try:
-            if as_chat:
+            if attempt.as_chat:
                 relayed = await relay_as_chat(response, exchange, extra, idle, hub)
             else:
-                relayed = await relay(response, exchange, extra, idle, hub, converter, endpoint)
+                relayed = await relay(
+                    response, exchange, extra, idle, hub, attempt.converter, attempt.endpoint
+                )
         except (StreamBroken, UpstreamFailure) as exc:
             outcome.broken = str(exc)
             raise
@@ -281,7 +271,7 @@ class Forwarder:
         if relayed.broken is not None:
             outcome.broken = relayed.broken
         if relayed.untidy:
-            self.metrics.untidy_streams.labels(endpoint=endpoint.name).inc()
+            self.metrics.untidy_streams.labels(endpoint=attempt.endpoint.name).inc()
         return relayed
 
     def _count(self, backend: Backend, outcome: _Outcome, model: str) -> None:
