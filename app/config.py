@@ -25,6 +25,7 @@ ForwardMode = Literal["passthrough", "tokens"]
 AccessLogFormat = Literal["json"]
 
 MAX_WORKERS = 64
+DEFAULT_MAX_RENDER_WORKERS = 4
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -202,8 +203,12 @@ class Settings(ServerSettings):
     # (measured: 2 threads on 2 cores let /health wait 12-20 ms during a burst, 1 thread 6-11).
     tokenize_threads: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
     tokenize_queue: int = 8
-    # Renders (parse, checks, Jinja2) hold the GIL: they run in worker processes.
-    render_workers: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) - 1))
+    # Renders (parse, checks, Jinja2) hold the GIL: they run in worker processes, started as
+    # needed, at most this many (by default one fewer than the cores, and no more than
+    # DEFAULT_MAX_RENDER_WORKERS).
+    render_workers: int = field(
+        default_factory=lambda: max(1, min(DEFAULT_MAX_RENDER_WORKERS, (os.cpu_count() or 2) - 1))
+    )
     saturation: Saturation = "wait"
     l0_max_entries: int = 10000
     l0_max_text_bytes: int = 65536

@@ -70,8 +70,8 @@ HELP: dict[str, str] = {
     "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
     "backlog": "connections the kernel may queue before they are accepted",
     "max_connections": "inference requests in flight; more get a fast 503 with Retry-After",
-    "render_workers": "worker processes that parse and render large requests (default: one "
-    "fewer than the CPU count, min 1)",
+    "render_workers": "worker processes that parse and render large requests, started as "
+    "they are needed (default: one fewer than the CPU count, at most 4; min 1)",
     "tokenize_with": "words (a stand-in), default (the bundled DeepSeek-V4 tokenizer) or a "
     "tokenizer.json path: what /tokenize and prompt counting use",
     "model": "a model name this backend serves (repeatable; any other name gets vLLM's 404; "

@@ -106,7 +106,7 @@ class Preprocessor:
         self._metrics = metrics
         self._phase = phase or _no_phase
         loaded = load_tokenizer(settings.tokenizer) if tokenizer is None else _wrap(tokenizer)
-        self._processes = ProcessPool(settings.render_workers)
+        self._processes = ProcessPool()
         self._renders = self._dispatcher(
             self._processes,
             settings.render_workers,
@@ -134,7 +134,8 @@ class Preprocessor:
         )
 
     def running(self) -> AbstractAsyncContextManager[None]:
-        """The render worker processes, started (and warmed up) for as long as it is open."""
+        """The render worker processes, started (and warmed up) as they are needed, for as
+        long as it is open."""
         return self._processes.running(functools.partial(warm_up, self.preps.specs()))
 
     @property

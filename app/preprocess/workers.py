@@ -11,10 +11,19 @@ in a process (0.30 ms a round trip against 0.15 ms for a thread), which is why o
 estimated over the loop's budget, and bodies too large to parse on the loop, come here.
 
 Processes come from trio-parallel (the Trio-native pool): spawned, not forked, because this
-process has threads (trio's cache, the tokenizer's) whose locks a fork would copy held;
-started all at once when the proxy starts, so that no request waits for an interpreter to
-boot; kept for the life of the proxy. A job that is cancelled (the client went away) runs to
-its end in the worker rather than killing it: renders are bounded, respawning is not cheap.
+process has threads (trio's cache, the tokenizer's) whose locks a fork would copy held.
+They start on first need, one more whenever every started one is busy, up to the
+dispatcher's bound (`--render-workers`, at most 4 by default whatever the core count: each
+is a ~60 MB interpreter, and a machine with many cores seldom has many large renders at
+once); one idle for `IDLE_S` stops. The first large request after a quiet spell pays a
+worker's boot (~0.2 s, imports and template compiling included) rather than every start-up
+paying all of them. A job that is cancelled (the client went away) runs to its end in the
+worker rather than killing it: renders are bounded, respawning is not cheap.
+
+A worker ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` of the process group reaches
+every process in it, and the proxy, not the signal, ends its workers, after their last job
+(a normal shutdown logs nothing). If the proxy dies outright (SIGKILL), the worker's end of
+the pipe closes and it exits: no orphan stays.
 
 Workers of both kinds run at a lower CPU priority (nice 10) than the event loop: offloading
 frees the loop from the GIL, but on a busy machine the loop still competes with them for a
@@ -28,6 +37,7 @@ import functools
 import logging
 import math
 import os
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -41,6 +51,8 @@ log = logging.getLogger("sluice.preprocess")
 
 # How long the proxy's shutdown waits for a busy worker before killing it.
 WORKER_GRACE_SECONDS = 5.0
+# A render worker idle this long stops; the next large request starts one again.
+IDLE_S = 300.0
 # Added to the workers' nice value: CFS then gives a runnable loop ~10x their share of a core.
 WORKER_NICENESS = 10
 
@@ -63,60 +75,48 @@ def _lowered(job: Callable[[], T]) -> T:
     return job()
 
 
-def lower_priority() -> bool:
+def prepare_worker(warm_up: Callable[[], object]) -> bool:
     """Run by each render worker process as it starts."""
     os.nice(WORKER_NICENESS)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    warm_up()
     return True
 
 
 class ProcessPool:
-    """Worker processes for renders, open while `running()` is; `await pool(job)` runs one.
+    """Worker processes for renders, open while `running()` is; `await pool(job)` runs one,
+    in an idle worker or a new one (its caller bounds how many run at once). Outside
+    `running()` (a Preprocessor used on its own, as in tests) jobs go to trio-parallel's
+    default pool."""
 
-    The workers boot in the background (~0.15 s of imports each) while the proxy starts
-    listening; a job that arrives before they are up waits for them rather than spawning
-    more. Outside `running()` (a Preprocessor used on its own, as in tests) jobs go to
-    trio-parallel's default pool, whose workers start on first use.
-    """
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
+    def __init__(self) -> None:
         self._context: trio_parallel.WorkerContext | None = None
-        self._booted = trio.Event()
 
     @asynccontextmanager
     async def running(self, warm_up: Callable[[], object]) -> AsyncIterator[None]:
         try:
             async with trio_parallel.open_worker_context(
-                idle_timeout=math.inf, grace_period=WORKER_GRACE_SECONDS, init=lower_priority
+                idle_timeout=IDLE_S,
+                grace_period=WORKER_GRACE_SECONDS,
+                init=functools.partial(prepare_worker, warm_up),
             ) as context:
-                self._context, self._booted = context, trio.Event()
+                self._context = context
                 try:
-                    async with trio.open_nursery() as booting:
-                        booting.start_soon(self._boot, context, warm_up)
-                        yield
-                        booting.cancel_scope.cancel()  # still booting at shutdown: kill them
+                    yield
                 finally:
                     self._context = None
         except trio_parallel.BrokenWorkerError as exc:
-            # Shutting down: a worker that did not stop in time was killed. Not worth failing
-            # the proxy's exit for.
+            # A worker still busy WORKER_GRACE_SECONDS into the shutdown was killed: worth a
+            # line, not worth failing the proxy's exit for.
             log.warning("a render worker process had to be killed at shutdown: %s", exc)
 
-    async def _boot(
-        self, context: trio_parallel.WorkerContext, warm_up: Callable[[], object]
-    ) -> None:
-        # Concurrent jobs on an empty cache spawn one worker each.
-        async with trio.open_nursery() as nursery:
-            for _ in range(self.workers):
-                nursery.start_soon(
-                    functools.partial(context.run_sync, warm_up, kill_on_cancel=True)
-                )
-        self._booted.set()
-
     async def __call__(self, job: Callable[[], T]) -> T:
-        if self._context is None:
-            result: T = await trio_parallel.run_sync(job)
-            return result
-        await self._booted.wait()
-        result = await self._context.run_sync(job)
+        context = self._context
+        result: T
+        if context is None:
+            result = await trio_parallel.run_sync(job)
+        else:
+            # No limiter of trio-parallel's: the dispatcher bounds the jobs, hence the workers.
+            result = await context.run_sync(job, limiter=_UNLIMITED)
         return result
