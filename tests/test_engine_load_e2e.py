@@ -173,16 +173,27 @@ async def test_the_snapshot_carries_each_backends_engine_block(
     }
 
 
-async def test_traffic_after_a_quiet_spell_is_scraped_at_the_next_look(
+async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Idle, the scraper reads the engines every 10 s; once requests flow again it must not
-    finish that sleep first (replicas routed blind to the GPUs' queues for seconds)."""
+    """Idle, the scraper reads the engines every 10 s and wakes for nothing else; once a
+    request is sent again it must not finish that sleep first (replicas routed blind to the
+    GPUs' queues for seconds), and while traffic flows it reads every SCRAPE_INTERVAL."""
     traffic = 0
     scraped: list[float] = []
+    waiting: list[trio.Event] = []
+
+    async def next_traffic() -> None:
+        waiting.append(trio.Event())
+        await waiting[-1].wait()
+
     load_scraper = LoadScraper(
-        healthy_pool(["http://gpu:8000"]), None, timeout=5.0, traffic=lambda: traffic
-    )  # type: ignore[arg-type]
+        healthy_pool(["http://gpu:8000"]),
+        None,  # type: ignore[arg-type]
+        timeout=5.0,
+        traffic=lambda: traffic,
+        next_traffic=next_traffic,
+    )
 
     async def record() -> None:
         scraped.append(trio.current_time())
@@ -190,12 +201,14 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_the_next_look(
     load_scraper.scrape_all = record  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load_scraper.run)
-        await trio.sleep(25.25)  # between two of its looks (every SCRAPE_INTERVAL, 0.5 s)
+        await trio.sleep(25.25)
         assert scraped == [0.0, 10.0, 20.0]
+        load_scraper.pool.backends[0].inflight = 1  # a request sent, its answer long
         traffic = 1
-        await trio.sleep(1.0)
+        waiting[-1].set()
+        await trio.sleep(1.1)
         nursery.cancel_scope.cancel()
-    assert scraped[-1] == 25.5
+    assert scraped[3:] == [25.25, 25.75, 26.25]  # at once, then while it runs
 
 
 def engine_load(running: int, waiting: int) -> EngineLoad:

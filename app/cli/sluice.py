@@ -216,6 +216,7 @@ class Sluice:
                 settings.health_check_timeout,
                 traffic=lambda: self.router.reservations,
                 reported=self.router.gate.opened,
+                next_traffic=self.router.next_reservation,
             )
             nursery.start_soon(scraper.run)
             upstream = UpstreamPool(

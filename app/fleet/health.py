@@ -2,7 +2,9 @@
 
 A backend that answers 404 on the health path (some OpenAI-compatible servers have no
 /health) is probed on /v1/models from then on and is never ejected for the 404 itself.
-The model list (with `max_model_len`) is refreshed from /v1/models on every healthy probe.
+The model list (with `max_model_len`) is read from /v1/models when a backend turns healthy
+and every `MODELS_REFRESH_S` while it stays so (served names change when an adapter is
+loaded, seldom): each read costs the loop ~1 ms, a probe as much again.
 With `--forward tokens`, a healthy backend due a tokenizer check (after re-admission, or after
 a check that could not finish) gets one right after its health probe (tokenizer_check.py).
 """
@@ -22,6 +24,7 @@ from app.observe.metrics import Metrics
 log = logging.getLogger("sluice.health")
 
 MODELS_PATH = "/v1/models"
+MODELS_REFRESH_S = 30.0
 
 
 class HealthChecker:
@@ -39,6 +42,7 @@ class HealthChecker:
         self.metrics = metrics
         self.interval = interval
         self.timeout = timeout
+        self._models_read_at: dict[str, float] = {}  # backend id -> when its models were read
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Check once so the proxy starts with a true picture, then keep checking."""
@@ -49,6 +53,9 @@ class HealthChecker:
             await self.check_all()
 
     async def check_all(self) -> None:
+        current = {backend.id for backend in self.pool.backends}
+        for gone in self._models_read_at.keys() - current:
+            del self._models_read_at[gone]
         async with trio.open_nursery() as nursery:
             for backend in self.pool.backends:
                 nursery.start_soon(self.check, backend)
@@ -56,7 +63,9 @@ class HealthChecker:
     async def check(self, backend: Backend) -> None:
         was_healthy = backend.healthy
         ok, error = await self._probe(backend)
-        if ok and backend.probe_path != MODELS_PATH:
+        read_at = self._models_read_at.get(backend.id)
+        due = read_at is None or trio.current_time() - read_at >= MODELS_REFRESH_S
+        if ok and backend.probe_path != MODELS_PATH and (due or not was_healthy):
             await self._refresh_models(backend)
         if backend not in self.pool.backends:
             return  # removed while it was being probed
@@ -93,6 +102,7 @@ class HealthChecker:
             return False, f"health check answered {response.status_code}"
         if backend.probe_path == MODELS_PATH:
             _store_models(backend, response)
+            self._models_read_at[backend.id] = trio.current_time()
         return True, None
 
     async def _refresh_models(self, backend: Backend) -> None:
@@ -103,6 +113,7 @@ class HealthChecker:
             return
         if response.status_code == 200:
             _store_models(backend, response)
+            self._models_read_at[backend.id] = trio.current_time()
 
 
 def _store_models(backend: Backend, response: httpx.Response) -> None:

@@ -90,6 +90,7 @@ class Router:
         self.metrics = metrics
         self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
         self.reservations = 0  # requests sent to a backend so far: whether traffic flows
+        self._reserved = trio.Event()  # set by the next reservation (`next_reservation`)
         limits = GateLimits(
             ceiling=settings.max_inflight_per_backend,
             max_kv_usage=settings.max_kv_usage,
@@ -185,10 +186,16 @@ class Router:
         backend.inflight += 1
         backend.pending_tokens += pending
         self.reservations += 1
+        self._reserved.set()
         events = self.kv_events.get(backend.url)
         if events is not None and prediction is not None and prediction.stores_blocks:
             events.request_sent(trio.current_time())
         return Decision(backend, decision.reason, prediction, pending, request.model)
+
+    async def next_reservation(self) -> None:
+        """Return when the next request is sent to a backend: idle watchers sleep till then."""
+        self._reserved = trio.Event()
+        await self._reserved.wait()
 
     def release(
         self,
