@@ -8,25 +8,32 @@ under trio's autojump clock: a request passes at once while an engine has room a
 while none has; what leaves when room appears is the fairest request, routed then (late
 binding), preferring one whose prefix the engine with room holds; a deadline answers 429 at
 exactly its time; a request cancelled while held leaves nothing behind, and one cancelled
-after it was routed gives its reservation back.
+after it was routed gives its reservation back. Last, the running router: a long prompt's
+blocks hashed in a thread and recorded behind it.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 
 import pytest
 import trio
 import trio.testing
 
+from app.config import Settings
 from app.fleet.backends import Backend, BackendPool, learnt_capacity
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.saturation import saturation
 from app.observe.admission_stats import AdmissionStats, fair_shares
+from app.observe.metrics import Metrics
 from app.routing.admission import Admission, FairQueue, Held, Overloaded
+from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, RouteRequest
 from app.routing.gate import Gate, GateLimits
+from app.routing.router import Router
+from tests.conftest import wait_until
 
 # --- the fair queue ---------------------------------------------------------------------------
 
@@ -308,3 +315,33 @@ async def test_held_requests_learn_when_no_backend_of_their_pool_is_left() -> No
 
 def test_no_deadline_by_default() -> None:
     assert Admission().deadline == math.inf
+
+
+# --- the router ---------------------------------------------------------------------------------
+
+
+async def test_a_running_router_hashes_a_long_prompt_in_a_thread_and_records_it_behind(
+    nursery: trio.Nursery,
+) -> None:
+    """Routing a 20,000-token prompt costs the loop no pass over its blocks: their hashes
+    come from a thread, and the router's own task records them a slice at a time."""
+    pool = pool_of(2, room=8)
+    router = Router(Settings(), pool, Metrics())
+    await nursery.start(router.run)
+    policy = router.policy
+    assert isinstance(policy, CacheAware)
+    request = RouteRequest(token_ids=array("I", range(20_000)))
+    decision = await router.choose(request)
+    assert decision is not None and request.block_hashes is not None
+    assert len(request.block_hashes) == 1250
+    # Recorded behind the request, not during it.
+    assert policy.pending and len(policy.index) < 1250
+
+    async def recorded() -> bool:
+        return len(policy.index) == 1250 and not policy.pending
+
+    await wait_until(recorded)
+    router.release(decision, None)
+    again = await router.choose(RouteRequest(token_ids=array("I", range(20_000))))
+    assert again is not None and again.reason == "prefix-hit"
+    assert again.backend is decision.backend

@@ -180,3 +180,30 @@ def test_index_agrees_with_the_naive_reference(
         for probe in probes:
             for who in ("a", "b", "c"):
                 assert index.match(who, probe) == naive.match(who, probe)
+
+
+@given(st.integers(1, 40), st.integers(0, 3))
+def test_a_chain_recorded_in_slices_ends_as_if_recorded_whole(most: int, held_before: int) -> None:
+    """Slices from the tail, each newer than the last: the same stamps, the same order and
+    the same entries as one `record`, whatever the slice (fed whole, then piece by piece).
+    Blocks held before may be evicted between slices and come back with the head's."""
+    chain = block_hashes(ids((0, 16 * 30)))
+    whole, sliced = BlockIndex(max_blocks=24), BlockIndex(max_blocks=24)
+    for index in (whole, sliced):
+        index.record("gpu", block_hashes(ids((5000, 16 * 8))))
+        index.record("gpu", chain[:held_before])
+    whole.record("gpu", chain)
+    end = len(chain)
+    while end:
+        end = sliced.record_tail("gpu", chain, end, most)
+    assert sliced._held == whole._held and len(sliced) == len(whole) == 24
+    assert whole.evictions <= sliced.evictions <= whole.evictions + held_before
+
+
+def test_until_its_head_is_in_a_new_chain_matches_nothing() -> None:
+    chain = block_hashes(ids((0, 16 * 10)))
+    index = BlockIndex(max_blocks=100)
+    start = index.record_tail("gpu", chain, len(chain), 4)
+    assert start == 6 and index.match("gpu", chain) == 0
+    index.record_tail("gpu", chain, start, 6)
+    assert index.match("gpu", chain) == 10

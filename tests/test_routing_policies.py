@@ -248,3 +248,40 @@ def test_backends_join_and_leave_and_have_stable_ids() -> None:
     b = pool.backends[0]
     b.inflight, b.reported_waiting, b.pending_tokens = 2, 1, 2048
     assert b.load == 5.0
+
+
+# --- long prompts: recorded behind their requests ---------------------------------------------
+
+
+def long_prompt(system: int, blocks: int) -> RouteRequest:
+    tokens = array("I", [system * 100_000 + i for i in range(blocks * 16)])
+    return RouteRequest(token_ids=tokens, block_hashes=block_hashes(tokens))
+
+
+def test_a_long_prompt_is_recorded_a_slice_at_a_time_after_it_was_routed() -> None:
+    pool, ca = backends(), policy()
+    first = ca.choose(pool, long_prompt(1, 1000))
+    assert len(ca.index) == 0 and len(ca.pending) == 1  # routing did not record it
+    assert ca.choose(pool, long_prompt(1, 1000)).reason == "new-prefix"  # placed alike
+    slices = 0
+    while ca.record_pending(most=256):
+        slices += 1
+        assert len(ca.index) == min(256 * slices, 1000)  # a slice at a time
+    assert len(ca.index) == 1000  # both requests' chains, one backend's 1,000 blocks
+    again = ca.choose(pool, long_prompt(1, 1000))
+    assert again.reason == "prefix-hit" and again.backend is first.backend
+    assert again.prediction is not None and again.prediction.blocks == 1000
+
+
+def test_chains_waiting_to_be_recorded_are_bounded_and_forgotten_with_their_backend() -> None:
+    pool = backends(2)
+    ca = CacheAware(cache_threshold=0.3, balance=BALANCE, max_index_blocks=2500)
+    for system in range(5):
+        ca.choose(pool, long_prompt(system, 1000))
+    assert sum(chain.end for chain in ca.pending) <= 2500  # the oldest dropped
+    gone = pool[0]
+    ca.forget(gone)
+    assert all(chain.holder != gone.id for chain in ca.pending)
+    while ca.record_pending():
+        pass
+    assert ca.index.blocks(gone.id) == 0

@@ -205,7 +205,7 @@ class Sluice:
             self.checker = checker
             await nursery.start(self.monitor.run)
             await nursery.start(checker.run)
-            await nursery.start(self.router.gate.run)
+            await nursery.start(self.router.run)
             for subscriber in self.kv_subscribers.values():
                 await nursery.start(subscriber.run)
             if self.budget_sync is not None:

@@ -103,14 +103,22 @@ class BlockIndex:
         held = self._held.get(backend)
         if held is None:
             return []
-        return [held[h] for h in hashes if h in held]
+        return [stamp for stamp in map(held.get, hashes) if stamp is not None]
 
     def record(self, backend: Hashable, hashes: Sequence[int]) -> None:
         """The backend was sent this chain: it holds every block of it, used just now."""
-        if not hashes:
-            return
+        self.record_tail(backend, hashes, len(hashes), len(hashes))
+
+    def record_tail(self, backend: Hashable, hashes: Sequence[int], end: int, most: int) -> int:
+        """Record the last `most` blocks of `hashes[:end]`, tail first (rule 1), and return
+        where they began: a long chain is recorded a slice at a time, from its tail, each
+        slice's stamps newer than the last's, so the chain's head ends up newest. Until its
+        head is in, a new chain does not match at all (`match` starts at block 0)."""
+        start = max(end - most, 0)
+        if start >= end:
+            return start
         held = self._held.setdefault(backend, OrderedDict())
-        for block_hash in reversed(hashes):  # tail first (rule 1)
+        for block_hash in reversed(hashes[start:end]):
             self._clock += 1
             if block_hash in held:
                 held.move_to_end(block_hash)
@@ -119,6 +127,7 @@ class BlockIndex:
             held[block_hash] = self._clock
         while self._size > self.max_blocks:
             self._evict_oldest()
+        return start
 
     def discard(self, backend: Hashable, hashes: Iterable[int]) -> int:
         """The backend no longer holds these blocks (its engine said so); returns how many

@@ -28,6 +28,14 @@ model (the one it serves alone, in the usual fleet) is held under the backend's 
 which is where its engine's KV events land (`app/kv_events/index.py`: they carry no model, and
 events of LoRA adapters are not indexed).
 
+A chain of more than `RECORD_SLICE_BLOCKS` blocks (a prompt over 4,096 tokens) is not
+recorded while it is routed: it is queued, and `record_pending` records it a slice at a
+time, tail first, as the router's background task calls it between other work. Routing
+stays O(1) in the prompt's length on the loop: a 128k-token prompt's 8,000 blocks took
+~11 ms to record in one piece. Until its head is recorded a new long chain matches nothing,
+and a request for the same prefix in that window is placed the way its first was, by the
+hash of its first blocks.
+
 Checked against reality (`feedback`): backends report how many prompt tokens their cache
 served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
 it held, and under LRU it also evicted everything it used before them: those entries go.
@@ -36,8 +44,9 @@ it held, and under LRU it also evicted everything it used before them: those ent
 from __future__ import annotations
 
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from app.fleet.backends import Backend
@@ -54,6 +63,8 @@ CORRECTION_MARGIN = 0.1
 # requests that can share a KV-cache prefix have in common.
 PLACEMENT_BLOCKS = 8
 OUTCOMES = ("hit", "miss", "false-hit", "surprise-hit", "unreported")
+# Blocks recorded in one piece (~0.3 ms): a longer chain is recorded in slices of this many.
+RECORD_SLICE_BLOCKS = 256
 
 
 def _backend_id(backend: Backend) -> str:
@@ -70,6 +81,18 @@ def _holder_backend(holder: Hashable) -> str:
     return holder[1] if isinstance(holder, tuple) else str(holder)
 
 
+def _hashes(request: RouteRequest, tokens: Sequence[int]) -> Sequence[int]:
+    return request.block_hashes if request.block_hashes is not None else block_hashes(tokens)
+
+
+def _spread_key(tokens: Sequence[int], held_blocks: int) -> bytes:
+    """What names a held prefix for rendezvous hashing, the same in every replica and of a
+    bounded size: its first blocks, its last block and its length."""
+    head = tokens[: PLACEMENT_BLOCKS * BLOCK_SIZE]
+    last = tokens[(held_blocks - 1) * BLOCK_SIZE : held_blocks * BLOCK_SIZE]
+    return _token_bytes(head) + _token_bytes(last) + b"%d" % held_blocks
+
+
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     """The same bytes for the same ids in every replica, whatever sequence type holds them."""
     if isinstance(token_ids, array) and token_ids.typecode == "I":
@@ -78,6 +101,15 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
         return array("I", token_ids).tobytes()
     except OverflowError:
         return b",".join(str(token).encode() for token in token_ids)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A chain routed and not recorded yet: `hashes[:end]` are still to go in."""
+
+    holder: Hashable
+    hashes: Sequence[int]
+    end: int
 
 
 class CacheAware:
@@ -98,13 +130,15 @@ class CacheAware:
         self.predicted_share_total = 0.0
         self.reported_share_total = 0.0
         self.reported = 0
+        self.pending: deque[_Pending] = deque()  # long chains to record, oldest first
+        self._pending_blocks = 0
 
     def choose(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         tokens = request.token_ids
         self._turn += 1
         if tokens is None:
             return route_without_tokens(candidates, request, self.balance, self._turn)
-        hashes = block_hashes(tokens)
+        hashes = _hashes(request, tokens)
         if not hashes:  # shorter than one block: nothing any backend could cache
             return Decision(least_loaded(candidates, turn=self._turn), "least-load")
         model = request.model
@@ -126,7 +160,7 @@ class CacheAware:
             best = max(blocks for blocks, _ in holders)
             holding = {id(b) for _, b in holders}
             others = [b for b in candidates if id(b) not in holding]
-            key = _token_bytes(tokens[: best * BLOCK_SIZE])
+            key = _spread_key(tokens, best)
             backend, _ = first_fit(
                 key, others, _backend_id, lambda b: not self.balance.overloaded(b.load, min_load)
             )
@@ -144,8 +178,32 @@ class CacheAware:
             reason = "new-prefix"
         holder = index_holder(backend, model)
         stamps = tuple(self.index.stamps(holder, hashes[:blocks]))
-        self.index.record(holder, hashes)
+        if len(hashes) <= RECORD_SLICE_BLOCKS:
+            self.index.record(holder, hashes)
+        else:
+            self._queue(_Pending(holder, hashes, len(hashes)))
         return Decision(backend, reason, Prediction(len(tokens), blocks, stamps, holder))
+
+    def _queue(self, chain: _Pending) -> None:
+        # Bounded like the index: past it, the oldest chains are dropped unrecorded (a hint
+        # lost, as an eviction would lose it).
+        self.pending.append(chain)
+        self._pending_blocks += chain.end
+        while self._pending_blocks > self.index.max_blocks:
+            self._pending_blocks -= self.pending.popleft().end
+
+    def record_pending(self, most: int = RECORD_SLICE_BLOCKS) -> bool:
+        """Record up to `most` blocks of the queued chains, oldest chain first; whether any
+        are left."""
+        while most > 0 and self.pending:
+            chain = self.pending[0]
+            start = self.index.record_tail(chain.holder, chain.hashes, chain.end, most)
+            most -= chain.end - start
+            self._pending_blocks -= chain.end - start
+            chain.end = start
+            if not start:
+                self.pending.popleft()
+        return bool(self.pending)
 
     def holder(self, candidates: Sequence[Backend], request: RouteRequest) -> Backend | None:
         """The candidate holding the longest prefix of the prompt over the threshold,
@@ -153,7 +211,7 @@ class CacheAware:
         tokens = request.token_ids
         if tokens is None:
             return None
-        hashes = block_hashes(tokens)
+        hashes = _hashes(request, tokens)
         needed = self.cache_threshold * len(tokens)
         best, found = 0, None
         for backend in candidates:
@@ -200,6 +258,9 @@ class CacheAware:
 
     def forget(self, backend: Backend) -> None:
         """Every model's blocks of a backend that left the pool."""
+        for chain in [c for c in self.pending if _holder_backend(c.holder) == backend.id]:
+            self.pending.remove(chain)
+            self._pending_blocks -= chain.end
         for holder in self.index.backends():
             if _holder_backend(holder) == backend.id:
                 self.index.remove_backend(holder)

@@ -25,13 +25,15 @@ class RouteRequest:
     the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
     client's `x-session-id` header or the body's `user` field; `model` the served model whose
     pool the candidates are (None: a pool of every backend); `pinned` the one backend it may
-    go to (a follow-up of a response that backend stores), None for any."""
+    go to (a follow-up of a response that backend stores), None for any; `block_hashes` the
+    token ids' chained block hashes, when they were computed off the loop (a long prompt)."""
 
     token_ids: Sequence[int] | None = None
     text: str | None = None
     session: str | None = None
     model: str | None = None
     pinned: Backend | None = None
+    block_hashes: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
