@@ -1,6 +1,7 @@
 """The load generator's one driver: one request measured as a client sees it (status, TTFT,
-inter-token gaps, end to end, and what Sluice's response headers say: which backend, the
-route, the prompt token count, the preprocessing durations of `server-timing`), and the
+inter-token gaps, end to end, what Sluice's response headers say: which backend, the route,
+the prompt token count, the preprocessing and queue durations of `server-timing`, a refusal's
+Retry-After; and the prompt tokens the backend's cache served, where its `usage` says), and the
 loads made of them: open loop (requests at planned times) and closed loop (clients that each
 send when their last answer came), all on load/client.py. Errors are sorted by kind, so a
 report can tell a refused request from a reset connection from a stream that broke half-way.
@@ -50,6 +51,9 @@ CONNECT, TIMEOUT, RESET, STREAM_BROKEN, NO_DONE = (
     "no_done",
 )
 COMPLETION_TOKENS = b'"completion_tokens"'
+CACHED_TOKENS = b'"cached_tokens"'
+USAGE = b'"usage"'
+NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')  # a usage chunk's: not a token
 COUNT = re.compile(rb"\s*:\s*(\d+)")
 CLIENT_OVERFLOW = "client_overflow"
 BACK_OFF_S = 0.01
@@ -75,6 +79,10 @@ class Record:
     route: str | None = None
     prompt_tokens: str | None = None
     server_timing: str | None = None  # the header as sent; `timing` parses it
+    retry_after: str | None = None  # a refusal's Retry-After header
+    # The backend's `usage.prompt_tokens_details.cached_tokens` (a stream's only if it asked
+    # for `stream_options.include_usage`); None when the answer did not say.
+    cached_tokens: int | None = None
 
     @property
     def timing(self) -> dict[str, float]:
@@ -123,15 +131,24 @@ async def _consume_stream(record: Record, connection: Connection, sent: float) -
             if data.startswith(b'{"error"'):
                 record.error = STREAM_BROKEN
                 return
+            if USAGE in data:
+                record.cached_tokens = count_of(data, CACHED_TOKENS)
+                if NO_CHOICES.search(data):
+                    continue
             times.append(now)
     record.error = NO_DONE
 
 
 def completion_tokens(body: bytes) -> int:
     """`usage.completion_tokens` of a JSON answer, found without parsing the whole answer."""
-    at = body.find(COMPLETION_TOKENS)
-    found = COUNT.match(body, at + len(COMPLETION_TOKENS)) if at >= 0 else None
-    return int(found.group(1)) if found else 0
+    return count_of(body, COMPLETION_TOKENS) or 0
+
+
+def count_of(body: bytes, field: bytes) -> int | None:
+    """The number after the first `field` (a quoted JSON key) in `body`; None if absent."""
+    at = body.find(field)
+    found = COUNT.match(body, at + len(field)) if at >= 0 else None
+    return int(found.group(1)) if found else None
 
 
 async def send(pool: Pool, item: Request | Prepared, start: float) -> Record:
@@ -152,12 +169,15 @@ async def send(pool: Pool, item: Request | Prepared, start: float) -> Record:
                 record.prompt_tokens = headers.get("x-sluice-prompt-tokens")
                 record.server_timing = headers.get("server-timing")
                 if status != 200:
+                    record.retry_after = headers.get("retry-after")
                     await connection.read_body()
                     record.error = f"http_{status}"
                 elif prepared.streaming:
                     await _consume_stream(record, connection, sent)
                 else:
-                    record.output_tokens = completion_tokens(await connection.read_body())
+                    body = await connection.read_body()
+                    record.output_tokens = completion_tokens(body)
+                    record.cached_tokens = count_of(body, CACHED_TOKENS)
             finally:
                 if not pool.keep(connection):
                     await connection.close()

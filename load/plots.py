@@ -91,20 +91,38 @@ def plot_bars(
 ) -> None:
     """Grouped bars: one group per entry of `groups`, one bar per series."""
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) * max(1, len(series)) / 2), 4.2))
+    _bars(ax, groups, series)
+    ax.set(ylabel=ylabel, title=title)
+    if log:
+        log_axis(ax, "y")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_bar_panels(
+    panels: Mapping[str, tuple[Sequence[str], Mapping[str, Sequence[float]]]], path: Path
+) -> None:
+    """Grouped bars side by side, one panel per {title: (groups, {series: values})}."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (title, (groups, series)) in zip(axes.flat, panels.items(), strict=True):
+        _bars(ax, groups, series)
+        ax.set(title=title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _bars(ax: Axes, groups: Sequence[str], series: Mapping[str, Sequence[float]]) -> None:
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         bars = ax.bar(xs, values, width, label=label)
         ax.bar_label(bars, fmt="%.3g", fontsize=7)
     ax.set_xticks(range(len(groups)), groups)
-    ax.set(ylabel=ylabel, title=title)
-    if log:
-        log_axis(ax, "y")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
 
 
 def plot_lines(

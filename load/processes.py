@@ -117,6 +117,18 @@ class Stack:
         args = ["sim-backend", "--port", "0", "--model", model, *(INSTANT if instant else ())]
         return await self.app([*args, *flags], "Simulated backend")
 
+    async def sims(self, count: int, *flags: str, model: str = MODEL) -> list[str]:
+        """`count` simulated backends started at once (`--seed` 0, 1, ...), in seed order."""
+        urls: dict[int, str] = {}
+
+        async def start(seed: int) -> None:
+            urls[seed] = await self.sim("--seed", str(seed), *flags, model=model)
+
+        async with trio.open_nursery() as nursery:
+            for seed in range(count):
+                nursery.start_soon(start, seed)
+        return [urls[seed] for seed in range(count)]
+
     async def proxy(
         self, backends: str | Sequence[str], *flags: str, source: Path | None = None
     ) -> str:
