@@ -126,9 +126,12 @@ def test_fair_shares_are_max_min_by_weight() -> None:
 def test_room_is_what_an_engine_ran_while_others_waited_and_grows_when_it_never_queued() -> None:
     assert learnt_capacity(None, 12, 0) is None  # never queued: unknown, nothing held
     assert learnt_capacity(None, 4, 9) == 4
-    assert learnt_capacity(4, 4, 0) == 6  # ran all it was thought to hold: half again
+    assert learnt_capacity(4, 4, 0) == 5  # ran all it was thought to hold: one more
+    assert learnt_capacity(64, 64, 0) == 72  # an eighth more
     assert learnt_capacity(6, 3, 0) == 6
-    assert learnt_capacity(6, 5, 2) == 5  # KV-bound batches shrink it
+    assert learnt_capacity(6, 5, 2) == 6  # one queue may be between two engine steps
+    assert learnt_capacity(6, 5, 2, queued_before=True) == 5  # two: KV-bound batches shrink it
+    assert learnt_capacity(5, 7, 1) == 7  # ran more than thought while queueing: that much
 
 
 def reported(backend: Backend, running: int, waiting: int, kv: float | None = None) -> None:

@@ -156,12 +156,15 @@ class Backend:
             self.reported_waiting = self.others_inflight = 0
             self.capacity = None
             return
+        queued_before = self.reported_waiting > 0
         self.reported_waiting = engine.waiting or 0
         running = engine.running or 0
         on_engine = running + self.reported_waiting
         self.others_inflight = max(on_engine - self.inflight, 0)
         self.inflight_at_report = self.inflight
-        self.capacity = learnt_capacity(self.capacity, running, self.reported_waiting)
+        self.capacity = learnt_capacity(
+            self.capacity, running, self.reported_waiting, queued_before
+        )
 
     @property
     def reported_kv_usage(self) -> float | None:
@@ -213,19 +216,27 @@ class Backend:
 
 
 # An engine that ran all it was thought to hold without queueing is given this much more room
-# at its next report, until a queue says where its room ends.
-CAPACITY_GROWTH = 1.5
+# (at least one request) at its next report, until a queue says where its room ends. Each
+# probe may leave that many requests queued at the engine until the next report: measured
+# (bench fairness, a GPU of 4), growing by half again kept 1-2 requests waiting at the engine
+# two reports in three, a light key's request queued there behind a heavy key's.
+CAPACITY_GROWTH = 0.125
 
 
-def learnt_capacity(capacity: int | None, running: int, waiting: int) -> int | None:
-    """How many requests an engine runs at once, from one report: what it ran while some
-    waited is its room (a batch limit, or KV-cache space: both vary); one that ran all it
-    was thought to hold, with none waiting, may have more, probed by half again. Never seen
-    queueing: unknown (None), and nothing is held back for it."""
+def learnt_capacity(
+    capacity: int | None, running: int, waiting: int, queued_before: bool = False
+) -> int | None:
+    """How many requests an engine runs at once, from a report: what it ran while some
+    waited is its room (a batch limit, or KV-cache space: both vary), lowered only when two
+    reports running show a queue (one may catch requests between two engine steps); one
+    that ran all it was thought to hold, with none waiting, may have more, probed by an
+    eighth. Never seen queueing: unknown (None), and nothing is held back for it."""
     if waiting > 0:
-        return max(running, 1)
+        if capacity is None or queued_before or running >= capacity:
+            return max(running, 1)
+        return capacity
     if capacity is not None and running >= capacity:
-        return max(capacity + 1, math.ceil(running * CAPACITY_GROWTH))
+        return capacity + max(1, math.ceil(capacity * CAPACITY_GROWTH))
     return capacity
 
 
