@@ -127,6 +127,25 @@ def test_request_log_keeps_the_newest_and_counts_classes() -> None:
         RequestLog(0)
 
 
+def test_a_request_logs_record_is_made_once_and_forgotten_with_it() -> None:
+    made: list[int] = []
+
+    @dataclass
+    class Counted(Finished):
+        def record(self, seq: int) -> RequestRecord:
+            made.append(seq)
+            return super().record(seq)
+
+    log = RequestLog(capacity=3)
+    for _ in range(3):
+        log.add(Counted(200))
+    first = log.recent()
+    assert log.recent() == first and made == [3, 2, 1]  # asked twice, made once
+    log.add(Counted(200))
+    assert [r["seq"] for r in log.recent()] == [4, 3, 2] and made == [3, 2, 1, 4]
+    assert set(log._made) == {4, 3, 2}  # bounded by the log
+
+
 def test_clip_bounds_client_text() -> None:
     assert clip("model") == "model"
     assert clip(None) is None and clip(42) is None

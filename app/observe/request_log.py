@@ -71,6 +71,7 @@ class RequestLog:
         self.total = 0
         self.by_class: dict[str, int] = {}
         self._classes: dict[int, str] = {}  # status -> its class, named once per status
+        self._made: dict[int, RequestRecord] = {}  # seq -> its record, once asked for
 
     def add(self, finished: Finished) -> None:
         self.total += 1
@@ -86,8 +87,15 @@ class RequestLog:
         return self.by_class.get("5xx", 0)
 
     def recent(self) -> list[RequestRecord]:
-        """Newest first."""
-        return [finished.record(seq) for seq, finished in reversed(self._finished)]
+        """Newest first. A record is made once, the first time it is asked for (the page asks
+        every second; a record never changes), and kept while its request is in the log."""
+        made = self._made
+        kept: dict[int, RequestRecord] = {}
+        for seq, finished in reversed(self._finished):
+            record = made.get(seq)
+            kept[seq] = record if record is not None else finished.record(seq)
+        self._made = kept
+        return list(kept.values())
 
     def __len__(self) -> int:
         return len(self._finished)
