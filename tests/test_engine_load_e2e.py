@@ -3,7 +3,8 @@ llama.cpp server, TGI), the load scraper reading each over HTTP into the backend
 prefix hit rate over a scrape interval, a backend without engine metrics, and the dashboard's
 `/api/snapshot` carrying each backend's `engine` block. Then, pure: how a GPU's load counts
 other replicas' requests, as reported and, between reports, moving as ours do in the fleet's
-proportion of theirs to ours."""
+proportion of theirs to ours. Last, the pace of the scraper and the health checks when no
+request is sent, and when one is."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import trio.testing
 
 from app.fleet.backends import MAX_OTHERS_PER_OWN, BackendPool
 from app.fleet.engine_metrics import EngineLoad
+from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
 from app.http.exchange import Exchange
+from app.observe.metrics import Metrics
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
 from tests.conftest import StartBackend, StartSim, StartSluice, wait_until
@@ -272,3 +275,45 @@ def test_one_replica_alone_or_with_no_report_extrapolates_nothing() -> None:
     pool.engines_reported()
     assert a.others_per_own == MAX_OTHERS_PER_OWN
     assert b.others_per_own == 0.0  # its engine reports nothing: its load is ours alone
+
+
+async def test_health_checks_slow_down_while_no_request_is_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every interval while requests are sent; four intervals apart after a check that saw
+    none since the last; the normal pace again as soon as one is sent."""
+    traffic = 0
+    checked: list[float] = []
+    waiting: list[trio.Event] = []
+
+    async def next_traffic() -> None:
+        waiting.append(trio.Event())
+        await waiting[-1].wait()
+
+    checker = HealthChecker(
+        healthy_pool(["http://gpu:8000"]),
+        None,  # type: ignore[arg-type]
+        Metrics(),
+        interval=3.0,
+        timeout=1.0,
+        traffic=lambda: traffic,
+        next_traffic=next_traffic,
+    )
+
+    async def record() -> None:
+        checked.append(trio.current_time())
+
+    checker.check_all = record  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(checker.run)
+        await trio.sleep(25.0)
+        assert checked == [0.0, 12.0, 24.0]
+        traffic = 1  # a request at 25 s: the next check is due one interval after the last
+        waiting[-1].set()
+        await trio.sleep(3.0)
+        assert checked[3:] == [27.0]
+        traffic = 2  # and another at 28 s
+        waiting[-1].set()
+        await trio.sleep(2.5)
+        assert checked[3:] == [27.0, 30.0]
+        nursery.cancel_scope.cancel()

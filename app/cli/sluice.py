@@ -201,6 +201,8 @@ class Sluice:
                 self.metrics,
                 interval=settings.health_check_interval,
                 timeout=settings.health_check_timeout,
+                traffic=lambda: self.router.reservations,
+                next_traffic=self.router.next_reservation,
             )
             self.checker = checker
             await nursery.start(self.monitor.run)

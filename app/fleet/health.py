@@ -1,5 +1,10 @@
 """Active health checks: probe every backend every few seconds, concurrently.
 
+Every `interval` while requests are sent; after a check that saw none sent since the one
+before, every `IDLE_INTERVALS` intervals, and at the normal pace again from the next request
+on (a request that finds a backend dead meanwhile is retried on another and opens its
+breaker). Each probe costs the loop ~1 ms: 4 backends every 3 s were half an idle proxy's CPU.
+
 A backend that answers 404 on the health path (some OpenAI-compatible servers have no
 /health) is probed on /v1/models from then on and is never ejected for the 404 itself.
 The model list (with `max_model_len`) is read from /v1/models when a backend turns healthy
@@ -12,6 +17,7 @@ a check that could not finish) gets one right after its health probe (tokenizer_
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -25,6 +31,7 @@ log = logging.getLogger("sluice.health")
 
 MODELS_PATH = "/v1/models"
 MODELS_REFRESH_S = 30.0
+IDLE_INTERVALS = 4
 
 
 class HealthChecker:
@@ -36,20 +43,31 @@ class HealthChecker:
         *,
         interval: float,
         timeout: float,
+        traffic: Callable[[], int] = lambda: 0,
+        next_traffic: Callable[[], Awaitable[None]] = trio.sleep_forever,
     ) -> None:
+        """`traffic` counts the requests sent so far; `next_traffic` returns at the next."""
         self.pool = pool
         self.client = client
         self.metrics = metrics
         self.interval = interval
         self.timeout = timeout
+        self._traffic = traffic
+        self._next_traffic = next_traffic
         self._models_read_at: dict[str, float] = {}  # backend id -> when its models were read
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Check once so the proxy starts with a true picture, then keep checking."""
         await self.check_all()
         task_status.started()
+        seen = self._traffic()
         while True:
-            await trio.sleep(self.interval)
+            checked_at = trio.current_time()
+            if self._traffic() == seen:
+                with trio.move_on_after(self.interval * IDLE_INTERVALS):
+                    await self._next_traffic()
+            await trio.sleep_until(checked_at + self.interval)
+            seen = self._traffic()
             await self.check_all()
 
     async def check_all(self) -> None:

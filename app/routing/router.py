@@ -227,7 +227,8 @@ class Router:
 
     async def next_reservation(self) -> None:
         """Return when the next request is sent to a backend: idle watchers sleep till then."""
-        self._reserved = trio.Event()
+        if self._reserved.is_set():
+            self._reserved = trio.Event()
         await self._reserved.wait()
 
     def release(
