@@ -32,7 +32,10 @@ class Source:
         self.calls += 1
         if self.calls in self.fail_on:
             raise RuntimeError("a bug in a snapshot")
-        return {"requests": {"total": 2 * self.calls, "by_class": {}}, "backends": []}
+        total = 2 * self.calls
+        recent = [{"seq": seq} for seq in range(total, max(total - 6, 0), -1)]  # a log of 6
+        requests = {"total": total, "by_class": {}, "oldest_seq": max(total - 5, 1)}
+        return {"requests": {**requests, "recent": recent}, "backends": []}
 
     def set_busy(self, busy: float) -> None:
         self.busy = busy
@@ -60,7 +63,8 @@ def serialised(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     original = feed_module.to_json_bytes
 
     def counting(snapshot: Any) -> bytes:
-        calls.append(1)
+        if "dashboard" in snapshot:  # a whole snapshot, not one of its records
+            calls.append(1)
         return original(snapshot)
 
     monkeypatch.setattr(feed_module, "to_json_bytes", counting)
@@ -97,11 +101,18 @@ async def test_one_serialisation_a_tick_for_every_page(
     async with trio.open_nursery() as pages:
         for index in range(3):
             pages.start_soon(listen, index)
-    assert received[0] == received[1] == received[2]
-    assert len(serialised) == 4  # the first page's catch-up, then one a tick
+    # Each page's first snapshot is its own (the whole log), then the same bytes a tick.
+    assert received[0][1:] == received[1][1:] == received[2][1:]
+    assert len(serialised) == 3 + 3
     assert feed.pages == 0
     snapshots = [json.loads(payload) for payload in received[0]]
     assert [s["dashboard"]["pages"] for s in snapshots][1:] == [3, 3, 3]
+    # A tick's payload carries the records since the tick before; the page keeps the rest.
+    seqs = [[r["seq"] for r in s["requests"]["recent"]] for s in snapshots]
+    assert len(seqs[0]) == 6
+    assert set(range(snapshots[0]["requests"]["total"] + 1, seqs[1][0] + 1)) <= set(seqs[1])
+    for before, after, sent in zip(snapshots[1:], snapshots[2:], seqs[2:], strict=False):
+        assert sent == list(range(after["requests"]["total"], before["requests"]["total"], -1))
 
 
 async def test_a_slow_page_skips_to_the_newest_snapshot(

@@ -1,10 +1,11 @@
 """The dashboard's heartbeat: one task that, once a tick, takes a snapshot, adds a point to
 every time series and — only while a page is listening — serialises the snapshot once for
-all of them.
+all of them, with only the request log's records that came since the last tick (a page
+gets the whole log once, when it connects).
 
 Pages never build anything: each waits for the next published payload (the same bytes for
-every page), and a slow page simply skips to the newest one, so nothing queues up behind
-it. The proxy's requests never wait for the dashboard either: recording a request is a few
+every page); a slow page skips to the newest one, so nothing queues up behind it, and gets a
+snapshot of its own then, with the whole log (the payloads it skipped had records). The proxy's requests never wait for the dashboard either: recording a request is a few
 microseconds on its own path (observe/request_trace.py), and everything here happens once
 a tick, whatever the traffic. Occupancy gauges (threads, queue, fallback) are read ten times
 a tick and their peak kept, so a half-second burst still shows.
@@ -69,16 +70,19 @@ class RecordCache:
         # Stands for the list in the rest of the snapshot; no client can guess it.
         self.placeholder = f"recent-{uuid.uuid4().hex}"
 
-    def encode(self, records: list[Any]) -> bytes:
+    def encode(self, records: list[Any], after: int = 0) -> bytes:
+        """The records (newest first) as a JSON list, those up to seq `after` left out."""
         kept: dict[int, bytes] = {}
         for record in records:
             seq = record["seq"]
             kept[seq] = self._by_seq.get(seq) or to_json_bytes(record)
         self._by_seq = kept  # bounded by the log's own capacity
-        return b"[" + b",".join(kept.values()) + b"]"
+        return b"[" + b",".join(v for seq, v in kept.items() if seq > after) + b"]"
 
-    def serialise(self, snapshot: dict[str, Any]) -> bytes:
-        """`to_json_bytes(snapshot)`, the request log spliced in from the cache."""
+    def serialise(self, snapshot: dict[str, Any], after: int = 0) -> bytes:
+        """`to_json_bytes(snapshot)`, the request log spliced in from the cache: its records
+        newer than seq `after` (a page has the rest; `requests.oldest_seq` says which of
+        them it may drop)."""
         requests = snapshot.get("requests")
         if not isinstance(requests, dict) or not isinstance(requests.get("recent"), list):
             return to_json_bytes(snapshot)
@@ -88,7 +92,7 @@ class RecordCache:
             text = to_json_bytes(snapshot)
         finally:
             requests["recent"] = recent
-        return text.replace(f'"{self.placeholder}"'.encode(), self.encode(recent), 1)
+        return text.replace(f'"{self.placeholder}"'.encode(), self.encode(recent, after), 1)
 
 
 def to_json_bytes(snapshot: Mapping[str, Any]) -> bytes:
@@ -137,6 +141,7 @@ class DashboardFeed:
         self._columns = Columns(history_points, max_columns=MAX_SERIES)
         self._broadcast = Broadcast()
         self._records = RecordCache()
+        self._published_seq = 0  # the newest record a published payload carried
         self._poked = trio.Event()
         self._error_reports = RateLimiter(1, 60.0)
         self.pages = 0
@@ -190,11 +195,15 @@ class DashboardFeed:
             return
         self.pages += 1
         try:
-            if trio.current_time() - self._broadcast.published_at > self.tick_s:
-                self._guarded(self._publish)
-            version = 0
+            # Its own first snapshot, with the whole request log; then the shared payloads,
+            # each with the records that came since the one before.
+            version = self._broadcast.version
+            yield self._records.serialise(self.snapshot())
             while True:
-                version, payload = await self._broadcast.newer_than(version)
+                newest, payload = await self._broadcast.newer_than(version)
+                if newest > version + 1:  # it read too slowly for some: their records too
+                    payload = self._records.serialise(self.snapshot())
+                version = newest
                 yield payload
         finally:
             self.pages -= 1
@@ -208,7 +217,9 @@ class DashboardFeed:
             self._publish(self._complete(snapshot))
 
     def _publish(self, snapshot: dict[str, Any] | None = None) -> None:
-        payload = self._records.serialise(snapshot or self.snapshot())
+        snapshot = snapshot or self.snapshot()
+        payload = self._records.serialise(snapshot, self._published_seq)
+        self._published_seq = snapshot.get("requests", {}).get("total", 0)
         self._broadcast.publish(payload, trio.current_time())
 
     def _guarded(self, step: Callable[..., None], *args: Any) -> None:

@@ -82,6 +82,7 @@ class TrafficRecorder:
             "total": log.total,
             "by_class": dict(log.by_class),
             "capacity": log.capacity,
+            "oldest_seq": log.total - len(log) + 1,  # the log's oldest record (total + 1: none)
             "recent": log.recent(),
         }
 

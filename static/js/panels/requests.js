@@ -119,7 +119,9 @@ export function createRequestsPanel(root) {
       table.prepend(node);
     }
     if (recent.length) lastSeq = recent[0].seq;
-    const oldest = recent.length ? recent[recent.length - 1].seq : Infinity;
+    // The feed sends only the records since its last tick; `oldest_seq` says what the log
+    // still holds.
+    const oldest = requests.oldest_seq ?? (recent.length ? recent[recent.length - 1].seq : Infinity);
     while (table.lastElementChild && Number(table.lastElementChild.dataset.seq) < oldest) {
       table.lastElementChild.remove();
     }
