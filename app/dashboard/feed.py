@@ -5,7 +5,8 @@ gets the whole log once, when it connects).
 
 Pages never build anything: each waits for the next published payload (the same bytes for
 every page); a slow page skips to the newest one, so nothing queues up behind it, and gets a
-snapshot of its own then, with the whole log (the payloads it skipped had records). The proxy's requests never wait for the dashboard either: recording a request is a few
+snapshot of its own then, with the whole log (the payloads it skipped had records). The
+proxy's requests never wait for the dashboard either: recording a request is a few
 microseconds on its own path (observe/request_trace.py), and everything here happens once
 a tick, whatever the traffic. Occupancy gauges (threads, queue, fallback) are read ten times
 a tick and their peak kept, so a half-second burst still shows.
