@@ -23,7 +23,7 @@ import trio
 import trio.testing
 
 from app.config import Settings
-from app.fleet.backends import Backend, BackendPool, learnt_capacity
+from app.fleet.backends import PROBE_BACKOFF_REPORTS, Backend, BackendPool, learnt_capacity
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.saturation import saturation
 from app.observe.admission_stats import AdmissionStats, fair_shares
@@ -136,6 +136,37 @@ def test_room_is_what_an_engine_ran_while_others_waited_and_grows_when_it_never_
 
 def reported(backend: Backend, running: int, waiting: int, kv: float | None = None) -> None:
     backend.engine_reported(EngineLoad("vllm", running, waiting, kv, None))
+
+
+def test_a_probe_of_more_room_is_flagged_and_not_repeated_once_it_found_the_end() -> None:
+    backend = Backend("http://gpu-1:8000", healthy=True)
+    backend.inflight = 4
+    reported(backend, 4, 1)  # its room: 4
+    reported(backend, 4, 0)  # ran all 4, none waiting: probe one more
+    assert (backend.capacity, backend.proven) == (5, 4)
+    backend.inflight = 3
+    assert not backend.probing  # a slot it was seen to run
+    backend.inflight = 4
+    assert backend.probing  # the fifth would go past what it ran: a probe
+    backend.inflight = 5
+    reported(backend, 4, 1)  # the probe waited at the engine: its room's end, found
+    reported(backend, 4, 1)
+    assert backend.capacity == 4
+    backend.inflight = 4
+    for _ in range(PROBE_BACKOFF_REPORTS):
+        reported(backend, 4, 0)
+        assert backend.capacity == 4  # not probed again for a while
+    reported(backend, 4, 0)
+    assert backend.capacity == 5
+
+
+def test_a_probe_goes_to_the_tenant_holding_the_most() -> None:
+    queue = FairQueue(100, 100)
+    for tenant, count in (("light", 1), ("heavy", 5)):
+        for _ in range(count):
+            queue.push(Held(tenant, 1.0, 0, 0.0))
+    assert queue.pop(heaviest=True).tenant == "heavy"  # type: ignore[union-attr]
+    assert queue.pop().tenant == "light"  # type: ignore[union-attr]
 
 
 def test_saturation_follows_the_engine_and_what_the_proxy_sent_since() -> None:

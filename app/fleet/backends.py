@@ -97,8 +97,10 @@ class Backend:
     others_per_own: float = 0.0  # the fleet's, at the last scrapes (`engines_reported`)
     engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
     # Requests its engine runs at once, as learnt from its reports (saturation.py); None:
-    # never seen queueing.
+    # never seen queueing. Above `proven` it is a probe: the engine has not run that many.
     capacity: int | None = None
+    proven: int = 0
+    reports_before_probe: int = 0  # after a probe that found the room's end: wait this many
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
     # The models a configuration names for it, in the order of its tables; None: those its
@@ -162,9 +164,27 @@ class Backend:
         on_engine = running + self.reported_waiting
         self.others_inflight = max(on_engine - self.inflight, 0)
         self.inflight_at_report = self.inflight
-        self.capacity = learnt_capacity(
-            self.capacity, running, self.reported_waiting, queued_before
-        )
+        previous = self.capacity
+        capacity = learnt_capacity(previous, running, self.reported_waiting, queued_before)
+        if previous is not None and self.reported_waiting and previous > self.proven:
+            self.reports_before_probe = PROBE_BACKOFF_REPORTS  # a probe found the room's end
+        elif (
+            previous is not None
+            and capacity is not None
+            and capacity > previous
+            and self.reports_before_probe > 0
+        ):  # a probe of more room, not yet again
+            self.reports_before_probe -= 1
+            capacity = previous
+        self.capacity = capacity
+        # What it ran, lowered only with the learnt room (one report may catch a step's gap).
+        self.proven = min(max(self.proven, running), capacity or running)
+
+    @property
+    def probing(self) -> bool:
+        """Whether the next request it starts goes past what its engine was seen to run:
+        that one may wait in the engine's own queue."""
+        return self.capacity is not None and self.on_engine >= self.proven
 
     @property
     def reported_kv_usage(self) -> float | None:
@@ -221,6 +241,9 @@ class Backend:
 # (bench fairness, a GPU of 4), growing by half again kept 1-2 requests waiting at the engine
 # two reports in three, a light key's request queued there behind a heavy key's.
 CAPACITY_GROWTH = 0.125
+# After a probe found where an engine's room ends, it is not probed again for this many reports
+# (10 s at a report every 0.5 s): a full engine is not overfilled at every report.
+PROBE_BACKOFF_REPORTS = 20
 
 
 def learnt_capacity(

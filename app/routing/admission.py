@@ -135,10 +135,15 @@ class FairQueue:
         prefer: Callable[[Held], bool] | None = None,
         window: int = 1,
         eligible: Callable[[Held], bool] | None = None,
+        *,
+        heaviest: bool = False,
     ) -> Held | None:
         """The next request to leave: the first in fair order of the best band, or the first
         of its next `window` that `prefer` accepts; only a tenant's first request that is
-        `eligible` (one pinned to a backend without room waits, and its tenant's behind it)."""
+        `eligible` (one pinned to a backend without room waits, and its tenant's behind it).
+        `heaviest`: the first of the tenant holding the most instead (a probe of an engine's
+        room, which may wait at the engine, is the heaviest tenant's to take), leaving the
+        band's virtual time as it was."""
         if not self._bands:
             return None
         band = self._bands[min(self._bands)]
@@ -148,9 +153,12 @@ class FairQueue:
             if not heads:
                 return None
         chosen = heads[0]
-        if prefer is not None:
-            chosen = next((h for h in heads[:window] if prefer(h)), chosen)
-        band.now = max(band.now, chosen.start)
+        if heaviest:
+            chosen = max(heads, key=lambda head: len(band.tenants[head.tenant]))
+        else:
+            if prefer is not None:
+                chosen = next((h for h in heads[:window] if prefer(h)), chosen)
+            band.now = max(band.now, chosen.start)
         self.remove(chosen)
         return chosen
 

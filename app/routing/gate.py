@@ -188,7 +188,13 @@ class Gate:
             if not open_:
                 return
             urls = frozenset(backend.url for backend in open_)
-            held = queue.pop(_prefers_one_of(urls), AFFINITY_WINDOW, _may_go_to_one_of(urls))
+            probing = all(backend.probing for backend in open_)
+            held = queue.pop(
+                _prefers_one_of(urls),
+                AFFINITY_WINDOW,
+                _may_go_to_one_of(urls),
+                heaviest=probing,
+            )
             if held is None:
                 return
             ticket = self._ticket(held)
