@@ -23,6 +23,7 @@ NAMES = (
     "dashboard-cost",
     "streams",
     "replicas",
+    "longprompts",
 )
 
 
