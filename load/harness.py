@@ -265,7 +265,7 @@ def busy_table(blob: dict[str, Any], what: str, clients: int, target: str) -> Ta
 async def health_probe(url: str, interval: float) -> AsyncIterator[dict[str, Any]]:
     """load/probe.py (a process of its own, so the load generator's work never shows as the
     proxy's latency) sends GET /health every `interval` s while the body runs; the dict then
-    holds its summary: probes, worst_s, p99_s, failures."""
+    holds its summary: probes, worst_s, p99_s, p50_s, failures."""
     summary: dict[str, Any] = {}
     probe = await trio.lowlevel.open_process(
         [sys.executable, "-m", "load.probe", url, str(interval)],

@@ -5,7 +5,7 @@ and sending megabytes) never shows up as the proxy's latency.
 
 Sends `GET /health` on one keep-alive connection every INTERVAL_S seconds, from a plain
 thread with no event loop; prints `ready` once connected; when a line arrives on stdin it
-stops and prints one JSON line: {"probes", "worst_s", "p99_s", "failures"}.
+stops and prints one JSON line: {"probes", "worst_s", "p99_s", "p50_s", "failures"}.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
         "probes": len(latencies),
         "worst_s": latencies[-1] if latencies else 0.0,
         "p99_s": p99,
+        "p50_s": latencies[len(latencies) // 2] if latencies else 0.0,
         "failures": failures,
     }
     print(json.dumps(summary), flush=True)

@@ -6,10 +6,12 @@ Covers: stalls from `time.sleep`, a pure-Python busy loop and a GIL-holding C ca
 thread, holding the GIL while the loop wants to run, is `gil-wait`, with the instrument on
 or off; an idle loop records no stall but what the OS preempts; the probe ticks several
 times faster while another thread is on a CPU than while the loop works alone; phases tag
-only the stall they contain; a second monitor in the process, a SIGALRM someone else uses,
-or a loop off the main thread leaves stalls counted without stacks; with the instrument off
-the probe still catches stalls; stopping a monitor removes everything it installed
-(instrument, signal handler, POSIX timer); reports are rate-limited; the snapshot is JSON.
+only the stall they contain; stall seconds are summed in /metrics by stage (the innermost
+frame of Sluice's code, else the phase) and cause; a second monitor in the process, a
+SIGALRM someone else uses, or a loop off the main thread leaves stalls counted without
+stacks; with the instrument off the probe still catches stalls; stopping a monitor removes
+everything it installed (instrument, signal handler, POSIX timer); reports are
+rate-limited; the snapshot is JSON.
 
 Durations are lower bounds: real stalls on a shared machine only ever run long. Causes are
 asserted where the task's own time alone reaches the threshold (`blocking`) or where another
@@ -27,6 +29,7 @@ import random
 import signal
 import threading
 import time
+from array import array
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -43,6 +46,7 @@ from app.observe.loop_monitor import (
     LoopMonitor,
 )
 from app.observe.metrics import Metrics
+from app.routing.block_index import block_hashes
 
 THRESHOLD_MS = 10.0
 STALL_S = 0.05
@@ -244,6 +248,32 @@ async def test_phase_tags_the_stall_it_contains(
         ("block_in_sleep", test_phase_tags_the_stall_it_contains.__name__),
     ) in seen
     assert not {phase for phase, _ in seen} & {"template", "tokenize-fallback"}
+
+
+async def test_stall_seconds_are_summed_by_stage_and_cause(nursery: trio.Nursery) -> None:
+    ids = array("I", range(4_000_000))  # ~90 ms of block hashing here
+    metrics = Metrics()
+    watched = LoopMonitor(metrics, THRESHOLD_MS, instrument=True)
+    await nursery.start(watched.run)
+
+    hashing = await stall_and_finish_step(block_hashes, ids)
+    with watched.phase("tokenize-inline"):  # no frame of Sluice's on the stack: the phase
+        block_in_sleep()
+    await trio.lowlevel.checkpoint()
+
+    def stage_seconds(where: str) -> float:
+        """Seconds charged to the stage `where`, or to any function of the module `where`."""
+        [family] = [m for m in metrics.registry.collect() if m.name.endswith("stage_seconds")]
+        return sum(
+            sample.value
+            for sample in family.samples
+            if sample.name.endswith("_sum") and sample.labels["stage"].split(":")[0] == where
+        )
+
+    assert hashing >= THRESHOLD_MS / 1000, "too few ids to stall the loop on this machine"
+    # Where the alarm finds the loop: `chain_hashes` or `_packed`, whose C call it returns from.
+    assert stage_seconds("app.routing.block_index") >= hashing * 0.9
+    assert stage_seconds("tokenize-inline") >= STALL_S
 
 
 async def test_phase_off_the_loop_thread_is_ignored(monitor: LoopMonitor) -> None:

@@ -3,8 +3,8 @@
 Covers (app/observe/stalls.py, and stack_capture.own_stack): the stack of a live frame,
 innermost first, keeping only a task's frames, the ring's de-duplication (cause included) and
 bound, the log rate limiter and the label budget with an injected clock, the recent-max
-window, histogram quantiles and the report text, which names the cause and never blames a
-task for a stall the GIL or the OS caused.
+window, histogram quantiles, the report text, which names the cause and never blames a
+task for a stall the GIL or the OS caused, and the stage a stall's time is charged to.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import pytest
 
 from app.observe.stack_capture import own_stack
 from app.observe.stalls import (
+    NO_STACK,
+    OUTSIDE_APP,
     BoundedLabels,
     Frame,
     RateLimiter,
@@ -24,6 +26,7 @@ from app.observe.stalls import (
     estimate_quantile,
     format_stall_report,
     frames_of_task,
+    stall_stage,
     summarize_histogram,
 )
 
@@ -55,6 +58,23 @@ def test_frames_of_task_cuts_at_the_root_coroutine_and_rejects_foreign_dumps() -
     ]
     assert frames_of_task(stack, "a.py", "handle") == stack[:3]
     assert frames_of_task(stack, "b.py", "handle") is None
+
+
+def test_a_stall_is_charged_to_the_innermost_frame_of_ours_else_to_its_phase() -> None:
+    ours = "/src/app"
+    stack = [
+        Frame("/usr/lib/python3.11/json/decoder.py", 353, "raw_decode"),
+        Frame("/src/app/routing/block_index.py", 50, "chain_hashes"),
+        Frame("/src/app/proxy/app.py", 200, "_complete"),
+    ]
+    assert stall_stage(stack, "template", ours) == "app.routing.block_index:chain_hashes"
+    package = [Frame("/src/app/observe/__init__.py", 1, "f")]
+    assert stall_stage(package, None, ours) == "app.observe:f"
+    # A sibling directory whose name starts like ours is not ours.
+    foreign = [Frame("/src/application/x.py", 1, "f")]
+    assert stall_stage(foreign, "template", ours) == "template"
+    assert stall_stage(foreign, None, ours) == OUTSIDE_APP
+    assert stall_stage(None, None, ours) == stall_stage([], None, ours) == NO_STACK
 
 
 def _add(ring: StallRing, time: float, duration: float, stack: list[str], task: str = "t") -> None:

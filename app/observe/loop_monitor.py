@@ -21,7 +21,9 @@
   streams, py-spy); a stall's window may then start up to one probe interval before it,
   a part the cause split leaves out (`unblamed_s`).
 - stalls go into a ring of recent distinct stalls and, a few a minute, to the
-  "sluice.stalls" logger.
+  "sluice.stalls" logger; their seconds are summed by stage (`stall_stage`: the innermost
+  frame of Sluice's code on the stall's stack, else its phase) and cause, since the ring
+  keeps no totals and forgets old stalls: blocking time per stage is read off /metrics.
 
 The probe also records stalls the instrument cannot see, with no task (label
 `(unknown)`): with the instrument off (it costs about 0.5 µs per step), every wake-up later
@@ -38,6 +40,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from time import perf_counter
 from types import TracebackType
 from typing import Any
@@ -64,6 +67,7 @@ from app.observe.stalls import (
     StallRing,
     format_stall_report,
     frames_of_task,
+    stall_stage,
     summarize_histogram,
 )
 from app.observe.thread_clocks import ThreadClocks
@@ -87,6 +91,8 @@ RECENT_LAG_WINDOW_S = 10.0
 FULL_SAMPLE_EVERY_S = 0.025
 # The task label of stalls the probe found outside any timed step.
 UNKNOWN_TASK = "(unknown)"
+# Sluice's own code, whose innermost frame on a stall's stack names the stall's stage.
+APP_DIR = str(Path(__file__).parent.parent)  # as co_filename spells it: not resolved
 
 
 class _StepTimer(trio.abc.Instrument):
@@ -183,6 +189,7 @@ class LoopMonitor:
         self._step_timer = _StepTimer(self, self._threshold_s)
         self._ring = StallRing(ring_size)
         self._task_labels = BoundedLabels(max_task_labels)
+        self._stage_labels = BoundedLabels(max_task_labels)
         self._report_limiter = RateLimiter(reports_per_minute, 60.0)
         self._recent_lag = RecentMax(RECENT_LAG_WINDOW_S)
         self._capture: LoopStackCapture | None = None
@@ -384,11 +391,14 @@ class LoopMonitor:
         cause: str,
         split: CauseSplit | None,
     ) -> None:
+        phase = self._current_phase()
+        stage = self._stage_labels.label(stall_stage(frames, phase, APP_DIR))
+        self._metrics.loop_stall_stage_seconds.labels(stage, cause).observe(duration_s)
         record = self._ring.add(
             time=time.time(),
             duration_s=duration_s,
             task=task,
-            phase=self._current_phase(),
+            phase=phase,
             stack=[str(frame) for frame in frames or ()],
             cause=cause,
             split=split.to_json() if split is not None else None,

@@ -259,6 +259,14 @@ class Metrics:
             buckets=LOOP_BUCKETS,
             registry=r,
         )
+        self.loop_stall_stage_seconds = Histogram(
+            "sluice_event_loop_stall_stage_seconds",
+            "Duration of event-loop stalls by stage (the innermost frame of Sluice's code on "
+            "the stall's stack, else its request phase) and cause",
+            ["stage", "cause"],
+            buckets=LOOP_BUCKETS,
+            registry=r,
+        )
 
         # Backends and routing.
         self.backend_inflight = LabelledReading(

@@ -1,7 +1,7 @@
 """Pure bookkeeping for event-loop stalls: no Trio, no clocks of its own, no I/O.
 
 - `frames_of_task` keeps the frames of one task from the loop thread's stack and proves the
-  stack was taken inside it.
+  stack was taken inside it; `stall_stage` names the stage of Sluice's own code it shows.
 - `StallRing` keeps the last N distinct stalls, folding equal ones into a count.
 - `RateLimiter` lets a few reports a minute through (Seastar allows 5) and counts the rest.
 - `BoundedLabels` caps Prometheus label cardinality for unbounded task names.
@@ -39,6 +39,31 @@ def frames_of_task(frames: Sequence[Frame], root_file: str, root_func: str) -> l
         if frames[index].func == root_func and frames[index].file == root_file:
             return list(frames[: index + 1])
     return None
+
+
+# `stall_stage` when a stall has neither a stack nor a phase, or a stack with no frame of ours.
+NO_STACK = "(no stack)"
+OUTSIDE_APP = "(outside app)"
+
+
+def stall_stage(frames: Sequence[Frame] | None, phase: str | None, package_dir: str) -> str:
+    """The stage a stall's time is charged to: the innermost frame of the package in
+    `package_dir` (Sluice's `app/`) on its stack, as `app.routing.block_index:chain_hashes`;
+    else the request phase the code declared; else why neither is known.
+
+    The innermost frame of ours, not the innermost frame: a stall inside `json.loads` or a
+    C call belongs to the stage that made the call, and a label per library frame would
+    name the same stage many ways.
+    """
+    root = package_dir.rstrip("/")
+    for frame in frames or ():
+        if frame.file.startswith(root + "/"):
+            relative = frame.file[len(root) + 1 :].removesuffix(".py").replace("/", ".")
+            module = root.rsplit("/", 1)[-1] + "." + relative.removesuffix(".__init__")
+            return f"{module}:{frame.func}"
+    if phase:
+        return phase
+    return OUTSIDE_APP if frames else NO_STACK
 
 
 @dataclass

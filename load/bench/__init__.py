@@ -24,6 +24,7 @@ NAMES = (
     "streams",
     "replicas",
     "fairness",
+    "longprompts",
 )
 
 

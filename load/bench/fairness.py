@@ -352,7 +352,8 @@ async def measure(bench: Bench) -> dict[str, Any]:
 
     rows_a = await bench.alternate(rounds, variants, one_a, " A")
     rows_b = await bench.alternate(rounds, variants, partial(part_b, bench, phases=phases), " B")
-    result = {"seconds_a": seconds_a, "phases_b": list(phases), "rates_b": rates()}
+    result: dict[str, Any] = {"seconds_a": seconds_a, "phases_b": list(phases)}
+    result["rates_b"] = rates()
     result |= {"rounds": rounds, "a": rows_a, "b": rows_b}
     result["targets"] = targets(summary_a(rows_a), stream_ms(rows_a), summary_b(rows_b))
     return result
