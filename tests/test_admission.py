@@ -124,24 +124,31 @@ def test_fair_shares_are_max_min_by_weight() -> None:
 
 
 def test_room_is_what_an_engine_ran_while_others_waited_and_grows_when_it_never_queued() -> None:
-    assert learnt_capacity(None, 12, 0) is None  # never queued: unknown, nothing held
-    assert learnt_capacity(None, 4, 9) == 4
-    assert learnt_capacity(4, 4, 0) == 5  # ran all it was thought to hold: one more
-    assert learnt_capacity(64, 64, 0) == 72  # an eighth more
-    assert learnt_capacity(6, 3, 0) == 6
-    assert learnt_capacity(6, 5, 2) == 6  # one queue may be between two engine steps
-    assert learnt_capacity(6, 5, 2, queued_before=True) == 5  # two: KV-bound batches shrink it
-    assert learnt_capacity(5, 7, 1) == 7  # ran more than thought while queueing: that much
+    # learnt_capacity(capacity, proven, running, waiting, running at the report before)
+    assert learnt_capacity(None, 12, 12, 0, 0) is None  # never full: unknown, nothing held
+    assert learnt_capacity(None, 4, 4, 9, 4) == 4  # a queue it does not take in: full
+    assert learnt_capacity(None, 50, 50, 150, 0) is None  # a burst it is taking in: not full
+    assert learnt_capacity(4, 4, 4, 0, 4) == 5  # ran all it was thought to hold: one more
+    assert learnt_capacity(64, 64, 64, 0, 60) == 72  # an eighth more
+    assert learnt_capacity(6, 6, 3, 0, 6) == 6
+    assert learnt_capacity(5, 4, 4, 1, 4) == 4  # the probe waited: back to what it ran
+    assert learnt_capacity(200, 200, 190, 3, 195) == 200  # never below the most it ran
 
 
 def reported(backend: Backend, running: int, waiting: int, kv: float | None = None) -> None:
     backend.engine_reported(EngineLoad("vllm", running, waiting, kv, None))
 
 
+def full(backend: Backend, room: int) -> None:
+    """Two reports of an engine running `room` with a queue it does not take in: full."""
+    reported(backend, room, 1)
+    reported(backend, room, 1)
+
+
 def test_a_probe_of_more_room_is_flagged_and_not_repeated_once_it_found_the_end() -> None:
     backend = Backend("http://gpu-1:8000", healthy=True)
     backend.inflight = 4
-    reported(backend, 4, 1)  # its room: 4
+    full(backend, 4)  # its room: 4
     reported(backend, 4, 0)  # ran all 4, none waiting: probe one more
     assert (backend.capacity, backend.proven) == (5, 4)
     backend.inflight = 3
@@ -150,7 +157,6 @@ def test_a_probe_of_more_room_is_flagged_and_not_repeated_once_it_found_the_end(
     assert backend.probing  # the fifth would go past what it ran: a probe
     backend.inflight = 5
     reported(backend, 4, 1)  # the probe waited at the engine: its room's end, found
-    reported(backend, 4, 1)
     assert backend.capacity == 4
     backend.inflight = 4
     for _ in range(PROBE_BACKOFF_REPORTS):
@@ -173,7 +179,9 @@ def test_saturation_follows_the_engine_and_what_the_proxy_sent_since() -> None:
     backend = Backend("http://gpu-1:8000", healthy=True)
     assert saturation(backend, None, 0.95) is None  # no report: the engine decides
     backend.inflight = 5
-    reported(backend, 4, 1)  # 4 run, 1 waits: its room is 4
+    reported(backend, 4, 1)  # 4 run, 1 waits, as it takes more in: not full yet
+    assert backend.capacity is None and saturation(backend, None, 0.95) is None
+    reported(backend, 4, 1)  # it takes no more in: its room is 4
     assert backend.capacity == 4 and saturation(backend, None, 0.95) == "full"
     backend.inflight = 3  # two of ours ended since: 3 on it
     assert saturation(backend, None, 0.95) is None
@@ -198,7 +206,7 @@ def pool_of(count: int, room: int) -> BackendPool:
     )
     for backend in pool.backends:
         backend.healthy = True
-        reported(backend, room, 1)  # seen queueing once: its room is known
+        full(backend, room)  # seen full once: its room is known
         reported(backend, 0, 0)
     return pool
 

@@ -128,24 +128,26 @@ async def test_priority_and_a_clients_deadline(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
     sim = await start_sim(max_num_seqs=1, inter_token_latency=0.02)
-    running = await start_sluice([sim.url])
+    # Queued at the engine, a stream has its head and no token for seconds.
+    running = await start_sluice([sim.url], idle_timeout=30)
     gate = running.sluice.router.gate
     order: list[str] = []
 
-    async def send(name: str, **extra: Any) -> None:
-        status = await stream(client, running.proxy_url, body(10, **extra), headers=key(name))
+    async def send(name: str, tokens: int = 10, **extra: Any) -> None:
+        answer = body(tokens, **extra)
+        status = await stream(client, running.proxy_url, answer, headers=key(name))
         assert status == 200
         order.append(name)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(send, "first")
 
-        async def engine_full() -> bool:  # the engine has said its room is one
+        async def engine_full() -> bool:  # the engine has said, twice, that its room is one
             backend = running.sluice.pool.backends[0]
             return backend.capacity == 1 or gate.saturated(backend) is not None
 
         for _ in range(3):
-            nursery.start_soon(send, "filler")
+            nursery.start_soon(send, "filler", 60)  # a queue over several reports
         await wait_until(engine_full, timeout=10)
 
         async def held(count: int) -> bool:

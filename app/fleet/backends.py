@@ -99,7 +99,8 @@ class Backend:
     # Requests its engine runs at once, as learnt from its reports (saturation.py); None:
     # never seen queueing. Above `proven` it is a probe: the engine has not run that many.
     capacity: int | None = None
-    proven: int = 0
+    proven: int = 0  # the most its engine was seen to run at once
+    reported_running: int = 0  # what it ran at the last report
     reports_before_probe: int = 0  # after a probe that found the room's end: wait this many
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
@@ -156,17 +157,21 @@ class Backend:
         self.engine = engine
         if engine is None:
             self.reported_waiting = self.others_inflight = 0
+            self.reported_running = self.proven = 0
             self.capacity = None
             return
-        queued_before = self.reported_waiting > 0
+        previous_running = self.reported_running
         self.reported_waiting = engine.waiting or 0
-        running = engine.running or 0
+        running = self.reported_running = engine.running or 0
         on_engine = running + self.reported_waiting
         self.others_inflight = max(on_engine - self.inflight, 0)
         self.inflight_at_report = self.inflight
+        self.proven = max(self.proven, running)
         previous = self.capacity
-        capacity = learnt_capacity(previous, running, self.reported_waiting, queued_before)
-        if previous is not None and self.reported_waiting and previous > self.proven:
+        capacity = learnt_capacity(
+            previous, self.proven, running, self.reported_waiting, previous_running
+        )
+        if previous is not None and capacity is not None and capacity < previous:
             self.reports_before_probe = PROBE_BACKOFF_REPORTS  # a probe found the room's end
         elif (
             previous is not None
@@ -177,8 +182,6 @@ class Backend:
             self.reports_before_probe -= 1
             capacity = previous
         self.capacity = capacity
-        # What it ran, lowered only with the learnt room (one report may catch a step's gap).
-        self.proven = min(max(self.proven, running), capacity or running)
 
     @property
     def probing(self) -> bool:
@@ -247,18 +250,20 @@ PROBE_BACKOFF_REPORTS = 20
 
 
 def learnt_capacity(
-    capacity: int | None, running: int, waiting: int, queued_before: bool = False
+    capacity: int | None, proven: int, running: int, waiting: int, previous_running: int
 ) -> int | None:
-    """How many requests an engine runs at once, from a report: what it ran while some
-    waited is its room (a batch limit, or KV-cache space: both vary), lowered only when two
-    reports running show a queue (one may catch requests between two engine steps); one
-    that ran all it was thought to hold, with none waiting, may have more, probed by an
-    eighth. Never seen queueing: unknown (None), and nothing is held back for it."""
-    if waiting > 0:
-        if capacity is None or queued_before or running >= capacity:
-            return max(running, 1)
-        return capacity
-    if capacity is not None and running >= capacity:
+    """How many requests an engine runs at once, from a report. A queue it is not taking in
+    (requests waiting, and it runs no more than at the last report) says it is full: its
+    room is the most it was ever seen to run (`proven`; a batch that fits fewer because
+    its prompts grew fills the KV cache, which saturation.py watches). A queue while it
+    takes more in is requests waiting a step for the prefill budget (chunked prefill), not
+    a full engine: measured (bench streams, 200 streams on room for 2,048), taking such a
+    queue for the room held a third of the streams back. One that ran all it was thought to
+    hold, with none waiting, may have more: probed by an eighth. Never seen full: unknown
+    (None), and nothing is held back for it."""
+    if waiting > 0 and running <= previous_running:
+        return max(proven, running, 1)
+    if capacity is not None and waiting == 0 and running >= capacity:
         return capacity + max(1, math.ceil(capacity * CAPACITY_GROWTH))
     return capacity
 
