@@ -3,7 +3,8 @@
 The pure pieces alone: where chunks are cut, how the running count sizes the next chunk and
 when it declares a prompt too long. Then the proof's premise against the real DeepSeek-V4
 tokenizer, property-tested: whenever chunk counts prove a text longer than the budget, a
-full encode agrees — the proof never refuses a prompt that fits.
+full encode agrees — the proof never refuses a prompt that fits, whether its chunks are
+counted one at a time or cut in pieces counted at once.
 """
 
 from __future__ import annotations
@@ -96,5 +97,40 @@ def test_a_refusal_is_always_right(pieces: list[str], budget: int) -> None:
         end = proof.next_cut()
         proof.counted(end, count(text[proof.position : end]))
         cuts += 1
+    if proof.proven_too_long:
+        assert count(text) > budget
+
+
+def test_a_chunk_cut_in_pieces_covers_it_whole_each_piece_ending_a_word() -> None:
+    text = ("lorem ipsum dolor sit amet " * 4000) + "tail"
+    proof = PrefixCount(text, budget=20_000, truncated=False)
+    whole = PrefixCount(text, budget=20_000, truncated=False).next_cut()
+    ends = proof.next_cuts(8)
+    assert ends[-1] == whole and ends == sorted(set(ends)) and 1 < len(ends) <= 9
+    starts = [0, *ends[:-1]]
+    assert all(text[end] == " " for end in ends[:-1])  # each piece ends where a word ends
+    assert all(
+        end - start >= length_gate.MIN_CHUNK_CHARS // 2
+        for start, end in zip(starts, ends, strict=True)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(pieces=st.lists(PIECES, min_size=1, max_size=400), budget=st.integers(1, 300))
+def test_a_refusal_from_pieces_counted_at_once_is_always_right(
+    pieces: list[str], budget: int
+) -> None:
+    """The proof as the pipeline runs it: several pieces counted in one batch."""
+    text = "".join(pieces)
+    proof = PrefixCount(text, budget, truncated=False, min_chunk=1)
+    while not proof.exhausted and not proof.proven_too_long:
+        ends = proof.next_cuts(4)
+        tokenizer, _ = tokenizer_count()
+        texts = [
+            text[start:end] for start, end in zip([proof.position, *ends[:-1]], ends, strict=True)
+        ]
+        encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)  # type: ignore[attr-defined]
+        for end, encoding in zip(ends, encodings, strict=True):
+            proof.counted(end, len(encoding.ids))
     if proof.proven_too_long:
         assert count(text) > budget

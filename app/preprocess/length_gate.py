@@ -14,7 +14,8 @@ Two proofs, cheapest first:
    Once the chunks counted so far hold more than `budget + slack` tokens, the prompt cannot
    fit, and the rest of it is never encoded. The first chunk is `budget` characters (text
    denser than a character a token proves itself there); each next one is sized from the
-   density seen so far to land just past the budget.
+   density seen so far to land just past the budget. A chunk is cut in pieces (`next_cuts`)
+   that the tokenizer counts at once on all its threads; each cut adds its slack.
 
 A prompt short enough that encoding it whole costs little more than the proof would
 (`worth_proving` is false) is simply tokenized whole and checked exactly.
@@ -105,6 +106,21 @@ class PrefixCount:
             missing = self.budget + self.slack + CUT_SLACK + 1 - self.tokens
             wanted = int(missing * chars_per_token * OVERSHOOT)
         return cut_before_whitespace(self.text, self.position, max(wanted, self.min_chunk))
+
+    def next_cuts(self, pieces: int) -> list[int]:
+        """`next_cut`'s chunk cut into about `pieces` pieces where words end, counted at once
+        (in parallel): the ends of the pieces. Each cut adds its slack to the proof."""
+        end = self.next_cut()
+        size = max((end - self.position) // pieces, self.min_chunk)
+        cuts: list[int] = []
+        start = self.position
+        while start < end:
+            cut = min(cut_before_whitespace(self.text, start, size), end)
+            if end - cut < size // 2:  # no sliver of a last piece
+                cut = end
+            cuts.append(cut)
+            start = cut
+        return cuts
 
     def counted(self, end: int, tokens: int) -> None:
         """The chunk text[position:end] held `tokens` tokens."""

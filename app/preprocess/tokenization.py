@@ -30,7 +30,12 @@ from app.config import Settings
 from app.models import NO_MODEL
 from app.observe.metrics import Metrics
 from app.preprocess.dispatcher import Dispatcher, Phase
-from app.preprocess.encoding import TokenizerFacts, gil_releasing_encoder, naive_encoder
+from app.preprocess.encoding import (
+    TokenizerFacts,
+    gil_releasing_counter,
+    gil_releasing_encoder,
+    naive_encoder,
+)
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.l1_cache import L1Cache, L1Outcome, L1Store
 from app.preprocess.tokenizer_loading import TokenizerLike
@@ -79,6 +84,7 @@ class Tokenization:
         self.dispatcher = dispatcher
         self._phase = phase
         self._encode = gil_releasing_encoder(tokenizer)
+        self._count_each = gil_releasing_counter(tokenizer)
         self._naive_encode = naive_encoder(tokenizer)
         self.caches = caches or TokenCaches(settings)
         self._namespace = self.caches.new_namespace()
@@ -138,18 +144,16 @@ class Tokenization:
         metrics.tokenize_seconds.labels(path=path, model=model).observe(seconds)
         return ids, path, seconds
 
-    async def count(self, text: str) -> int | None:
-        """How many tokens `text` holds (no caches: a chunk of a prompt being proven too
-        long), or None on bail-out."""
-        job = functools.partial(self._count, text)
-        dispatched = await self.dispatcher.run(job, inline_ok=len(text) <= FALLBACK_MAX_CHARS)
+    async def count(self, texts: list[str]) -> list[int] | None:
+        """How many tokens each text holds, counted in parallel (no caches: chunks of a
+        prompt being proven too long), or None on bail-out."""
+        job = functools.partial(self._count_each, texts)
+        small = sum(map(len, texts)) <= FALLBACK_MAX_CHARS
+        dispatched = await self.dispatcher.run(job, inline_ok=small)
         return None if dispatched is None else dispatched[0]
 
     def counted(self, prompt_tokens: int) -> None:
         self._tokens["prompt"] += prompt_tokens
-
-    def _count(self, text: str) -> int:
-        return len(self._encode(text))
 
     def _job(self, text: str) -> L1Outcome:
         """Runs in a worker thread or, as the fallback, on the loop."""
