@@ -12,7 +12,7 @@ times, kinds and attributes, and service.name. A full queue drops and counts; an
 trace is not sent; a collector on a closed port counts failures (one log line, nothing from
 the SDK) with the queues bounded, and nothing grows from round to round; a collector that
 accepts and never answers leaves the loop free, drops and counts past the bounds, and does
-not hold shutdown.
+not hold shutdown. The resource the spans carry hashes (once) as the SDK's own would.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.resources import Resource
 
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
+from app.observe.span_export import HashedResource
 from app.observe.tracing import (
     SpanRecord,
     TraceContext,
@@ -351,3 +353,12 @@ async def test_a_silent_collector_holds_neither_the_loop_nor_shutdown() -> None:
     assert counts["exported"] == 0
     # At most one queue's worth of requests and the SDK's worth of spans were not dropped.
     assert counts["dropped"] >= offered - 8 * 2 - tracer.max_sdk_spans
+
+
+def test_the_resource_hashes_as_the_sdks_own() -> None:
+    resource = Resource.create({"service.name": "sluice-test"})
+    hashed = HashedResource(resource)
+    assert hashed == resource and hash(hashed) == hash(resource)
+    assert dict(hashed.attributes) == dict(resource.attributes)
+    grouped: dict[Resource, int] = {hashed: 1}
+    assert grouped[resource] == 1  # the encoder's grouping finds one resource

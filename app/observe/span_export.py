@@ -73,6 +73,20 @@ class SpanRecord(Protocol):
     def attributes(self) -> Mapping[str, str | int | float | bool]: ...
 
 
+class HashedResource(Resource):
+    """The SDK's Resource, its hash made once. The OTLP encoder groups a batch's spans by
+    resource, hashing it once a span, and Resource hashes by writing its attributes as JSON
+    (~6 µs here): the encoder took ~185 µs per request of 7 spans so, ~130 with the hash
+    made once. The attributes are immutable (the SDK makes them so), and so is the hash."""
+
+    def __init__(self, resource: Resource) -> None:
+        super().__init__(resource.attributes, resource.schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 class CountingExporter(SpanExporter):
     """The OTLP exporter, counting spans by outcome (written by the processor's thread only,
     so plain integers suffice)."""
@@ -139,7 +153,7 @@ class SpanPipeline:
             max_queue_size=capacity,
             max_export_batch_size=min(MAX_EXPORT_BATCH, capacity),
         )
-        self.resource = Resource.create({SERVICE_NAME: service_name})
+        self.resource = HashedResource(Resource.create({SERVICE_NAME: service_name}))
         self.scope = InstrumentationScope("sluice")
         self.handed = 0
         self.overflow = 0
