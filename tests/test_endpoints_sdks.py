@@ -8,6 +8,7 @@ reach an OTLP/HTTP collector."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 from urllib.parse import quote
@@ -15,6 +16,7 @@ from urllib.parse import quote
 import anthropic
 import httpx
 import openai
+import pytest
 import trio
 
 from tests.conftest import MODEL, StartBackend, StartSim, StartSluice
@@ -158,16 +160,17 @@ async def test_anthropic_sdk_messages_match_direct(
     assert [without_ids(e) for e in through[4]] == [without_ids(e) for e in direct[4]]
 
 
-async def test_a_requests_trace_reaches_the_engine_and_the_collector(
+async def test_a_requests_trace_reaches_the_engine_the_collector_and_the_access_log(
     start_sim: StartSim,
     start_sluice: StartSluice,
     start_backend: StartBackend,
     client: httpx.AsyncClient,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     collector = Collector()
     collector_url = await start_backend(collector)
     sim = await start_sim()
-    running = await start_sluice([sim.url], otlp_endpoint=collector_url)
+    running = await start_sluice([sim.url], otlp_endpoint=collector_url, access_log="json")
     trace_id, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     answer = await client.post(
         running.proxy_url + "/v1/chat/completions",
@@ -190,3 +193,11 @@ async def test_a_requests_trace_reaches_the_engine_and_the_collector(
     assert snapshot["requests"]["recent"][0]["trace_id"] == trace_id  # newest first
     metrics = (await client.get(running.proxy_url + "/metrics")).text
     assert 'sluice_trace_spans_total{outcome="exported"}' in metrics
+    access_log = running.sluice.access_log
+    assert access_log is not None
+    await access_log.flush()
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if '"seq"' in line]
+    assert [(line["kind"], line["status"], line["trace_id"]) for line in lines] == [
+        ("chat", 200, trace_id)
+    ]
+    assert lines[0]["seq"] == snapshot["requests"]["recent"][0]["seq"]

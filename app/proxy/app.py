@@ -292,7 +292,8 @@ class ProxyApp:
             server, children = request_spans(name, timing, trace.ended, attributes)
             self.tracer.finish(context, server, children)
         if self.access_log is not None:
-            self.access_log.write(trace.record(0))
+            # The seq the request log just gave it: the same record, the same number.
+            self.access_log.write(trace.record(self.metrics.traffic.log.total))
 
     async def _infer(
         self,
