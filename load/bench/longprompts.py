@@ -6,9 +6,9 @@ word: the sim counts words, ~0.57 a DeepSeek token, so ~44k tokens/s; plus
 wide enough for 8 prompts of 128k tokens at once, and in front of it, taking turns by round,
 `direct` (the GPU itself) and `sluice` (`sluice serve`, default flags but the same window).
 Each round and shape, 8 closed-loop clients send a fixed number of unique chats each: one
-user message of ~8k, ~32k or ~128k tokens, or a conversation of 3,000 short messages; each
-starts with a random nonce (then prose from load/corpus.txt), so no prefix is shared and no
-cache helps. Meanwhile a probe process sends `GET /health` every 10 ms.
+user message of ~8k, ~32k, ~40k or ~128k tokens, or a conversation of 3,000 short messages;
+each starts with a random nonce (then prose from load/corpus.txt), so no prefix is shared and
+no cache helps. Meanwhile a probe process sends `GET /health` every 10 ms.
 
 Reported per shape: requests/s (answers over the time from the first send to the last
 answer: the GPU works while any prefill is left, so this is its throughput) and Sluice's
@@ -80,6 +80,7 @@ class Shape:
 SHAPES = (
     Shape("8k", 8_000, 6, 2),
     Shape("32k", 32_000, 3, 1),
+    Shape("40k", 40_000, 3, 0),  # issue 34's first target: /health p99 <= 10 ms, >= 0.95x
     Shape("128k", 128_000, 2, 0),
     Shape("3,000 msgs", 0, 2, 0),
 )
