@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from app.http.errors import ClientError
-from app.preprocess.request_bodies import check_chat, check_completion, parse_json_object
+from app.preprocess.json_bodies import parse_json_object
+from app.preprocess.request_bodies import check_chat, check_completion
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

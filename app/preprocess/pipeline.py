@@ -41,6 +41,7 @@ from app.models import NO_MODEL, ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess import length_gate
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
+from app.preprocess.json_bodies import nested_too_deeply
 from app.preprocess.model_preps import ModelPrep, ModelPreps
 from app.preprocess.rendering import (
     RENDER_ON_LOOP_BUDGET,
@@ -49,7 +50,7 @@ from app.preprocess.rendering import (
     render,
     warm_up,
 )
-from app.preprocess.request_bodies import ROUTING_RENDERS, Kind, nested_too_deeply
+from app.preprocess.request_bodies import ROUTING_RENDERS, Kind
 from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
 from app.preprocess.tokenization import dispatcher_snapshot
 from app.preprocess.tokenizer_loading import (

@@ -23,8 +23,9 @@ from typing import Any
 from app.http.errors import ClientError
 from app.models import ModelDirectory
 from app.preprocess.chat_template import ChatTemplate, RenderCost
+from app.preprocess.json_bodies import nested_too_deeply
 from app.preprocess.length_gate import cut_before_whitespace, head_chars, too_many_bytes
-from app.preprocess.request_bodies import ROUTING_RENDERS, ParsedRequest, nested_too_deeply
+from app.preprocess.request_bodies import ROUTING_RENDERS, ParsedRequest
 
 RENDER_ON_LOOP_BUDGET = 1e-3  # seconds a render may hold the event loop
 PROMPT_FILE_PREFIX = "sluice-prompt-"

@@ -11,13 +11,13 @@ event loop) and the simulated backend (`parse_json_object`).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.http.errors import ClientError
 from app.preprocess.conversations import content_chars, messages_messages, responses_messages
 from app.preprocess.forms import form_fields
+from app.preprocess.json_bodies import parse_json_object
 
 # How a body is read: a chat, a completion, a Responses or Messages conversation (rendered
 # like a chat, for routing), a JSON body with only a model to route by (embeddings, rerank,
@@ -39,34 +39,6 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
 )
-
-
-_decode_json = json.JSONDecoder().decode
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    if not body:
-        raise ClientError("The request body is empty; expected a JSON object.")
-    try:
-        if body[:1] == b"{" and body[1:2] != b"\x00":
-            # What json.loads(bytes) decodes an object's UTF-8 text with, without its
-            # encoding sniffing (UTF-16 and -32 start with a null byte within two).
-            payload = _decode_json(body.decode("utf-8", "surrogatepass"))
-        else:
-            payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ClientError(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        # CPython's parser recurses once per nesting level; the interpreter's limit ends it.
-        raise nested_too_deeply() from None
-    if not isinstance(payload, dict):
-        raise ClientError("The request body must be a JSON object.")
-    return payload
-
-
-def nested_too_deeply() -> ClientError:
-    """For JSON that parses but is too deep to be handled whole (pickled, re-encoded)."""
-    return ClientError("The request body is nested too deeply.", None, "nested_too_deeply")
 
 
 def _is_int(value: Any) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from app.http.exchange import Exchange
-from app.preprocess.request_bodies import parse_json_object
+from app.preprocess.json_bodies import parse_json_object
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.openai_format import answering_model, request_error

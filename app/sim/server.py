@@ -36,7 +36,7 @@ import trio
 from app.http.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
-from app.preprocess.request_bodies import parse_json_object
+from app.preprocess.json_bodies import parse_json_object
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole
