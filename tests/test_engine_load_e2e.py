@@ -62,7 +62,7 @@ def healthy_pool(urls: list[str]) -> BackendPool:
 
 
 def scraper(pool: BackendPool, client: httpx.AsyncClient) -> LoadScraper:
-    return LoadScraper(pool, client, timeout=5.0, traffic=lambda: 0)
+    return LoadScraper(pool, client, timeout=5.0)
 
 
 async def ask(client: httpx.AsyncClient, url: str, question: str) -> None:
@@ -176,26 +176,35 @@ async def test_the_snapshot_carries_each_backends_engine_block(
     }
 
 
+class Traffic:
+    """The router as the fleet's watchers see it: requests sent, and the next one."""
+
+    def __init__(self) -> None:
+        self.reservations = 0
+        self._sent = trio.Event()
+
+    def send(self) -> None:
+        self.reservations += 1
+        self._sent.set()
+        self._sent = trio.Event()
+
+    async def next_reservation(self) -> None:
+        await self._sent.wait()
+
+
 async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Idle, the scraper reads the engines every 10 s and wakes for nothing else; once a
     request is sent again it must not finish that sleep first (replicas routed blind to the
     GPUs' queues for seconds), and while traffic flows it reads every SCRAPE_INTERVAL."""
-    traffic = 0
+    traffic = Traffic()
     scraped: list[float] = []
-    waiting: list[trio.Event] = []
-
-    async def next_traffic() -> None:
-        waiting.append(trio.Event())
-        await waiting[-1].wait()
-
     load_scraper = LoadScraper(
         healthy_pool(["http://gpu:8000"]),
         None,  # type: ignore[arg-type]
         timeout=5.0,
-        traffic=lambda: traffic,
-        next_traffic=next_traffic,
+        traffic=traffic,
     )
 
     async def record() -> None:
@@ -207,8 +216,7 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
         await trio.sleep(25.25)
         assert scraped == [0.0, 10.0, 20.0]
         load_scraper.pool.backends[0].inflight = 1  # a request sent, its answer long
-        traffic = 1
-        waiting[-1].set()
+        traffic.send()
         await trio.sleep(1.1)
         nursery.cancel_scope.cancel()
     assert scraped[3:] == [25.25, 25.75, 26.25]  # at once, then while it runs
@@ -282,22 +290,15 @@ async def test_health_checks_slow_down_while_no_request_is_sent(
 ) -> None:
     """Every interval while requests are sent; four intervals apart after a check that saw
     none since the last; the normal pace again as soon as one is sent."""
-    traffic = 0
+    traffic = Traffic()
     checked: list[float] = []
-    waiting: list[trio.Event] = []
-
-    async def next_traffic() -> None:
-        waiting.append(trio.Event())
-        await waiting[-1].wait()
-
     checker = HealthChecker(
         healthy_pool(["http://gpu:8000"]),
         None,  # type: ignore[arg-type]
         Metrics(),
         interval=3.0,
         timeout=1.0,
-        traffic=lambda: traffic,
-        next_traffic=next_traffic,
+        traffic=traffic,
     )
 
     async def record() -> None:
@@ -308,12 +309,10 @@ async def test_health_checks_slow_down_while_no_request_is_sent(
         await nursery.start(checker.run)
         await trio.sleep(25.0)
         assert checked == [0.0, 12.0, 24.0]
-        traffic = 1  # a request at 25 s: the next check is due one interval after the last
-        waiting[-1].set()
+        traffic.send()  # a request at 25 s: the next check is due one interval after the last
         await trio.sleep(3.0)
         assert checked[3:] == [27.0]
-        traffic = 2  # and another at 28 s
-        waiting[-1].set()
+        traffic.send()  # and another at 28 s
         await trio.sleep(2.5)
         assert checked[3:] == [27.0, 30.0]
         nursery.cancel_scope.cancel()

@@ -201,8 +201,7 @@ class Sluice:
                 self.metrics,
                 interval=settings.health_check_interval,
                 timeout=settings.health_check_timeout,
-                traffic=lambda: self.router.reservations,
-                next_traffic=self.router.next_reservation,
+                traffic=self.router,
             )
             self.checker = checker
             await nursery.start(self.monitor.run)
@@ -216,9 +215,8 @@ class Sluice:
                 self.pool,
                 client,
                 settings.health_check_timeout,
-                traffic=lambda: self.router.reservations,
+                traffic=self.router,
                 reported=self.router.gate.opened,
-                next_traffic=self.router.next_reservation,
             )
             nursery.start_soon(scraper.run)
             upstream = UpstreamPool(

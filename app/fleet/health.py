@@ -17,7 +17,7 @@ a check that could not finish) gets one right after its health probe (tokenizer_
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import httpx
@@ -25,6 +25,7 @@ import trio
 
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.tokenizer_check import check_tokenizer
+from app.fleet.traffic import NO_TRAFFIC, TrafficSource
 from app.observe.metrics import Metrics
 
 log = logging.getLogger("sluice.health")
@@ -34,40 +35,32 @@ MODELS_REFRESH_S = 30.0
 IDLE_INTERVALS = 4
 
 
+@dataclass(eq=False)
 class HealthChecker:
-    def __init__(
-        self,
-        pool: BackendPool,
-        client: httpx.AsyncClient,
-        metrics: Metrics,
-        *,
-        interval: float,
-        timeout: float,
-        traffic: Callable[[], int] = lambda: 0,
-        next_traffic: Callable[[], Awaitable[None]] = trio.sleep_forever,
-    ) -> None:
-        """`traffic` counts the requests sent so far; `next_traffic` returns at the next."""
-        self.pool = pool
-        self.client = client
-        self.metrics = metrics
-        self.interval = interval
-        self.timeout = timeout
-        self._traffic = traffic
-        self._next_traffic = next_traffic
-        self._models_read_at: dict[str, float] = {}  # backend id -> when its models were read
+    """`traffic` paces it: every `interval` while requests are sent, slower when none are."""
+
+    pool: BackendPool
+    client: httpx.AsyncClient
+    metrics: Metrics
+    _: KW_ONLY
+    interval: float
+    timeout: float
+    traffic: TrafficSource = NO_TRAFFIC
+    # Backend id -> when its models were read.
+    _models_read_at: dict[str, float] = field(default_factory=dict, init=False)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Check once so the proxy starts with a true picture, then keep checking."""
         await self.check_all()
         task_status.started()
-        seen = self._traffic()
+        seen = self.traffic.reservations
         while True:
             checked_at = trio.current_time()
-            if self._traffic() == seen:
+            if self.traffic.reservations == seen:
                 with trio.move_on_after(self.interval * IDLE_INTERVALS):
-                    await self._next_traffic()
+                    await self.traffic.next_reservation()
             await trio.sleep_until(checked_at + self.interval)
-            seen = self._traffic()
+            seen = self.traffic.reservations
             await self.check_all()
 
     async def check_all(self) -> None:

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 import trio
 
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.engine_metrics import EngineReading, next_load, read_engine
+from app.fleet.traffic import NO_TRAFFIC, TrafficSource
 
 log = logging.getLogger("sluice.load_scraper")
 
@@ -35,27 +37,19 @@ IDLE_SCRAPE_INTERVAL = 10.0
 RETRY_UNSUPPORTED = 60.0
 
 
+@dataclass(eq=False)
 class LoadScraper:
-    def __init__(
-        self,
-        pool: BackendPool,
-        client: httpx.AsyncClient,
-        timeout: float,
-        traffic: Callable[[], int],
-        reported: Callable[[], None] = lambda: None,
-        next_traffic: Callable[[], Awaitable[None]] = trio.sleep_forever,
-    ) -> None:
-        """`traffic` counts the requests sent to backends so far (it only ever grows);
-        `reported` is told after each round of reports (an engine may have room now);
-        `next_traffic` returns when the next request is sent."""
-        self.pool = pool
-        self.client = client
-        self.timeout = timeout
-        self._traffic = traffic
-        self._reported = reported
-        self._next_traffic = next_traffic
-        self._unsupported_until: dict[str, float] = {}
-        self._last_reading: dict[str, EngineReading] = {}
+    """`traffic` paces it (every SCRAPE_INTERVAL while requests are sent, at once when they
+    start again); `reported` is told after each round of reports (an engine may have room
+    now)."""
+
+    pool: BackendPool
+    client: httpx.AsyncClient
+    timeout: float
+    traffic: TrafficSource = NO_TRAFFIC
+    reported: Callable[[], None] = lambda: None
+    _unsupported_until: dict[str, float] = field(default_factory=dict, init=False)
+    _last_reading: dict[str, EngineReading] = field(default_factory=dict, init=False)
 
     async def run(self) -> None:
         # Traffic that starts after a quiet spell is scraped for at once, not after the rest
@@ -66,12 +60,13 @@ class LoadScraper:
         scraped_at = -math.inf
         while True:
             await trio.sleep_until(scraped_at + SCRAPE_INTERVAL)
-            seen = self._traffic()
+            seen = self.traffic.reservations
             scraped_at = trio.current_time()
             await self.scrape_all()
-            if self._traffic() == seen and not any(b.inflight for b in self.pool.backends):
+            quiet = self.traffic.reservations == seen
+            if quiet and not any(b.inflight for b in self.pool.backends):
                 with trio.move_on_after(IDLE_SCRAPE_INTERVAL):
-                    await self._next_traffic()
+                    await self.traffic.next_reservation()
 
     async def scrape_all(self) -> None:
         now = trio.current_time()
@@ -85,7 +80,7 @@ class LoadScraper:
                 if backend.healthy and self._unsupported_until.get(backend.id, 0.0) <= now:
                     nursery.start_soon(self.scrape, backend)
         self.pool.engines_reported()
-        self._reported()
+        self.reported()
 
     async def scrape(self, backend: Backend) -> None:
         try:
