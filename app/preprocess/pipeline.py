@@ -338,31 +338,36 @@ def _bailed_out(
 ) -> Prepared:
     """Saturated and told to bail out: the request goes on without tokens (and, bailing out
     before its render, unparsed: with one model served, it goes to that one)."""
-    return Prepared(
-        model=model,
-        fields={} if rendered is None else rendered.fields,
-        prompt=None if rendered is None else str(rendered.prompt),
-        token_ids=None,
-        estimated=True,
-        tokenize_path="bailed_out",
-        template_seconds=template_seconds,
-        tokenize_seconds=0.0,
-        forward_body=None if rendered is None else rendered.body,
-    )
+    if rendered is None:
+        return _without_tokens(model, {}, None, None, "bailed_out", template_seconds)
+    prompt, body = str(rendered.prompt), rendered.body
+    return _without_tokens(model, rendered.fields, prompt, body, "bailed_out", template_seconds)
 
 
 def _untokenized(rendered: RenderedRequest, template_seconds: float) -> Prepared:
     """A request with no prompt of Sluice's to tokenize: its usage is what the engine says."""
+    model, fields, body = rendered.model, rendered.fields, rendered.body
+    return _without_tokens(model, fields, None, body, "none", template_seconds)
+
+
+def _without_tokens(
+    model: str | None,
+    fields: dict[str, Any],
+    prompt: str | None,
+    body: bytes | None,
+    path: str,
+    template_seconds: float,
+) -> Prepared:
     return Prepared(
-        model=rendered.model,
-        fields=rendered.fields,
-        prompt=None,
+        model=model,
+        fields=fields,
+        prompt=prompt,
         token_ids=None,
         estimated=True,
-        tokenize_path="none",
+        tokenize_path=path,
         template_seconds=template_seconds,
         tokenize_seconds=0.0,
-        forward_body=rendered.body,
+        forward_body=body,
     )
 
 
