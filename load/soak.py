@@ -2,8 +2,9 @@
 simulated backends, all separate processes, with every kind of traffic that has broken a
 proxy before, at once:
 
-- steady open-loop traffic (rag, hot, chat and unique prompts, half of it streaming) and a
-  few long streams always in flight;
+- steady open-loop traffic (rag, hot, chat and unique prompts, half of it streaming) at
+  `--rate`, or at `--load` times what the two simulated GPUs answer of it when kept full
+  (measured first, straight to them); a few long streams always in flight;
 - conversations of 1,500-4,000 short messages, back to back;
 - every 30 s a burst of 20 unique ~4k-token prompts;
 - every 2.5 min a burst of 1,000 new connections, each streaming;
@@ -11,12 +12,20 @@ proxy before, at once:
   prompt, a body over the size limit, wrong types, ...);
 - every 3 min one backend SIGKILLed mid-stream and restarted 20 s later on its port.
 
+Two API keys (bearer tokens: without --api-keys each is a tenant of its own): `heavy` sends
+HEAVY_X times `light`'s share of the steady traffic, the bursts and the connection bursts;
+`light` the rest of the steady traffic, the long streams and the conversations. Past the
+GPUs' capacity Sluice holds requests and sheds some with 429 and Retry-After: an answer, not
+a loss (issue 32: "nothing lost"). `--sim-arg` passes flags to the simulated backends (a
+small `--max-num-seqs` makes a capacity the machine's CPUs can offer twice over).
+
 `/health` is polled every 5 ms. Every minute a line: requests, errors by kind (expected
-ones, 4xx for bad input, 502/503 while a backend was down, fast 503s shed over
-`--max-connections`, apart from Sluice's own faults), the worst /health latency, stalls by
-cause from `/metrics` and the proxy's RSS. A proxy that dies is counted, its log kept, and
-restarted on its port. The verdict: crashes, requests lost to Sluice itself, RSS growth from
-the end of minute 1 to the end (targets: 0, 0, <= 10%).
+ones, 429s with Retry-After, 4xx for bad input, 502/503 while a backend was down, fast 503s
+with Retry-After shed over `--max-connections`, apart from Sluice's own faults), each key's
+200 / 429 / expected / lost, the worst /health latency, stalls by cause from `/metrics` and
+the proxy's RSS. A proxy that dies is counted, its log kept, and restarted on its port. The
+verdict: crashes, requests lost to Sluice itself, RSS growth from the end of minute 1 to the
+end (targets: 0, 0, <= 10%).
 """
 
 from __future__ import annotations
@@ -26,10 +35,14 @@ import random
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 
 import trio
 
+from app.cli import command
+from app.sim.settings import SimSettings
 from load import drive, processes
 from load.client import FAILURES, Pool, Prepared, call, encode
 from load.drive import Record, send
@@ -41,6 +54,12 @@ from load.workloads import Request, Workload, completion, workload
 
 DOWN_GRACE_S = 10.0  # after a restart: health check interval (3 s) + breaker cooldown slack
 STEADY_RATE = 8.0
+SIM_FLAGS = ("--max-num-seqs", "256")  # before --sim-arg's: theirs win
+KEYS = {"heavy": "sk-soak-heavy", "light": "sk-soak-light"}
+HEAVY_X = 10  # the heavy key's share of the steady traffic over the light key's
+SHARES = {"heavy": HEAVY_X / (HEAVY_X + 1), "light": 1 / (HEAVY_X + 1)}
+CAPACITY_WARM_S = 5.0  # not counted: the GPUs' prefix caches fill
+CAPACITY_S = 20.0
 BURST_EVERY_S = 30.0
 CONNECTION_BURST_EVERY_S = 150.0
 CONNECTION_BURST = 1000
@@ -52,11 +71,55 @@ REQUEST_TIMEOUT_S = 120.0
 STALLS = "sluice_event_loop_stalls_total"
 CACHES = "sluice_tokenizer_cache"
 EXPECTED_WHEN_DOWN = {"http_502", "http_503", "http_504", "stream_broken", "no_done"}
+Windows = list[list[float]]  # [start, end] times, s from the soak's start
+
+
+def excuse(record: Record, down: Windows, shedding: Windows) -> str | None:
+    """Why a failed request is not lost to Sluice (a refusal that says when to come back, a
+    backend that was down, a connection burst over --max-connections), or None: it was."""
+    kind = record.error or "unknown"
+    end = record.start + (record.e2e or 0.0)
+    told_when = record.retry_after is not None
+    if kind == "http_429" and told_when:
+        return "429_retry_after"
+    if kind in EXPECTED_WHEN_DOWN and _within(down, record.start, end):
+        return f"backend_down:{kind}"
+    if kind == "http_503" and told_when and _within(shedding, record.start, end):
+        return "shed_503"
+    return None
+
+
+def _within(windows: Windows, start: float, end: float) -> bool:
+    return any(start <= w[1] and end >= w[0] for w in windows)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {KEYS[key]}"}
+
+
+def sim_settings(flags: list[str]) -> SimSettings:
+    """The simulated backends' settings as `sluice sim-backend FLAGS` reads them (a bad
+    --sim-arg stops the soak here, before anything starts)."""
+    _, settings = command.parse(["sim-backend", *flags])
+    assert isinstance(settings, SimSettings)
+    return settings
 
 
 class Soak:
-    def __init__(self, minutes: float, seed: int, proxy_flags: list[str]) -> None:
+    def __init__(
+        self,
+        minutes: float,
+        seed: int,
+        proxy_flags: list[str],
+        sim_flags: list[str],
+        rate: float,
+        load: float | None,
+    ) -> None:
         self.proxy_flags = proxy_flags
+        self.sim_flags = [*SIM_FLAGS, *sim_flags]
+        self.seqs = sim_settings(self.sim_flags).max_num_seqs
+        self.rate = rate  # the steady traffic's, both keys'; --load replaces it once measured
+        self.load = load
         self.minutes = minutes
         self.rng = random.Random(seed)
         self.seed = seed
@@ -67,8 +130,9 @@ class Soak:
         self.proxy: subprocess.Popen[bytes] | None = None
         self.proxy_args: list[str] = []
         self.crashes: list[str] = []
-        self.down: list[list[float]] = []  # [kill time, back-up time + grace]
-        self.shedding: list[list[float]] = []  # connection-burst windows
+        self.down: Windows = []  # [kill time, back-up time + grace]
+        self.shedding: Windows = []  # connection-burst windows
+        self.pools: dict[str, Pool] = {}  # each key's, to the proxy
         self.current = Minute()
         self.done: list[Minute] = []
         self.lost_examples: dict[str, str] = {}  # the first of each kind
@@ -81,28 +145,30 @@ class Soak:
     def now(self) -> float:
         return time.perf_counter() - self.start
 
-    def _within(self, windows: list[list[float]], start: float, end: float) -> bool:
-        return any(start <= w[1] and end >= w[0] for w in windows)
-
-    def account(self, record: Record) -> None:
-        """Count a valid request's outcome as ok, expected, or Sluice's fault."""
+    def account(self, key: str, record: Record) -> None:
+        """Count a valid request's outcome, and the key's: 200, 429 with Retry-After, another
+        expected error, or lost to Sluice."""
         minute = self.current
         minute.requests += 1
+        tally = minute.keys.setdefault(key, Counter())
         if record.ok:
             minute.ok += 1
+            tally["200"] += 1
             return
         kind = record.error or "unknown"
-        end = record.start + (record.e2e or 0.0)
-        if kind in EXPECTED_WHEN_DOWN and self._within(self.down, record.start, end):
-            minute.expected[f"backend_down:{kind}"] += 1
-        elif kind == "http_503" and self._within(self.shedding, record.start, end):
-            minute.expected["shed_503"] += 1
-        else:
-            key = f"{record.tag}:{kind}"
-            minute.sluice[key] += 1
-            self.lost_examples.setdefault(
-                key, f"t={record.start:.1f}s {record.tag} -> {kind} after {record.e2e or 0:.2f}s"
-            )
+        why = excuse(record, self.down, self.shedding)
+        if why is not None:
+            minute.expected[why] += 1
+            tally["429" if kind == "http_429" else "expected"] += 1
+            return
+        tally["lost"] += 1
+        lost = f"{record.tag}:{kind}"
+        minute.sluice[lost] += 1
+        self.lost_examples.setdefault(
+            lost,
+            f"t={record.start:.1f}s {key} {record.tag} -> {kind} after {record.e2e or 0:.2f}s"
+            f" (retry-after {record.retry_after})",
+        )
 
     def account_bad(self, bad: BadInput, status: int | None, error: str | None) -> None:
         minute = self.current
@@ -120,7 +186,7 @@ class Soak:
 
     async def start_stack(self) -> None:
         for _ in range(2):
-            url = await self.stack.sim("--max-num-seqs", "256")
+            url = await self.stack.sim(*self.sim_flags)
             self.backends.append(url)
             self.backend_procs[url] = self.stack.processes[-1]
         self.proxy_url = await self.stack.proxy(self.backends, *self.proxy_flags)
@@ -159,7 +225,7 @@ class Soak:
             self.stack.forget(victim)
             print(f"   t={self.now():.0f}s backend {url} killed", flush=True)
             await trio.sleep(KILL_DOWN_S)
-            await self.stack.sim("--port", port, "--max-num-seqs", "256")
+            await self.stack.sim(*self.sim_flags, "--port", port)
             self.backend_procs[url] = self.stack.processes[-1]
             window[1] = self.now() + DOWN_GRACE_S
             print(f"   t={self.now():.0f}s backend {url} restarted", flush=True)
@@ -167,30 +233,66 @@ class Soak:
 
     # -- traffic -----------------------------------------------------------------------
 
-    async def one(self, pool: Pool, request: Request, stream: bool) -> bool:
+    def mixed(self, pool: Pool, name: str) -> Iterator[Prepared]:
+        """The steady traffic's requests, half of them streaming. Every source `name` has
+        the same system prompts (one seed: the GPUs' prefix caches serve them all) and
+        questions of its own."""
+        source = workload("mixed", self.seed)
+        rng = source.rng = random.Random(f"{self.seed}-{name}")
+        while True:
+            for request in source.next():
+                yield pool.prepare(request, rng.random() < 0.5)
+
+    async def measure_capacity(self) -> float:
+        """Requests/s the two simulated GPUs answer of the steady traffic when kept full: a
+        closed loop of twice --max-num-seqs clients straight to each (what --load scales)."""
+        records: list[Record] = []
+
+        async def fill(url: str, name: str) -> None:
+            async with Pool(url, timeout=REQUEST_TIMEOUT_S) as pool:
+                run = await drive.closed_loop(
+                    pool,
+                    2 * self.seqs,
+                    self.mixed(pool, name),
+                    seconds=CAPACITY_WARM_S + CAPACITY_S,
+                )
+                records.extend(run.records)
+
+        async with trio.open_nursery() as nursery:
+            for number, url in enumerate(self.backends):
+                nursery.start_soon(fill, url, f"capacity-{number}")
+        ends = [r.start + (r.e2e or 0.0) for r in records if r.ok]
+        counted = sum(CAPACITY_WARM_S <= end < CAPACITY_WARM_S + CAPACITY_S for end in ends)
+        if not counted:
+            raise RuntimeError(f"the simulated GPUs answered none of {len(records)} requests")
+        return counted / CAPACITY_S
+
+    async def one(self, key: str, request: Request, stream: bool) -> bool:
+        pool = self.pools[key]
         record = await send(pool, pool.prepare(request, stream), self.start)
-        self.account(record)
+        self.account(key, record)
         return record.ok
 
-    async def at_once(self, pool: Pool, requests: list[Request], stream: bool) -> None:
+    async def at_once(self, pool: Pool, key: str, requests: list[Request], stream: bool) -> None:
         plan = [(0.0, pool.prepare(request, stream)) for request in requests]
-        await drive.open_loop(pool, plan, on_record=self.account, start=self.start)
+        await drive.open_loop(pool, plan, on_record=partial(self.account, key), start=self.start)
 
-    async def steady(self, pool: Pool) -> None:
-        """Open-loop `mixed` traffic at STEADY_RATE (Poisson), half of it streaming."""
-        source = workload("mixed", self.seed)
+    async def steady(self, key: str) -> None:
+        """Open-loop `mixed` traffic, the key's share of the steady rate (Poisson)."""
+        pool = self.pools[key]
+        rate = self.rate * SHARES[key]
 
         def plan() -> Iterator[tuple[float, Prepared]]:
             at = 0.0
-            while True:
-                at += self.rng.expovariate(STEADY_RATE)
-                for request in source.next():
-                    yield at, pool.prepare(request, self.rng.random() < 0.5)
+            for item in self.mixed(pool, key):
+                at += self.rng.expovariate(rate)
+                yield at, item
 
-        await drive.open_loop(pool, plan(), on_record=self.account, start=self.start)
+        await drive.open_loop(pool, plan(), on_record=partial(self.account, key), start=self.start)
 
-    async def long_streams(self, pool: Pool) -> None:
-        """Two 400-token streams (~2 s each) always in flight: a backend kill breaks them."""
+    async def long_streams(self) -> None:
+        """Two 400-token streams (~2 s each on the default GPUs) always in flight: a backend
+        kill breaks them."""
         body = {
             "model": "sim",
             "messages": [{"role": "user", "content": "Tell a story."}],
@@ -200,21 +302,21 @@ class Soak:
 
         async def loop() -> None:
             while True:
-                if not await self.one(pool, request, True):
+                if not await self.one("light", request, True):
                     await trio.sleep(0.5)  # a client backs off; a dead proxy is not hammered
 
         async with trio.open_nursery() as nursery:
             for _ in range(2):
                 nursery.start_soon(loop)
 
-    async def long_conversations(self, pool: Pool) -> None:
+    async def long_conversations(self) -> None:
         source: Workload = workload("long", self.seed + 1)
         while True:
             for request in source.next():
-                await self.one(pool, request, False)
+                await self.one("light", request, False)
             await trio.sleep(1.0)  # think time
 
-    async def bursts(self, pool: Pool) -> None:
+    async def bursts(self) -> None:
         source = workload("unique", self.seed + 2)
         while True:
             await trio.sleep(BURST_EVERY_S)
@@ -226,7 +328,7 @@ class Soak:
                 )
                 for _ in range(20)
             ]
-            await self.at_once(pool, prompts, False)
+            await self.at_once(self.pools["heavy"], "heavy", prompts, False)
 
     async def connection_bursts(self) -> None:
         """1,000 new connections at once, each streaming a short answer."""
@@ -240,8 +342,9 @@ class Soak:
         while True:
             window = [self.now(), float("inf")]
             self.shedding.append(window)
-            async with Pool(self.proxy_url, timeout=REQUEST_TIMEOUT_S) as burst:
-                await self.at_once(burst, [request] * CONNECTION_BURST, True)
+            heavy = bearer("heavy")
+            async with Pool(self.proxy_url, heavy, timeout=REQUEST_TIMEOUT_S) as burst:
+                await self.at_once(burst, "heavy", [request] * CONNECTION_BURST, True)
             window[1] = self.now()
             await trio.sleep(CONNECTION_BURST_EVERY_S)
 
@@ -307,20 +410,40 @@ class Soak:
             self.done.append(minute)
             print_minute(number, minute)
 
+    async def set_rate(self) -> None:
+        if self.load is not None:
+            capacity = await self.measure_capacity()
+            self.rate = self.load * capacity
+            print(
+                f"the GPUs answer {capacity:.2f} req/s of the steady traffic (measured, "
+                f"--max-num-seqs {self.seqs}); at {self.load:g}x:",
+                end=" ",
+            )
+        shares = ", ".join(f"{key} {self.rate * share:.2f}/s" for key, share in SHARES.items())
+        print(f"steady traffic {self.rate:.2f} req/s ({shares})", flush=True)
+
     async def run(self) -> None:
         async with self.stack:
             await self.start_stack()
             print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}", flush=True)
+            await self.set_rate()
             self.start = time.perf_counter()
             self.trio_start = trio.current_time()
+            # No limit on requests in flight: they wait at the proxy (held, or refused), not
+            # in the client, so what Sluice holds and sheds is all the clients sent.
             async with (
-                Pool(self.proxy_url, limit=256, timeout=REQUEST_TIMEOUT_S) as pool,
+                Pool(self.proxy_url, bearer("heavy"), timeout=REQUEST_TIMEOUT_S) as heavy,
+                Pool(self.proxy_url, bearer("light"), timeout=REQUEST_TIMEOUT_S) as light,
                 trio.open_nursery() as nursery,
             ):
+                self.pools = {"heavy": heavy, "light": light}
                 nursery.start_soon(self.every_minute)
-                for task in (self.steady, self.long_streams, self.long_conversations, self.bursts):
-                    nursery.start_soon(task, pool)
+                for key in KEYS:
+                    nursery.start_soon(self.steady, key)
                 for job in (
+                    self.long_streams,
+                    self.long_conversations,
+                    self.bursts,
                     self.connection_bursts,
                     self.malformed,
                     self.poll_health,
@@ -338,11 +461,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--proxy-arg", action="append", default=[], help="extra flag for `sluice serve`"
     )
+    parser.add_argument(
+        "--sim-arg",
+        action="append",
+        default=[],
+        help="extra flag for both `sluice sim-backend`s, e.g. --sim-arg=--max-num-seqs=8",
+    )
+    steady = parser.add_mutually_exclusive_group()
+    steady.add_argument(
+        "--rate", type=float, default=STEADY_RATE, help="steady requests/s (default: %(default)s)"
+    )
+    steady.add_argument(
+        "--load",
+        type=float,
+        help="steady traffic at this multiple of what the two simulated GPUs answer of it, "
+        f"measured for {CAPACITY_WARM_S + CAPACITY_S:g} s before the soak",
+    )
 
 
 def main(args: argparse.Namespace) -> None:
     if args.minutes < 1:
         raise SystemExit("soak: --minutes must be at least 1")
-    soak = Soak(args.minutes, args.seed, args.proxy_arg)
+    if args.rate <= 0 or (args.load is not None and args.load <= 0):
+        raise SystemExit("soak: --rate and --load must be above 0")
+    soak = Soak(args.minutes, args.seed, args.proxy_arg, args.sim_arg, args.rate, args.load)
     trio.run(soak.run)
     raise SystemExit(0 if verdict(soak.done, soak.crashes, soak.lost_examples) else 1)

@@ -12,6 +12,8 @@ class Minute:
     ok: int = 0
     expected: Counter[str] = field(default_factory=Counter)
     sluice: Counter[str] = field(default_factory=Counter)
+    # Each API key's outcomes: 200, 429 (with Retry-After), expected (other), lost.
+    keys: dict[str, Counter[str]] = field(default_factory=dict)
     health_worst_s: float = 0.0
     health_worst_at: float = 0.0
     health_failures: int = 0
@@ -21,8 +23,18 @@ class Minute:
     cache_bytes: float | None = None  # L0 + L1, from /metrics: what of the RSS is caches
 
 
+OUTCOMES = ("200", "429", "expected", "lost")
+
+
 def kinds(counter: Counter[str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counter.items())) or "none"
+
+
+def by_key(keys: dict[str, Counter[str]]) -> str:
+    """`heavy 120/30/0/0, light ...`: each key's outcomes in OUTCOMES' order."""
+    return ", ".join(
+        f"{key} {'/'.join(str(tally[o]) for o in OUTCOMES)}" for key, tally in sorted(keys.items())
+    )
 
 
 def print_minute(number: int, m: Minute) -> None:
@@ -30,7 +42,8 @@ def print_minute(number: int, m: Minute) -> None:
     caches = "" if m.cache_bytes is None else f" (caches {m.cache_bytes / 2**20:.1f} MiB)"
     print(
         f"min {number:2}: {m.requests} requests, {m.ok} ok | expected: {kinds(m.expected)} | "
-        f"SLUICE'S FAULT: {kinds(m.sluice)} | /health worst {m.health_worst_s * 1e3:.1f} ms "
+        f"SLUICE'S FAULT: {kinds(m.sluice)} | {'/'.join(OUTCOMES)}: {by_key(m.keys)} | "
+        f"/health worst {m.health_worst_s * 1e3:.1f} ms "
         f"at t={m.health_worst_at:.0f}s"
         f"{f' ({m.health_failures} failed)' if m.health_failures else ''} | stalls: {stalls} | "
         f"RSS {m.rss_bytes / 2**20:.1f} MiB{caches}",
@@ -53,6 +66,11 @@ def verdict(minutes: list[Minute], crashes: list[str], lost_examples: dict[str, 
     print(f"  requests lost to Sluice itself: {lost} (target 0)")
     for example in lost_examples.values():
         print(f"    first: {example}")
+    keys: dict[str, Counter[str]] = {}
+    for m in minutes:
+        for key, tally in m.keys.items():
+            keys.setdefault(key, Counter()).update(tally)
+    print(f"  by API key, {' / '.join(OUTCOMES)} (429s carry Retry-After): {by_key(keys)}")
     print(
         f"  proxy RSS: {first / 2**20:.1f} MiB after minute 1 -> {last / 2**20:.1f} MiB after "
         f"minute {len(same)} ({growth:+.1f}%, target <= +10%)"
