@@ -9,7 +9,8 @@ while none has; what leaves when room appears is the fairest request, routed the
 binding), preferring one whose prefix the engine with room holds; a deadline answers 429 at
 exactly its time; a request cancelled while held leaves nothing behind, and one cancelled
 after it was routed gives its reservation back. Last, the running router: a long prompt's
-blocks hashed in a thread and recorded behind it.
+blocks hashed in a thread and recorded behind it, and a held request counted as traffic (the
+watchers that pace themselves by it wake).
 """
 
 from __future__ import annotations
@@ -387,3 +388,38 @@ async def test_a_running_router_hashes_a_long_prompt_in_a_thread_and_records_it_
     again = await router.choose(RouteRequest(token_ids=array("I", range(20_000))))
     assert again is not None and again.reason == "prefix-hit"
     assert again.backend is decision.backend
+
+
+async def test_a_request_held_on_a_quiet_spells_report_wakes_the_fleets_watchers(
+    nursery: trio.Nursery,
+) -> None:
+    """An engine last read while other senders filled it holds this proxy's next request; that
+    request is traffic all the same, so the load scraper idling on the stale report reads
+    the engine at once. Measured (bench streams: others' 200 streams gone, this proxy's 50
+    starting), requests held on such a report waited ~2 s for the next idle scrape."""
+    pool = pool_of(1, room=4)
+    (gpu,) = pool.backends
+    reported(gpu, 4, 1)  # others' requests: all it runs, and one waiting
+    router = Router(Settings(), pool, Metrics())
+    await nursery.start(router.run)
+    woken = trio.Event()
+
+    async def watch() -> None:
+        await router.next_request()
+        woken.set()
+
+    async def send() -> None:
+        decision = await router.choose(RouteRequest(text="hello"))
+        assert decision is not None and decision.backend is gpu
+
+    nursery.start_soon(watch)
+    await trio.testing.wait_all_tasks_blocked()
+    assert not router.busy
+    nursery.start_soon(send)
+    await trio.testing.wait_all_tasks_blocked()
+    assert woken.is_set() and router.requests == 1
+    assert router.gate.held == 1 and router.busy
+    reported(gpu, 0, 0)  # read at once: the others' requests are gone
+    router.gate.opened()
+    await trio.testing.wait_all_tasks_blocked()
+    assert router.gate.held == 0 and gpu.inflight == 1

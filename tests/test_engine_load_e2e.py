@@ -177,18 +177,19 @@ async def test_the_snapshot_carries_each_backends_engine_block(
 
 
 class Traffic:
-    """The router as the fleet's watchers see it: requests sent, and the next one."""
+    """The router as the fleet's watchers see it: requests that asked, and the next one."""
 
     def __init__(self) -> None:
-        self.reservations = 0
+        self.requests = 0
+        self.busy = False
         self._sent = trio.Event()
 
     def send(self) -> None:
-        self.reservations += 1
+        self.requests += 1
         self._sent.set()
         self._sent = trio.Event()
 
-    async def next_reservation(self) -> None:
+    async def next_request(self) -> None:
         await self._sent.wait()
 
 
@@ -215,7 +216,7 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
         nursery.start_soon(load_scraper.run)
         await trio.sleep(25.25)
         assert scraped == [0.0, 10.0, 20.0]
-        load_scraper.pool.backends[0].inflight = 1  # a request sent, its answer long
+        traffic.busy = True  # a request sent, its answer long (or held for room)
         traffic.send()
         await trio.sleep(1.1)
         nursery.cancel_scope.cancel()

@@ -53,14 +53,14 @@ class HealthChecker:
         """Check once so the proxy starts with a true picture, then keep checking."""
         await self.check_all()
         task_status.started()
-        seen = self.traffic.reservations
+        seen = self.traffic.requests
         while True:
             checked_at = trio.current_time()
-            if self.traffic.reservations == seen:
+            if self.traffic.requests == seen:
                 with trio.move_on_after(self.interval * IDLE_INTERVALS):
-                    await self.traffic.next_reservation()
+                    await self.traffic.next_request()
             await trio.sleep_until(checked_at + self.interval)
-            seen = self.traffic.reservations
+            seen = self.traffic.requests
             await self.check_all()
 
     async def check_all(self) -> None:

@@ -92,8 +92,8 @@ class Router:
         self.pool = pool
         self.metrics = metrics
         self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
-        self.reservations = 0  # requests sent to a backend so far: whether traffic flows
-        self._reserved = trio.Event()  # set by the next reservation (`next_reservation`)
+        self.requests = 0  # requests that asked for a backend so far: whether traffic flows
+        self._requested = trio.Event()  # set by the next one (`next_request`)
         limits = GateLimits(
             ceiling=settings.max_inflight_per_backend,
             max_kv_usage=settings.max_kv_usage,
@@ -191,6 +191,8 @@ class Router:
         """A reserved decision among the backends of `request.model` (all of them when it is
         None) whose engines have room, at once or once one has; None when none takes
         traffic at all. `Overloaded` when held too long, or shed."""
+        self.requests += 1
+        self._requested.set()
         tokens = request.token_ids
         if (
             self._cache_aware is not None
@@ -218,18 +220,21 @@ class Router:
         backend = decision.backend
         backend.inflight += 1
         backend.pending_tokens += pending
-        self.reservations += 1
-        self._reserved.set()
         events = self.kv_events.get(backend.url)
         if events is not None and prediction is not None and prediction.stores_blocks:
             events.request_sent(trio.current_time())
         return Decision(backend, decision.reason, prediction, pending, request.model)
 
-    async def next_reservation(self) -> None:
-        """Return when the next request is sent to a backend: idle watchers sleep till then."""
-        if self._reserved.is_set():
-            self._reserved = trio.Event()
-        await self._reserved.wait()
+    @property
+    def busy(self) -> bool:
+        """Requests in flight to backends, or held for room."""
+        return bool(self.gate.held) or any(backend.inflight for backend in self.pool.backends)
+
+    async def next_request(self) -> None:
+        """Return when the next request asks for a backend: idle watchers sleep till then."""
+        if self._requested.is_set():
+            self._requested = trio.Event()
+        await self._requested.wait()
 
     def release(
         self,
