@@ -92,14 +92,29 @@ def test_a_tenant_over_its_bound_is_refused_and_a_full_queue_sheds_the_heaviest(
     first = [held("heavy", at=i) for i in range(3)]
     for entry in first:
         assert queue.push(entry) is None
-    over = held("heavy", at=3)
-    assert queue.push(over) is over  # its own bound
-    assert queue.push(held("light", at=4)) is None  # the queue is now full
+    assert queue.push(held("light", at=3)) is None
+    over = held("heavy", at=4)
+    assert queue.push(over) is over  # its own bound, others holding too
     pushed_out = queue.push(held("other", at=5))
-    assert pushed_out is first[-1]  # the heaviest's newest made room
+    assert pushed_out is first[-1]  # the queue was full: the heaviest's newest made room
     late = held("light", at=6)
     assert queue.push(late) is late  # no tenant holds more than one more than light
     assert len(queue) == 4 and queue.held_by("heavy") == 2
+
+
+def test_a_tenant_alone_may_hold_the_whole_queue_and_is_pushed_out_when_others_come() -> None:
+    """Nobody to protect: the anonymous tenant of a proxy without keys, bursting, is held
+    up to the queue's bound, not its own; a newcomer of another tenant then makes room."""
+    queue = FairQueue(max_held=4, max_per_tenant=2)
+    burst = [held("anonymous", at=i) for i in range(4)]
+    for entry in burst:
+        assert queue.push(entry) is None
+    over = held("anonymous", at=4)
+    assert queue.push(over) is over  # the queue's own bound
+    assert queue.push(held("key-1", at=5)) is burst[-1]
+    late = held("anonymous", at=6)
+    assert queue.push(late) is late  # over its own bound, now that others hold requests
+    assert order(queue) == ["anonymous", "key-1", "anonymous", "anonymous"]
 
 
 def test_the_affinity_window_bends_fairness_by_a_few_places_only() -> None:

@@ -39,7 +39,8 @@ HELP: dict[str, str] = {
     "it falls (default: 0.95)",
     "admission_queue": "requests that may be held while every engine of their model is "
     "saturated, before 429 (default: 1024)",
-    "admission_queue_per_key": "of those, held for one API key (default: 256)",
+    "admission_queue_per_key": "of those, held for one API key while other keys hold some "
+    "(default: 256)",
     "admission_timeout": "seconds a request may be held before 429 (default: 30; a client's "
     "X-Request-Timeout header may say less)",
     "tokens_per_minute": "prompt + completion tokens per minute per API key and model, 429 "
