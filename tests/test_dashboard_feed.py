@@ -1,5 +1,6 @@
 """The dashboard feed under a fake clock: a point a tick, serialised only while a page listens
-and once per tick however many listen, a slow page skipping to the newest snapshot, a
+and once per tick however many listen (each tick's payload with only its new records and
+points), a slow page skipping to the newest snapshot, a
 failing snapshot costing a tick and not the feed, occupancy peaks caught between ticks; and
 the demo's traffic: bursts of large unique prompts, on request and no more than one queued."""
 
@@ -113,6 +114,13 @@ async def test_one_serialisation_a_tick_for_every_page(
     assert set(range(snapshots[0]["requests"]["total"] + 1, seqs[1][0] + 1)) <= set(seqs[1])
     for before, after, sent in zip(snapshots[1:], snapshots[2:], seqs[2:], strict=False):
         assert sent == list(range(after["requests"]["total"], before["requests"]["total"], -1))
+    # And the series' points since the tick before: one a tick; the page keeps the rest.
+    assert "series_tail" not in snapshots[0] and len(snapshots[0]["series"]["t"]) >= 1
+    tails = [s["series_tail"] for s in snapshots[1:]]
+    assert all("series" not in s for s in snapshots[1:])
+    assert all(len(tail["t"]) == 1 for tail in tails[1:])
+    assert [tail["t"][-1] for tail in tails] == sorted({tail["t"][-1] for tail in tails})
+    assert all(set(tail) == set(snapshots[0]["series"]) for tail in tails)
 
 
 async def test_a_slow_page_skips_to_the_newest_snapshot(

@@ -80,6 +80,12 @@ def test_columns_pad_late_series_and_stay_bounded() -> None:
     data = columns.to_json()
     assert data == {"t": [2.0, 3.0, 4.0], "a": [2.0, None, 4.0], "b": [20.0, 30.0, 40.0]}
     assert len(columns) == 3
+    # What came since a count of points appended: the newest, never more than it keeps.
+    assert columns.appended == 4
+    assert columns.tail(1) == {"t": [4.0], "a": [4.0], "b": [40.0]}
+    two = {"t": [3.0, 4.0], "a": [None, 4.0], "b": [30.0, 40.0]}
+    assert columns.tail(columns.appended - 2) == two
+    assert columns.tail(9) == data and columns.tail(0) == {"t": [], "a": [], "b": []}
 
 
 def record(seq: int, status: int = 200, **overrides: Any) -> RequestRecord:

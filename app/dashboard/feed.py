@@ -1,15 +1,17 @@
 """The dashboard's heartbeat: one task that, once a tick, takes a snapshot, adds a point to
 every time series and — only while a page is listening — serialises the snapshot once for
-all of them, with only the request log's records that came since the last tick (a page
-gets the whole log once, when it connects).
+all of them, with only what came since the last tick: the request log's new records, and
+the series' new points (`series_tail`). A page gets the whole log and the whole series
+(`series`) once, when it connects. Measured: the whole series (~40 columns of 180 points)
+cost 6 ms of the loop a tick to serialise, 132 KB to every page.
 
 Pages never build anything: each waits for the next published payload (the same bytes for
 every page); a slow page skips to the newest one, so nothing queues up behind it, and gets a
-snapshot of its own then, with the whole log (the payloads it skipped had records). The
+snapshot of its own then, with the whole log and series (the payloads it skipped had some). The
 proxy's requests never wait for the dashboard either: recording a request is a few
 microseconds on its own path (observe/request_trace.py), and everything here happens once
-a tick, whatever the traffic. Occupancy gauges (threads, queue, fallback) are read ten times
-a tick and their peak kept, so a half-second burst still shows.
+a tick, whatever the traffic. Occupancy gauges (threads, queue, fallback) keep their peak
+between two reads, so a half-second burst still shows.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class DashboardFeed:
         self._broadcast = Broadcast()
         self._records = RecordCache()
         self._published_seq = 0  # the newest record a published payload carried
+        self._published_points = 0  # the series' points appended when it was published
         self._poked = trio.Event()
         self._error_reports = RateLimiter(1, 60.0)
         self.pages = 0
@@ -156,9 +159,17 @@ class DashboardFeed:
         from this feed's own window: what a supervisor merges with its other workers'."""
         return self._build()
 
-    def _complete(self, snapshot: dict[str, Any]) -> dict[str, Any]:
+    def _complete(
+        self, snapshot: dict[str, Any], series_since: int | None = None
+    ) -> dict[str, Any]:
+        """The snapshot as a page gets it: with the whole series, or (`series_since`, a count
+        of points appended) only the points appended since then, as `series_tail`."""
         decorate(snapshot, self._window)
-        snapshot["series"] = self._columns.to_json()
+        columns = self._columns
+        if series_since is None:
+            snapshot["series"] = columns.to_json()
+        else:
+            snapshot["series_tail"] = columns.tail(columns.appended - series_since)
         snapshot["dashboard"] = {
             "demo": self.demo,
             "write_needs_token": self.write_needs_token,
@@ -185,10 +196,11 @@ class DashboardFeed:
             if self._poked.is_set():
                 self._poked = trio.Event()
                 if self.pages:
-                    self._guarded(self._publish)
+                    self._guarded(lambda: self._publish(self._build()))
 
     async def pages_events(self) -> AsyncGenerator[bytes, None]:
-        """What one page receives: the current snapshot at once, then one a tick.
+        """What one page receives: the current snapshot at once (the whole request log and
+        series), then one a tick (what came since the tick before).
 
         Ends at once if the page limit was reached in the meantime.
         """
@@ -215,18 +227,20 @@ class DashboardFeed:
         point = {k: _rounded(v) for k, v in derive_point(self._window, snapshot).items()}
         self._columns.append(round(self._wall_clock(), 3), point)
         if self.pages:
-            self._publish(self._complete(snapshot))
+            self._publish(snapshot)
 
-    def _publish(self, snapshot: dict[str, Any] | None = None) -> None:
-        snapshot = snapshot or self.snapshot()
+    def _publish(self, snapshot: dict[str, Any]) -> None:
+        """The payload every page gets: what came since the last one."""
+        self._complete(snapshot, self._published_points)
         payload = self._records.serialise(snapshot, self._published_seq)
         self._published_seq = snapshot.get("requests", {}).get("total", 0)
+        self._published_points = self._columns.appended
         self._broadcast.publish(payload, trio.current_time())
 
-    def _guarded(self, step: Callable[..., None], *args: Any) -> None:
+    def _guarded(self, step: Callable[[], None]) -> None:
         """A bug in a snapshot must cost the page a tick, never the proxy its nursery."""
         try:
-            step(*args)
+            step()
         except Exception:
             if self._error_reports.admit(time.monotonic()) is not None:
                 log.exception("dashboard feed: a tick failed (at most one report a minute)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 from app.observe.stalls import summarize_histogram
@@ -112,8 +113,10 @@ class Columns:
         self.max_columns = max_columns
         self._t: deque[float] = deque(maxlen=capacity)
         self._columns: dict[str, deque[float | None]] = {}
+        self.appended = 0  # points appended in all: `tail(appended - earlier)` is what came since
 
     def append(self, t: float, point: Point) -> None:
+        self.appended += 1
         self._t.append(t)
         for name, column in self._columns.items():
             column.append(point.get(name))
@@ -128,7 +131,12 @@ class Columns:
         return len(self._t)
 
     def to_json(self) -> dict[str, list[float | None]]:
-        columns: dict[str, list[float | None]] = {"t": list(self._t)}
+        return self.tail(len(self._t))
+
+    def tail(self, points: int) -> dict[str, list[float | None]]:
+        """The newest `points` points (at most all there are), column-wise like `to_json`."""
+        start = max(len(self._t) - max(points, 0), 0)
+        columns: dict[str, list[float | None]] = {"t": list(islice(self._t, start, None))}
         for name, column in self._columns.items():
-            columns[name] = list(column)
+            columns[name] = list(islice(column, start, None))
         return columns

@@ -3,12 +3,46 @@
 
 const STALE_AFTER_MS = 5000;
 
+// The feed sends the whole series (`series`) in a connection's first snapshot, then only
+// the points since the one before (`series_tail`): the page keeps the rest, at most
+// `dashboard.history_points` of them, and hands every snapshot on with the whole `series`.
+function seriesKeeper() {
+  let series = null;
+  return (snapshot) => {
+    if (snapshot.series) {
+      series = snapshot.series;
+      return snapshot;
+    }
+    const tail = snapshot.series_tail;
+    series = series || { t: [] };
+    if (tail && tail.t) {
+      tail.t.forEach((t, i) => {
+        const length = series.t.length;
+        if (length && t <= series.t[length - 1]) return; // already had it
+        for (const key of Object.keys(tail)) {
+          if (!(key in series)) series[key] = new Array(length).fill(null);
+        }
+        for (const key of Object.keys(series)) {
+          series[key].push(key === "t" ? t : tail[key] ? tail[key][i] : null);
+        }
+      });
+      const capacity = (snapshot.dashboard && snapshot.dashboard.history_points) || 180;
+      const extra = series.t.length - capacity;
+      if (extra > 0) for (const key of Object.keys(series)) series[key].splice(0, extra);
+    }
+    delete snapshot.series_tail;
+    snapshot.series = series;
+    return snapshot;
+  };
+}
+
 export function connect(status, onSnapshot) {
   let source = null;
   let lastMessage = 0;
   let lost = null; // when the connection was lost, while it is
   let lastTime = null;
   let retryDelay = 1000;
+  const withSeries = seriesKeeper();
 
   function setStatus(text, state) {
     status.textContent = text;
@@ -37,7 +71,7 @@ export function connect(status, onSnapshot) {
       } else if (status.dataset.state !== "reconnected") {
         setStatus("live", "live");
       }
-      onSnapshot(snapshot);
+      onSnapshot(withSeries(snapshot));
     };
     source.onerror = () => {
       if (lost === null) lost = Date.now();

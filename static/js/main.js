@@ -35,4 +35,5 @@ connect(document.querySelector("#connection"), (snapshot) => {
   // How many snapshots this page has rendered, every panel updated: what scripts and tests
   // wait on (`body:not([data-snapshot-seq="7"])`: a newer one is on the page).
   document.body.dataset.snapshotSeq = String(++rendered);
+  document.body.dataset.seriesPoints = String(snapshot.series.t.length);
 });
