@@ -163,7 +163,7 @@ class Settings(ServerSettings):
     # Admission: a request passes while an engine of its model's pool has room, as the
     # engines' own metrics say (app/fleet/saturation.py); else it is held, fairly across API
     # keys, up to admission_queue requests (admission_queue_per_key of one key, while other
-    # keys hold some) for at most admission_timeout seconds, then 429.
+    # keys send too) for at most admission_timeout seconds, then 429.
     # max_inflight_per_backend: an optional ceiling on our requests on one backend;
     # max_kv_usage: an engine whose KV cache is this full takes no more.
     max_inflight_per_backend: int | None = None

@@ -29,7 +29,7 @@ from app.fleet.engine_metrics import EngineLoad
 from app.fleet.saturation import saturation
 from app.observe.admission_stats import AdmissionStats, fair_shares
 from app.observe.metrics import Metrics
-from app.routing.admission import Admission, FairQueue, Held, Overloaded
+from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held, Overloaded
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, RouteRequest
 from app.routing.gate import Gate, GateLimits
@@ -113,8 +113,22 @@ def test_a_tenant_alone_may_hold_the_whole_queue_and_is_pushed_out_when_others_c
     assert queue.push(over) is over  # the queue's own bound
     assert queue.push(held("key-1", at=5)) is burst[-1]
     late = held("anonymous", at=6)
-    assert queue.push(late) is late  # over its own bound, now that others hold requests
+    assert queue.push(late) is late  # over its own bound, now that another key sends too
     assert order(queue) == ["anonymous", "key-1", "anonymous", "anonymous"]
+
+
+def test_a_key_that_sent_lately_binds_the_others_though_none_of_its_requests_is_held() -> None:
+    """A light key's requests leave first and are seldom held: its coming within the last
+    CONTENDED_S is what binds a heavy key to its bound, not its held requests."""
+    queue = FairQueue(max_held=8, max_per_tenant=2)
+    queue.push(held("light", at=0.0))
+    assert order(queue) == ["light"]  # it left at once
+    for at in (1.0, 2.0):
+        assert queue.push(held("heavy", at=at)) is None
+    over = held("heavy", at=3.0)
+    assert queue.push(over) is over  # light came 3 s ago
+    quiet = held("heavy", at=CONTENDED_S + 0.5)
+    assert queue.push(quiet) is None  # light quiet for longer: heavy is alone
 
 
 def test_the_affinity_window_bends_fairness_by_a_few_places_only() -> None:

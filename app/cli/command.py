@@ -39,7 +39,7 @@ HELP: dict[str, str] = {
     "it falls (default: 0.95)",
     "admission_queue": "requests that may be held while every engine of their model is "
     "saturated, before 429 (default: 1024)",
-    "admission_queue_per_key": "of those, held for one API key while other keys hold some "
+    "admission_queue_per_key": "of those, held for one API key while other keys send too "
     "(default: 256)",
     "admission_timeout": "seconds a request may be held before 429 (default: 30; a client's "
     "X-Request-Timeout header may say less)",
