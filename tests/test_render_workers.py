@@ -19,6 +19,7 @@ import trio
 
 from app.config import Settings
 from app.observe.metrics import Metrics
+from app.preprocess import workers
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from tests.conftest import wait_until
 
@@ -70,6 +71,9 @@ async def test_workers_start_on_need_no_more_than_renders_at_once_and_stop_quiet
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # a big machine: 4 workers at most
+    # Quietly, given the time: beside a CPU hog a worker still loading its tokenizer took
+    # over the production grace of 5 s to answer the shutdown, and was killed.
+    monkeypatch.setattr(workers, "WORKER_GRACE_SECONDS", 60.0)
     preprocessor = Preprocessor(Settings(tokenize_queue=64), Metrics())
     me = os.getpid()
     before = spawned_workers(me)

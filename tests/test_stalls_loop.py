@@ -171,8 +171,10 @@ async def test_thread_holding_the_gil_is_a_gil_wait_stall(
     gil_waits = [r for r in recent(watched) if r["cause"] == "gil-wait"]
     assert gil_waits, recent(watched)
     # Most of the encode froze the loop; the probe's last tick came at most one interval
-    # before it started.
-    assert max(r["max_duration_s"] for r in gil_waits) >= took / 2
+    # before it started. Beside a CPU hog the OS also takes the encoding thread off its CPU,
+    # GIL and all: that part of the freeze is the OS's (`preempted`), not the loop's doing.
+    frozen = [r for r in recent(watched) if r["cause"] in ("gil-wait", "preempted")]
+    assert max(r["max_duration_s"] for r in frozen) >= took / 2
     assert not [r for r in recent(watched) if r["cause"] == "blocking"], recent(watched)
     assert watched.snapshot()["stalls"]["by_cause"]["gil-wait"] >= 1
 
