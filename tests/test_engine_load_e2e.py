@@ -23,6 +23,7 @@ from app.fleet.engine_metrics import EngineLoad
 from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
 from app.http.exchange import Exchange
+from app.http.fetch import Fetcher
 from app.observe.metrics import Metrics
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
@@ -62,7 +63,8 @@ def healthy_pool(urls: list[str]) -> BackendPool:
 
 
 def scraper(pool: BackendPool, client: httpx.AsyncClient) -> LoadScraper:
-    return LoadScraper(pool, client, timeout=5.0)
+    """A scraper on its own lean client (`client` is the test's, for its own requests)."""
+    return LoadScraper(pool, Fetcher(connect_timeout=5.0), timeout=5.0)
 
 
 async def ask(client: httpx.AsyncClient, url: str, question: str) -> None:

@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from app.fleet.backends import BackendPool, TokenizerProbe
 from app.fleet.tokenizer_check import check_tokenizer
+from app.http.fetch import Fetched, Fetcher
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.tokens import WordTokenizer
 from tests.conftest import FAST_SIM, StartSim, StartSluice, set_faults, wait_until
@@ -45,13 +46,13 @@ def tokenizer_state(pool: BackendPool) -> str:
 async def run_check(pool: BackendPool, answer: Any) -> list[dict[str, Any]]:
     bodies: list[dict[str, Any]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        bodies.append(json.loads(request.content))
-        status, payload = answer(bodies[-1])
-        return httpx.Response(status, json=payload)
+    class Answering(Fetcher):
+        async def exchange(self, base_url: str, path: str, method: bytes, body: bytes) -> Fetched:
+            bodies.append(json.loads(body))
+            status, payload = answer(bodies[-1])
+            return Fetched(status, json.dumps(payload).encode())
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        await check_tokenizer(pool, pool.backends[0], client, seconds=1.0)
+    await check_tokenizer(pool, pool.backends[0], Answering(connect_timeout=1.0), seconds=1.0)
     return bodies
 
 

@@ -16,10 +16,11 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import httpx
 import trio
 
 from app.cli.allocator import fix_mmap_threshold
-from app.cli.sluice import Sluice, make_health_client, print_urls, run_then_cancel, stop_on_signal
+from app.cli.sluice import Sluice, print_urls, run_then_cancel, stop_on_signal
 from app.cli.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 from app.config import ConfigError, Settings
 from app.dashboard.serving import DashboardSources, serve_dashboard
@@ -56,7 +57,8 @@ async def supervised_main(settings: Settings) -> None:
         )
     async with trio.open_nursery() as nursery:
         await nursery.start(_forward_signals, supervisor)
-        client = await trio.to_thread.run_sync(make_health_client, settings)
+        # Building a client loads CA certificates (~30 ms): not on the loop.
+        client = await trio.to_thread.run_sync(make_workers_client, settings)
         async with client:
             view = WorkersView(
                 supervisor.workers, client, supervisor.worker_token, supervisor.saturation
@@ -92,6 +94,11 @@ async def _forward_signals(
                 signal.Signals(signum).name,
             )
             supervisor.shutdown.set()
+
+
+def make_workers_client(settings: Settings) -> httpx.AsyncClient:
+    """For the supervisor's reads of its workers' snapshots and its writes of their policy."""
+    return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
 
 
 def _configure_logging(level: str, worker: int | None = None) -> None:

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import trio
 
 from app.budgets.shared import SharedBudgets
@@ -28,6 +27,7 @@ from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
 from app.fleet.tokenizer_check import check_tokenizers_at_startup
 from app.http.client import UpstreamPool
+from app.http.fetch import Fetcher
 from app.http.relay_hub import RelayHub
 from app.http.server import HttpServer
 from app.kv_events.subscriber import subscribers_for
@@ -50,11 +50,6 @@ from app.proxy.forwarding import Forwarder
 from app.routing.router import Router
 
 log = logging.getLogger("sluice")
-
-
-def make_health_client(settings: Settings) -> httpx.AsyncClient:
-    """For health checks and model lists; forwarding has its own lean pool (app/http/client.py)."""
-    return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
 
 
 class Sluice:
@@ -192,9 +187,8 @@ class Sluice:
     ) -> None:
         """Serve until `shutdown` is set; report (proxy URL, dashboard URL) once listening."""
         settings = self.settings
-        # Building a client loads CA certificates (~30 ms): not on the loop.
-        client = await trio.to_thread.run_sync(make_health_client, settings)
-        async with client, self.preprocessor.running(), trio.open_nursery() as nursery:
+        client = Fetcher(connect_timeout=settings.health_check_timeout)
+        async with self.preprocessor.running(), trio.open_nursery() as nursery:
             checker = HealthChecker(
                 self.pool,
                 client,
@@ -243,6 +237,7 @@ class Sluice:
                 self.metrics_text,
                 self.request_burst,
                 BackendControl(self.router, checker.check, settings.health_check_timeout),
+                self.router,
             )
             # Tokens mode: no backend takes traffic before its tokenizer was compared, so
             # compare before listening.
@@ -266,6 +261,7 @@ class Sluice:
                     await server.wait_idle()
                 servers.cancel_scope.cancel()
             await upstream.aclose()
+            await client.aclose()
             nursery.cancel_scope.cancel()
 
 

@@ -3,7 +3,8 @@
 Every `interval` while requests are sent; after a check that saw none sent since the one
 before, every `IDLE_INTERVALS` intervals, and at the normal pace again from the next request
 on (a request that finds a backend dead meanwhile is retried on another and opens its
-breaker). Each probe costs the loop ~1 ms: 4 backends every 3 s were half an idle proxy's CPU.
+breaker). Probes go through the watchers' own lean client (app/http/fetch.py): with httpx
+each cost the loop ~1-2.5 ms, and 4 backends every 3 s were half an idle proxy's CPU.
 
 A backend that answers 404 on the health path (some OpenAI-compatible servers have no
 /health) is probed on /v1/models from then on and is never ejected for the 404 itself.
@@ -20,12 +21,13 @@ import logging
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
-import httpx
 import trio
 
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.tokenizer_check import check_tokenizer
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
+from app.http.client import UpstreamError
+from app.http.fetch import Fetched, Fetcher
 from app.observe.metrics import Metrics
 
 log = logging.getLogger("sluice.health")
@@ -40,7 +42,7 @@ class HealthChecker:
     """`traffic` paces it: every `interval` while requests are sent, slower when none are."""
 
     pool: BackendPool
-    client: httpx.AsyncClient
+    client: Fetcher
     metrics: Metrics
     _: KW_ONLY
     interval: float
@@ -95,8 +97,8 @@ class HealthChecker:
     async def _probe(self, backend: Backend) -> tuple[bool, str | None]:
         try:
             with trio.fail_after(self.timeout):
-                response = await self.client.get(backend.url + backend.probe_path)
-                if response.status_code == 404 and backend.probe_path != MODELS_PATH:
+                response = await self.client.get(backend.url, backend.probe_path)
+                if response.status == 404 and backend.probe_path != MODELS_PATH:
                     log.info(
                         "backend %s has no %s; probing %s instead",
                         backend.url,
@@ -104,13 +106,13 @@ class HealthChecker:
                         MODELS_PATH,
                     )
                     backend.probe_path = MODELS_PATH
-                    response = await self.client.get(backend.url + MODELS_PATH)
+                    response = await self.client.get(backend.url, MODELS_PATH)
         except trio.TooSlowError:
             return False, f"health check timed out after {self.timeout:g}s"
-        except httpx.HTTPError as exc:
-            return False, f"health check failed: {type(exc).__name__}"
-        if response.status_code != 200:
-            return False, f"health check answered {response.status_code}"
+        except UpstreamError as exc:
+            return False, f"health check failed: {exc}"
+        if response.status != 200:
+            return False, f"health check answered {response.status}"
         if backend.probe_path == MODELS_PATH:
             _store_models(backend, response)
             self._models_read_at[backend.id] = trio.current_time()
@@ -119,15 +121,15 @@ class HealthChecker:
     async def _refresh_models(self, backend: Backend) -> None:
         try:
             with trio.fail_after(self.timeout):
-                response = await self.client.get(backend.url + MODELS_PATH)
-        except (trio.TooSlowError, httpx.HTTPError):
+                response = await self.client.get(backend.url, MODELS_PATH)
+        except (trio.TooSlowError, UpstreamError):
             return
-        if response.status_code == 200:
+        if response.status == 200:
             _store_models(backend, response)
             self._models_read_at[backend.id] = trio.current_time()
 
 
-def _store_models(backend: Backend, response: httpx.Response) -> None:
+def _store_models(backend: Backend, response: Fetched) -> None:
     try:
         payload: Any = response.json()
     except ValueError:

@@ -18,19 +18,21 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
 import trio
 
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.engine_metrics import EngineReading, next_load, read_engine
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
+from app.http.client import UpstreamError
+from app.http.fetch import Fetcher
 
 log = logging.getLogger("sluice.load_scraper")
 
 # Others' share of a GPU's work is as old as the last scrape. Measured (4 replicas, 4
 # simulated GPUs, the hot workload): every second, the replicas piled a hot prefix on the GPUs
 # that looked free a second ago; every 0.5 s, p50 TTFT fell by half. A scrape of vLLM's ~100 KB
-# exposition costs ~1.1 ms of the loop's CPU (fetch and `read_engine`): ~2 ms/s a backend.
+# exposition cost ~1.1 ms of the loop's CPU (fetch and `read_engine`) with httpx, ~2 ms/s a
+# backend; the watchers' own client (app/http/fetch.py) fetches for a seventh of httpx's cost.
 SCRAPE_INTERVAL = 0.5
 # With no request sent since the last scrape, load figures serve no decision: scrape rarely.
 IDLE_SCRAPE_INTERVAL = 10.0
@@ -44,7 +46,7 @@ class LoadScraper:
     (an engine may have room now)."""
 
     pool: BackendPool
-    client: httpx.AsyncClient
+    client: Fetcher
     timeout: float
     traffic: TrafficSource = NO_TRAFFIC
     reported: Callable[[], None] = lambda: None
@@ -87,10 +89,10 @@ class LoadScraper:
     async def scrape(self, backend: Backend) -> None:
         try:
             with trio.fail_after(self.timeout):
-                response = await self.client.get(backend.url + "/metrics")
-        except (trio.TooSlowError, httpx.HTTPError):
+                response = await self.client.get(backend.url, "/metrics")
+        except (trio.TooSlowError, UpstreamError):
             return  # the health checker deals with backends that do not answer
-        reading = read_engine(response.text) if response.status_code == 200 else None
+        reading = read_engine(response.text) if response.status == 200 else None
         if reading is None:
             if backend.id not in self._unsupported_until:
                 log.info(

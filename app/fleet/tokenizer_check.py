@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
-import httpx
 import trio
 
 from app.fleet.backends import Backend, BackendPool, TokenizerOutcome, TokenizerProbe
+from app.http.client import UpstreamError
+from app.http.fetch import Fetched, Fetcher
 
 log = logging.getLogger("sluice.tokenizer_check")
 
@@ -116,32 +116,29 @@ def _tokens(payload: Any) -> list[int] | None:
     return tokens
 
 
-def _needs_second_shape(response: httpx.Response) -> bool:
-    if response.status_code == 200:
+def _needs_second_shape(response: Fetched) -> bool:
+    if response.status == 200:
         return _tokens(_json(response)) == []  # the probe text is never empty
-    return 400 <= response.status_code < 500 and response.status_code != 404
+    return 400 <= response.status < 500 and response.status != 404
 
 
-def _json(response: httpx.Response) -> Any:
+def _json(response: Fetched) -> Any:
     try:
         return response.json()
     except ValueError:
         return None
 
 
-async def _ask(
-    client: httpx.AsyncClient, backend: Backend, probe: TokenizerProbe
-) -> TokenizerOutcome:
-    url = backend.url + TOKENIZE_PATH
+async def _ask(client: Fetcher, backend: Backend, probe: TokenizerProbe) -> TokenizerOutcome:
     model = backend.models[0]["id"] if backend.models else None
-    response = await client.post(url, json=vllm_body(probe, model))
+    response = await client.post_json(backend.url, TOKENIZE_PATH, vllm_body(probe, model))
     if _needs_second_shape(response):
-        response = await client.post(url, json=llama_cpp_body(probe))
-    return judge_answer(response.status_code, _json(response), probe)
+        response = await client.post_json(backend.url, TOKENIZE_PATH, llama_cpp_body(probe))
+    return judge_answer(response.status, _json(response), probe)
 
 
 async def check_tokenizer(
-    pool: BackendPool, backend: Backend, client: httpx.AsyncClient, seconds: float
+    pool: BackendPool, backend: Backend, client: Fetcher, seconds: float
 ) -> None:
     """Check `backend` if it is due a check (tokens mode, healthy, not checked since it was
     admitted); a no-op otherwise, and always in passthrough mode."""
@@ -157,10 +154,8 @@ async def check_tokenizer(
         outcome = TokenizerOutcome(
             "unchecked", f"{TOKENIZE_PATH} timed out after {seconds:g}s; retrying"
         )
-    except httpx.HTTPError as exc:
-        outcome = TokenizerOutcome(
-            "unchecked", f"{TOKENIZE_PATH} failed ({type(exc).__name__}); retrying"
-        )
+    except UpstreamError as exc:
+        outcome = TokenizerOutcome("unchecked", f"{TOKENIZE_PATH} failed ({exc}); retrying")
     finally:
         pool.tokenizer_checked(backend, outcome)
     if outcome.state == "verified":
@@ -177,9 +172,10 @@ async def check_tokenizers_at_startup(pool: BackendPool, seconds: float) -> None
     """Check every healthy backend at once, before the proxy listens (tokens mode only)."""
     if pool.tokenizer_probe is None:
         return
-    # Building a client loads the CA certificates: 20-50 ms that the stall detector saw on the
-    # loop. OpenSSL releases the GIL while loading, so a thread keeps the loop ticking.
-    client = await trio.to_thread.run_sync(partial(httpx.AsyncClient, trust_env=False))
-    async with client, trio.open_nursery() as nursery:
-        for backend in pool.backends:
-            nursery.start_soon(check_tokenizer, pool, backend, client, seconds)
+    client = Fetcher(connect_timeout=seconds)
+    try:
+        async with trio.open_nursery() as nursery:
+            for backend in pool.backends:
+                nursery.start_soon(check_tokenizer, pool, backend, client, seconds)
+    finally:
+        await client.aclose()

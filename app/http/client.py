@@ -140,13 +140,15 @@ class UpstreamResponse:
             return b""
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    async def release(self) -> None:
-        """Give the connection back if the body ended cleanly, else close it. Idempotent."""
+    async def release(self, *, reusable: bool = True) -> None:
+        """Give the connection back if the body ended cleanly (and the caller has no reason
+        to distrust it), else close it. Idempotent."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
         if (
-            self.complete
+            reusable
+            and self.complete
             and self._keep_alive
             and self._last_read != b""
             and not self._decoder.leftover
