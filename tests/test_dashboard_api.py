@@ -111,6 +111,7 @@ async def test_snapshot_schema(
         "write_needs_token": False,
         "pages": 0,
         "tick_s": 1.0,
+        "longest_tick_s": 5.0,  # a quiet proxy's
         "history_points": 180,
     }
     (model,) = data["models"]

@@ -1,8 +1,9 @@
 """The dashboard feed under a fake clock: a point a tick, serialised only while a page listens
 and once per tick however many listen (each tick's payload with only its new records and
-points), a slow page skipping to the newest snapshot, a
-failing snapshot costing a tick and not the feed, occupancy peaks caught between ticks; and
-the demo's traffic: bursts of large unique prompts, on request and no more than one queued."""
+points), a slow page skipping to the newest snapshot, a failing snapshot costing a tick and not
+the feed, occupancy peaks caught between ticks, a quiet proxy ticking seldom and at once when a
+request comes; and the demo's traffic: bursts of large unique prompts, on request and no more
+than one queued."""
 
 from __future__ import annotations
 
@@ -48,12 +49,30 @@ class Source:
         return {"threads_busy": peak}
 
 
-def make_feed(source: Source) -> DashboardFeed:
+class Traffic:
+    """A router stand-in: requests counted, and a way to wait for the next."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.busy = False
+        self._came = trio.Event()
+
+    def request(self) -> None:
+        self.requests += 1
+        self._came.set()
+        self._came = trio.Event()
+
+    async def next_request(self) -> None:
+        await self._came.wait()
+
+
+def make_feed(source: Source, traffic: Traffic | None = None) -> DashboardFeed:
     return DashboardFeed(
         source.build,
         source.occupancy,
         demo=False,
         write_needs_token=False,
+        traffic=traffic,
         wall_clock=trio.current_time,
     )
 
@@ -169,15 +188,43 @@ async def test_occupancy_peaks_between_ticks_are_kept(
     assert busy == [0.0, 0.0, 1.0, 0.0]  # ticks at 0, 1, 2 (the peak at 1.3), 3
 
 
-async def test_a_policy_change_is_published_before_the_next_tick(
+async def test_a_quiet_proxy_ticks_seldom_and_at_once_when_a_request_comes(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
+    traffic = Traffic()
+    feed = make_feed(Source(), traffic)
+    await nursery.start(feed.run)
+    await trio.sleep(2.5)  # ticks at 0 and 1; none since: quiet, the next is due at 6
+    traffic.request()
+    await trio.sleep(1.7)  # at once (2.5), then a second later (3.5); quiet since 3.5
+    traffic.request()  # at 4.2: the tick due at 4.5 is kept, and the next a second later
+    await trio.sleep(1.5)
+    assert feed.snapshot()["series"]["t"] == [0.0, 1.0, 2.5, 3.5, 4.5, 5.5]
+    await trio.sleep(feed_module.QUIET_TICK_S)  # quiet since 5.5
+    assert feed.snapshot()["series"]["t"][6:] == [5.5 + feed_module.QUIET_TICK_S]
+
+
+async def test_requests_in_flight_keep_the_pace_of_a_tick_a_second(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    traffic = Traffic()
+    traffic.busy = True  # long streams, none new
+    feed = make_feed(Source(), traffic)
+    await nursery.start(feed.run)
+    await trio.sleep(3.5)
+    assert feed.snapshot()["series"]["t"] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+async def test_a_policy_change_is_published_before_the_next_tick(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, quiet: bool
+) -> None:
     source = Source()
-    feed = make_feed(source)
+    feed = make_feed(source, Traffic() if quiet else None)
     await nursery.start(feed.run)
     events = feed.pages_events()
     await events.__anext__()
-    await trio.sleep(0.3)
+    await trio.sleep(1.3 if quiet else 0.3)  # quiet: past the second tick, none due for 5 s
     started = trio.current_time()
     feed.poke()
     await events.__anext__()

@@ -21,6 +21,7 @@ from app.config import Settings
 from app.dashboard.app import MetricsText, RequestBurst, SetSaturation, create_dashboard
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl
 from app.dashboard.feed import BuildSnapshot, DashboardFeed, ReadOccupancy
+from app.fleet.traffic import TrafficSource
 
 SHUTDOWN_GRACE_S = 1.0
 
@@ -33,6 +34,7 @@ class DashboardSources:
     metrics_text: MetricsText
     request_burst: RequestBurst | None = None  # `sluice demo`'s burst button
     control: BackendControl | None = None  # None: no backends added or removed from the page
+    traffic: TrafficSource | None = None  # None: the feed ticks at one pace, traffic or not
 
 
 def server_config(host: str, port: int, backlog: int) -> Config:
@@ -62,6 +64,7 @@ async def serve_dashboard(
         sources.occupancy,
         demo=sources.request_burst is not None,
         write_needs_token=settings.admin_token is not None,
+        traffic=sources.traffic,
     )
     dashboard = create_dashboard(
         feed,

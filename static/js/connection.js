@@ -1,7 +1,8 @@
 // The live stream: one EventSource, reconnected whenever it breaks (Sluice restarting,
 // the network), and a status line that always says which of those is happening.
 
-const STALE_AFTER_MS = 5000;
+// Silence longer than the feed's longest tick (a quiet proxy ticks seldom) and this much.
+const STALE_MARGIN_MS = 4000;
 
 // The feed sends the whole series (`series`) in a connection's first snapshot, then only
 // the points since the one before (`series_tail`): the page keeps the rest, at most
@@ -42,6 +43,7 @@ export function connect(status, onSnapshot) {
   let lost = null; // when the connection was lost, while it is
   let lastTime = null;
   let retryDelay = 1000;
+  let staleAfter = 5000;
   const withSeries = seriesKeeper();
 
   function setStatus(text, state) {
@@ -62,12 +64,14 @@ export function connect(status, onSnapshot) {
       const restarted = lastTime !== null && snapshot.time < lastTime;
       lastTime = snapshot.time;
       lastMessage = Date.now();
+      const longestTick = snapshot.dashboard && snapshot.dashboard.longest_tick_s;
+      if (longestTick) staleAfter = longestTick * 1000 + STALE_MARGIN_MS;
       retryDelay = 1000;
       if (lost !== null || restarted) {
         const away = lost === null ? 0 : Math.round((Date.now() - lost) / 1000);
         setStatus(`reconnected${restarted ? " (Sluice restarted)" : ""} after ${away} s`, "reconnected");
         lost = null;
-        setTimeout(() => { if (lost === null && Date.now() - lastMessage < STALE_AFTER_MS) setStatus("live", "live"); }, 4000);
+        setTimeout(() => { if (lost === null && Date.now() - lastMessage < staleAfter) setStatus("live", "live"); }, 4000);
       } else if (status.dataset.state !== "reconnected") {
         setStatus("live", "live");
       }
@@ -86,7 +90,7 @@ export function connect(status, onSnapshot) {
   }
 
   setInterval(() => {
-    if (lost === null && lastMessage && Date.now() - lastMessage > STALE_AFTER_MS) {
+    if (lost === null && lastMessage && Date.now() - lastMessage > staleAfter) {
       setStatus(`no data for ${Math.round((Date.now() - lastMessage) / 1000)} s`, "lost");
     }
   }, 1000);
