@@ -244,11 +244,13 @@ class Sluice:
             await check_tokenizers_at_startup(self.pool, settings.health_check_timeout)
             server = self.server_factory(proxy)
             async with trio.open_nursery() as servers:
-                proxy_url = await servers.start(
-                    server.serve, settings.host, settings.port, settings.backlog
-                )
+                # The dashboard first: building its app holds the loop ~5 ms, before any
+                # request can wait for it.
                 self.dashboard_feed, dashboard_url = await servers.start(
                     serve_dashboard, settings, sources, self.shutdown.wait
+                )
+                proxy_url = await servers.start(
+                    server.serve, settings.host, settings.port, settings.backlog
                 )
                 # Everything loaded so far (modules, the tokenizer's tables, the template) lives
                 # as long as the process: out of the collector's sight, a full collection no

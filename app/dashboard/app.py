@@ -18,6 +18,7 @@ Every error is OpenAI-shaped JSON. Who may do what: security.py.
 from __future__ import annotations
 
 import inspect
+import mimetypes
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
@@ -56,6 +57,11 @@ def asset_folder(name: str) -> Path:
     of the repository in a checkout (and an editable install)."""
     installed = HERE / name
     return installed if installed.is_dir() else HERE.parents[1] / name
+
+
+# The first static file's type would read the system's MIME tables: ~4 ms of the loop at the
+# page's first load (measured), ~7 ms at start-up. Read at import, before the loop runs.
+mimetypes.init()
 
 
 def create_dashboard(
