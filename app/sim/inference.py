@@ -18,6 +18,7 @@ from app.http.exchange import Exchange
 from app.preprocess.json_bodies import parse_json_object
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
+from app.sim.generation import stream_sse
 from app.sim.openai_format import answering_model, request_error
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, generated_pieces
@@ -55,6 +56,28 @@ class Inference:
 
     def model(self, payload: dict[str, Any]) -> str:
         return answering_model(payload, self.settings)
+
+    async def stream(
+        self,
+        exchange: Exchange,
+        prompt: Sequence[int],
+        output_tokens: int,
+        *,
+        token: Callable[[int], bytes],
+        tail: Callable[[int], bytes],
+        head: bytes = b"",
+    ) -> None:
+        """`stream_sse` on this backend's engine, cut mid-stream when its fault says so."""
+        await stream_sse(
+            exchange,
+            self.engine,
+            prompt,
+            output_tokens,
+            self.faults.close_mid_stream,
+            head=head,
+            token=token,
+            tail=tail,
+        )
 
     async def admit(self, prompt_tokens: int, *, as_text: bool = True) -> None:
         """The server's own work before the engine: preprocessing, then the error fault."""

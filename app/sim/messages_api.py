@@ -30,7 +30,7 @@ from typing import Any
 
 from app.http.errors import ClientError
 from app.http.exchange import Exchange
-from app.sim.generation import collect, sse_event, stream_sse
+from app.sim.generation import collect, sse_event
 from app.sim.inference import Handler, Inference
 from app.sim.openai_format import check_context_length, request_error
 from app.sim.tokens import render_chat
@@ -195,16 +195,7 @@ class MessagesEndpoints:
                 + sse_event("message_stop", {"type": "message_stop"})
             )
 
-        await stream_sse(
-            exchange,
-            inference.engine,
-            prompt,
-            output_tokens,
-            inference.faults.close_mid_stream,
-            head=b"",
-            token=token,
-            tail=tail,
-        )
+        await inference.stream(exchange, prompt, output_tokens, token=token, tail=tail)
 
 
 def _message(message_id: str, model: str, content: list[dict[str, Any]]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import trio
 
 from app.http.errors import ClientError
 from app.http.exchange import Exchange
-from app.sim.generation import collect, stream_sse
+from app.sim.generation import collect
 from app.sim.inference import Handler, Inference
 from app.sim.openai_format import request_error
 from app.sim.response_store import ResponseStore, StoredResponse
@@ -194,12 +194,10 @@ class ResponsesEndpoints:
         pieces = self.inference.pieces(job.prompt)
         item_id = f"msg_{uuid.uuid4().hex}"
         events = ResponseEvents(job.response("in_progress", [], None), item_id)
-        await stream_sse(
+        await self.inference.stream(
             exchange,
-            self.inference.engine,
             job.prompt,
             job.output_tokens,
-            self.inference.faults.close_mid_stream,
             head=events.head(),
             token=lambda index: events.token(index, next(pieces)),
             tail=lambda cached: events.tail(self._finish(job, item_id, events.text, cached)),

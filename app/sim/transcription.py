@@ -23,7 +23,7 @@ import zlib
 from typing import Any
 
 from app.http.exchange import Exchange
-from app.sim.generation import collect, sse_data, stream_sse
+from app.sim.generation import collect, sse_data
 from app.sim.inference import Inference
 from app.sim.multipart import FormError, FormPart, boundary_of, read_form
 from app.sim.openai_format import check_context_length, request_error
@@ -78,13 +78,10 @@ class TranscriptionEndpoint:
         if stream:
             chunks = _Chunks(model, "length" if limit else "stop", output_tokens)
             include_usage = _boolean(text_fields, "stream_include_usage")
-            await stream_sse(
+            await inference.stream(
                 exchange,
-                inference.engine,
                 prompt,
                 output_tokens,
-                inference.faults.close_mid_stream,
-                head=b"",
                 token=lambda index: sse_data(chunks.token(index, next(pieces))),
                 tail=lambda _cached: chunks.tail(len(prompt), include_usage),
             )
