@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -30,6 +31,54 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 PORTS = range(0, 65536)  # 0: any free port
+
+
+# Numeric flags' ranges: (names, the test a value passes, what the error says of it).
+NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
+    (
+        (
+            "tokenize_threads",
+            "render_workers",
+            "breaker_failures",
+            "max_connections",
+            "max_body_bytes",
+            "demo_backends",
+            "max_index_blocks",
+        ),
+        lambda value: value >= 1,
+        "must be at least 1",
+    ),
+    (
+        (
+            "tokenize_queue",
+            "l0_max_entries",
+            "l0_max_text_bytes",
+            "l1_max_memory",
+            "shutdown_grace",
+            "demo_rps",
+            "admission_queue",
+            "admission_queue_per_key",
+            "tokens_per_minute",
+            "balance_abs_threshold",
+        ),
+        lambda value: value >= 0,
+        "must not be negative",
+    ),
+    (
+        (
+            "health_check_interval",
+            "health_check_timeout",
+            "connect_timeout",
+            "first_byte_timeout",
+            "idle_timeout",
+            "stall_threshold_ms",
+            "admission_timeout",
+            "budget_sync_interval",
+        ),
+        lambda value: value > 0,
+        "must be positive",
+    ),
+)
 
 
 class ConfigError(Exception):
@@ -244,58 +293,17 @@ class Settings(ServerSettings):
             raise ValueError(
                 f"--dashboard-port {self.dashboard_port}: expected a port from 0 to 65535"
             )
-        at_least_one = (
-            "tokenize_threads",
-            "render_workers",
-            "breaker_failures",
-            "max_connections",
-            "max_body_bytes",
-            "demo_backends",
-        )
-        for name in at_least_one:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        non_negative = (
-            "tokenize_queue",
-            "l0_max_entries",
-            "l0_max_text_bytes",
-            "l1_max_memory",
-            "shutdown_grace",
-            "demo_rps",
-        )
-        for name in non_negative:
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
-        positive_seconds = (
-            "health_check_interval",
-            "health_check_timeout",
-            "connect_timeout",
-            "first_byte_timeout",
-            "idle_timeout",
-            "stall_threshold_ms",
-            "admission_timeout",
-            "budget_sync_interval",
-        )
-        for name in positive_seconds:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        for names, holds, rule in NUMERIC_RANGES:
+            for name in names:
+                if not holds(getattr(self, name)):
+                    raise ValueError(f"--{name.replace('_', '-')} {rule}")
         for url in self.backends:
             check_backend_url(url)
         check_fleet(self.models)
-        if self.max_index_blocks < 1:
-            raise ValueError("--max-index-blocks must be at least 1")
         if self.max_inflight_per_backend is not None and self.max_inflight_per_backend < 1:
             raise ValueError("--max-inflight-per-backend must be at least 1 (leave it out: none)")
         if not 0.0 < self.max_kv_usage <= 1.0:
             raise ValueError("--max-kv-usage must be above 0 and at most 1")
-        for name in (
-            "admission_queue",
-            "admission_queue_per_key",
-            "tokens_per_minute",
-            "balance_abs_threshold",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("--cache-threshold must be between 0 and 1")
         if self.balance_rel_threshold < 1.0:

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import trio
 
-from app.observe.tracing import SpanRecord, Tracer, start_trace
+from app.observe.spans import SpanRecord
+from app.observe.tracing import Tracer, start_trace
 from load import otlp_sink
 from load.bench import streams
 

@@ -33,9 +33,8 @@ from opentelemetry.sdk.resources import Resource
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
 from app.observe.span_export import HashedResource
+from app.observe.spans import SpanRecord, TraceContext
 from app.observe.tracing import (
-    SpanRecord,
-    TraceContext,
     Tracer,
     clock_offset_ns,
     epoch_ns,

@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
 import requests
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -31,6 +30,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
+
+from app.observe.spans import SpanRecord, TraceContext
 
 log = logging.getLogger("sluice.tracing")
 
@@ -45,32 +46,6 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _ERROR = Status(StatusCode.ERROR)
 _UNSET = Status(StatusCode.UNSET)
-
-
-class TraceContext(Protocol):
-    """tracing.TraceContext, as read here (tracing.py imports this module, not the reverse)."""
-
-    @property
-    def trace_id(self) -> str: ...
-    @property
-    def parent_id(self) -> str | None: ...
-    @property
-    def span_id(self) -> str: ...
-    @property
-    def sampled(self) -> bool: ...
-
-
-class SpanRecord(Protocol):
-    """tracing.SpanRecord, as read here."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def start_ns(self) -> int: ...
-    @property
-    def end_ns(self) -> int: ...
-    @property
-    def attributes(self) -> Mapping[str, str | int | float | bool]: ...
 
 
 class HashedResource(Resource):

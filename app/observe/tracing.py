@@ -33,7 +33,6 @@ import random
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
@@ -41,6 +40,7 @@ import trio
 
 from app.http.fields import Headers
 from app.observe.handoff import Handoff
+from app.observe.spans import Finished, SpanRecord, TraceContext
 
 if TYPE_CHECKING:
     from app.observe.span_export import SpanPipeline
@@ -56,35 +56,6 @@ _ZERO_SPAN = "0" * 16
 # larger so that a collector's short pause is absorbed there, where it is seen, not by
 # dropping whole requests at ours. ~1 KB a span: 8,192 spans by default.
 SDK_SPANS_PER_QUEUED = 4
-
-Attributes = dict[str, str | int | float | bool]
-
-
-@dataclass(slots=True)
-class TraceContext:
-    trace_id: str  # 32 lower-case hex digits
-    parent_id: str | None  # the caller's span id from its traceparent; None: a new trace
-    span_id: str  # Sluice's server span for this request (16 hex, random)
-    sampled: bool  # the traceparent's flag; a trace Sluice starts is sampled
-
-    def upstream_traceparent(self) -> bytes:
-        """The traceparent the engine gets: this trace, Sluice's span as its parent."""
-        flags = "01" if self.sampled else "00"
-        return f"00-{self.trace_id}-{self.span_id}-{flags}".encode("ascii")
-
-
-@dataclass(slots=True)
-class SpanRecord:
-    """A span as the loop records it: plain data, made into the SDK's span off the loop.
-    Its attributes must not change once handed to `Tracer.finish`."""
-
-    name: str
-    start_ns: int  # Unix epoch nanoseconds
-    end_ns: int
-    attributes: Attributes
-
-
-Finished = tuple[TraceContext, SpanRecord, Sequence[SpanRecord]]
 
 
 def parse_traceparent(value: bytes | None) -> tuple[str, str, bool] | None:

@@ -33,10 +33,9 @@ from app.models import NO_MODEL
 from app.observe.access_log import AccessLog
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_trace import RequestTrace
+from app.observe.spans import Attributes, TraceContext
 from app.observe.tracing import (
     TRACEPARENT,
-    Attributes,
-    TraceContext,
     Tracer,
     parse_traceparent,
     start_trace,

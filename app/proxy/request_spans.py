@@ -10,7 +10,8 @@ answered) has no span.
 
 from __future__ import annotations
 
-from app.observe.tracing import Attributes, SpanRecord, clock_offset_ns, epoch_ns
+from app.observe.spans import Attributes, SpanRecord
+from app.observe.tracing import clock_offset_ns, epoch_ns
 from app.proxy.forwarding import Timing
 
 
