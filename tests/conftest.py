@@ -133,3 +133,20 @@ async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 
     with trio.fail_after(timeout):
         while not await predicate():
             await trio.sleep(0.01)
+
+
+class FakeTraffic:
+    """The router as the fleet's watchers see it: requests that asked, and the next one."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.busy = False
+        self._sent = trio.Event()
+
+    def send(self) -> None:
+        self.requests += 1
+        self._sent.set()
+        self._sent = trio.Event()
+
+    async def next_request(self) -> None:
+        await self._sent.wait()

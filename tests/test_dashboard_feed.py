@@ -18,7 +18,7 @@ from app.dashboard import feed as feed_module
 from app.dashboard.feed import DashboardFeed
 from app.http.exchange import Exchange
 from app.sim.traffic import DemoTraffic
-from tests.conftest import StartBackend, wait_until
+from tests.conftest import FakeTraffic, StartBackend, wait_until
 
 
 class Source:
@@ -49,24 +49,7 @@ class Source:
         return {"threads_busy": peak}
 
 
-class Traffic:
-    """A router stand-in: requests counted, and a way to wait for the next."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.busy = False
-        self._came = trio.Event()
-
-    def request(self) -> None:
-        self.requests += 1
-        self._came.set()
-        self._came = trio.Event()
-
-    async def next_request(self) -> None:
-        await self._came.wait()
-
-
-def make_feed(source: Source, traffic: Traffic | None = None) -> DashboardFeed:
+def make_feed(source: Source, traffic: FakeTraffic | None = None) -> DashboardFeed:
     return DashboardFeed(
         source.build,
         source.occupancy,
@@ -191,13 +174,13 @@ async def test_occupancy_peaks_between_ticks_are_kept(
 async def test_a_quiet_proxy_ticks_seldom_and_at_once_when_a_request_comes(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
-    traffic = Traffic()
+    traffic = FakeTraffic()
     feed = make_feed(Source(), traffic)
     await nursery.start(feed.run)
     await trio.sleep(2.5)  # ticks at 0 and 1; none since: quiet, the next is due at 6
-    traffic.request()
+    traffic.send()
     await trio.sleep(1.7)  # at once (2.5), then a second later (3.5); quiet since 3.5
-    traffic.request()  # at 4.2: the tick due at 4.5 is kept, and the next a second later
+    traffic.send()  # at 4.2: the tick due at 4.5 is kept, and the next a second later
     await trio.sleep(1.5)
     assert feed.snapshot()["series"]["t"] == [0.0, 1.0, 2.5, 3.5, 4.5, 5.5]
     await trio.sleep(feed_module.QUIET_TICK_S)  # quiet since 5.5
@@ -207,7 +190,7 @@ async def test_a_quiet_proxy_ticks_seldom_and_at_once_when_a_request_comes(
 async def test_requests_in_flight_keep_the_pace_of_a_tick_a_second(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
-    traffic = Traffic()
+    traffic = FakeTraffic()
     traffic.busy = True  # long streams, none new
     feed = make_feed(Source(), traffic)
     await nursery.start(feed.run)
@@ -220,7 +203,7 @@ async def test_a_policy_change_is_published_before_the_next_tick(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, quiet: bool
 ) -> None:
     source = Source()
-    feed = make_feed(source, Traffic() if quiet else None)
+    feed = make_feed(source, FakeTraffic() if quiet else None)
     await nursery.start(feed.run)
     events = feed.pages_events()
     await events.__anext__()

@@ -27,7 +27,7 @@ from app.http.fetch import Fetcher
 from app.observe.metrics import Metrics
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
-from tests.conftest import StartBackend, StartSim, StartSluice, wait_until
+from tests.conftest import FakeTraffic, StartBackend, StartSim, StartSluice, wait_until
 
 SLOW = SimSettings(
     port=0,
@@ -178,30 +178,13 @@ async def test_the_snapshot_carries_each_backends_engine_block(
     }
 
 
-class Traffic:
-    """The router as the fleet's watchers see it: requests that asked, and the next one."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.busy = False
-        self._sent = trio.Event()
-
-    def send(self) -> None:
-        self.requests += 1
-        self._sent.set()
-        self._sent = trio.Event()
-
-    async def next_request(self) -> None:
-        await self._sent.wait()
-
-
 async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Idle, the scraper reads the engines every 10 s and wakes for nothing else; once a
     request is sent again it must not finish that sleep first (replicas routed blind to the
     GPUs' queues for seconds), and while traffic flows it reads every SCRAPE_INTERVAL."""
-    traffic = Traffic()
+    traffic = FakeTraffic()
     scraped: list[float] = []
     load_scraper = LoadScraper(
         healthy_pool(["http://gpu:8000"]),
@@ -293,7 +276,7 @@ async def test_health_checks_slow_down_while_no_request_is_sent(
 ) -> None:
     """Every interval while requests are sent; four intervals apart after a check that saw
     none since the last; the normal pace again as soon as one is sent."""
-    traffic = Traffic()
+    traffic = FakeTraffic()
     checked: list[float] = []
     checker = HealthChecker(
         healthy_pool(["http://gpu:8000"]),

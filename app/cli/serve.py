@@ -23,7 +23,8 @@ from app.cli.allocator import fix_mmap_threshold
 from app.cli.sluice import Sluice, print_urls, run_then_cancel, stop_on_signal
 from app.cli.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 from app.config import ConfigError, Settings
-from app.dashboard.serving import DashboardSources, serve_dashboard
+from app.dashboard.app import DashboardSources
+from app.dashboard.serving import serve_dashboard
 from app.dashboard.workers_view import WorkersView
 from app.preprocess.chat_template import TemplateLoadError
 from app.preprocess.tokenizer_loading import TokenizerLoadError

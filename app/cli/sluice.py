@@ -18,9 +18,10 @@ import trio
 from app.budgets.shared import SharedBudgets
 from app.budgets.sync import BudgetCollector, BudgetSync
 from app.config import Saturation, Settings
+from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
 from app.dashboard.feed import DashboardFeed
-from app.dashboard.serving import DashboardSources, serve_dashboard
+from app.dashboard.serving import serve_dashboard
 from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
 from app.fleet.health import HealthChecker

@@ -21,6 +21,7 @@ import inspect
 import mimetypes
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,10 @@ from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
 from app.dashboard.answers import Answer, error_answer, json_object
-from app.dashboard.backends_api import register_backends_api
-from app.dashboard.feed import DashboardFeed
+from app.dashboard.backends_api import CONTROL_KEY, BackendControl, register_backends_api
+from app.dashboard.feed import BuildSnapshot, DashboardFeed, ReadOccupancy
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
+from app.fleet.traffic import TrafficSource
 
 HERE = Path(__file__).resolve().parent
 MAX_WRITE_BYTES = 4096
@@ -64,15 +66,29 @@ def asset_folder(name: str) -> Path:
 mimetypes.init()
 
 
+@dataclass(frozen=True)
+class DashboardSources:
+    """Where a dashboard's figures come from and where its writes go: a proxy's own
+    (app/cli/sluice.py) or a supervisor's, merged from its workers (app/cli/serve.py)."""
+
+    snapshot: BuildSnapshot
+    occupancy: ReadOccupancy
+    set_saturation: SetSaturation
+    metrics_text: MetricsText
+    request_burst: RequestBurst | None = None  # `sluice demo`'s burst button
+    control: BackendControl | None = None  # None: no backends added or removed from the page
+    traffic: TrafficSource | None = None  # None: the feed ticks at one pace, traffic or not
+
+
 def create_dashboard(
     feed: DashboardFeed,
-    set_saturation: SetSaturation,
+    sources: DashboardSources,
     admin_token: str | None,
     *,
     bound_host: str = "127.0.0.1",
-    request_burst: RequestBurst | None = None,
-    metrics_text: MetricsText | None = None,
 ) -> QuartTrio:
+    set_saturation = sources.set_saturation
+    request_burst = sources.request_burst
     app = QuartTrio(__name__, static_folder=str(asset_folder("static")))
     app.config["MAX_CONTENT_LENGTH"] = MAX_WRITE_BYTES
     # A restarted Sluice may serve a newer page: browsers revalidate rather than guess.
@@ -194,9 +210,8 @@ def create_dashboard(
 
     @app.get("/metrics")
     async def metrics() -> Response | Answer:
-        if metrics_text is None:
-            return error_answer(404, "no metrics here", "invalid_request_error")
-        return Response(await metrics_text(), content_type=METRICS_CONTENT_TYPE)
+        return Response(await sources.metrics_text(), content_type=METRICS_CONTENT_TYPE)
 
+    app.config[CONTROL_KEY] = sources.control
     register_backends_api(app, refuse_write)
     return app

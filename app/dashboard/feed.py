@@ -148,9 +148,16 @@ class DashboardFeed:
         self._occupancy = occupancy
         # None (a supervisor's merged view): tick every `tick_s` whatever the traffic.
         self._traffic = traffic
-        self.demo = demo
-        self.write_needs_token = write_needs_token
         self.tick_s = tick_s
+        # What a page is told of the proxy and this feed, besides how many pages listen.
+        self._about = {
+            "demo": demo,
+            "write_needs_token": write_needs_token,
+            "tick_s": tick_s,
+            # A page that hears nothing for longer than this has lost the feed.
+            "longest_tick_s": tick_s if traffic is None else QUIET_TICK_S,
+            "history_points": history_points,
+        }
         self.max_pages = max_pages
         self._wall_clock = wall_clock
         self._window = CounterWindow(HISTOGRAM_TICKS)
@@ -183,15 +190,7 @@ class DashboardFeed:
             snapshot["series"] = columns.to_json()
         else:
             snapshot["series_tail"] = columns.tail(columns.appended - series_since)
-        snapshot["dashboard"] = {
-            "demo": self.demo,
-            "write_needs_token": self.write_needs_token,
-            "pages": self.pages,
-            "tick_s": self.tick_s,
-            # A page that hears nothing for longer than this has lost the feed.
-            "longest_tick_s": self.tick_s if self._traffic is None else QUIET_TICK_S,
-            "history_points": self._columns.capacity,
-        }
+        snapshot["dashboard"] = {**self._about, "pages": self.pages}
         return snapshot
 
     def poke(self) -> None:

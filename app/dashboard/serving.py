@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -18,23 +17,10 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from app.config import Settings
-from app.dashboard.app import MetricsText, RequestBurst, SetSaturation, create_dashboard
-from app.dashboard.backends_api import CONTROL_KEY, BackendControl
-from app.dashboard.feed import BuildSnapshot, DashboardFeed, ReadOccupancy
-from app.fleet.traffic import TrafficSource
+from app.dashboard.app import DashboardSources, create_dashboard
+from app.dashboard.feed import DashboardFeed
 
 SHUTDOWN_GRACE_S = 1.0
-
-
-@dataclass(frozen=True)
-class DashboardSources:
-    snapshot: BuildSnapshot
-    occupancy: ReadOccupancy
-    set_saturation: SetSaturation
-    metrics_text: MetricsText
-    request_burst: RequestBurst | None = None  # `sluice demo`'s burst button
-    control: BackendControl | None = None  # None: no backends added or removed from the page
-    traffic: TrafficSource | None = None  # None: the feed ticks at one pace, traffic or not
 
 
 def server_config(host: str, port: int, backlog: int) -> Config:
@@ -67,14 +53,8 @@ async def serve_dashboard(
         traffic=sources.traffic,
     )
     dashboard = create_dashboard(
-        feed,
-        sources.set_saturation,
-        settings.admin_token,
-        bound_host=settings.dashboard_host,
-        request_burst=sources.request_burst,
-        metrics_text=sources.metrics_text,
+        feed, sources, settings.admin_token, bound_host=settings.dashboard_host
     )
-    dashboard.config[CONTROL_KEY] = sources.control
     config = server_config(settings.dashboard_host, settings.dashboard_port, settings.backlog)
     async with trio.open_nursery() as feeding:
         await feeding.start(feed.run)

@@ -109,24 +109,16 @@ class Attempt:
     as_chat: bool = False  # a completion answered to a chat request (--forward tokens)
 
 
+@dataclass(eq=False)
 class Forwarder:
-    def __init__(
-        self,
-        settings: Settings,
-        pool: BackendPool,
-        router: Router,
-        metrics: Metrics,
-        upstream: UpstreamPool,
-        relay_hub: RelayHub,
-    ) -> None:
-        """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
-        self.settings = settings
-        self.pool = pool
-        self.router = router
-        self.policy = router.policy
-        self.metrics = metrics
-        self.upstream = upstream
-        self.relay_hub = relay_hub
+    """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
+
+    settings: Settings
+    pool: BackendPool
+    router: Router
+    metrics: Metrics
+    upstream: UpstreamPool
+    relay_hub: RelayHub
 
     async def forward(self, exchange: Exchange, outgoing: Outgoing, trace: RequestTrace) -> None:
         tried: list[Backend] = []
@@ -147,7 +139,7 @@ class Forwarder:
             routed_at = outgoing.timing.routed_at = time.perf_counter()
             outgoing.timing.route += routed_at - route_started - decision.waited
             backend = decision.backend
-            self.metrics.route_decisions.labels(self.policy.name, decision.reason).inc()
+            self.metrics.route_decisions.labels(self.router.policy.name, decision.reason).inc()
             tried.append(backend)
             try:
                 await self._exchange(exchange, backend, decision, outgoing, trace)
@@ -182,7 +174,7 @@ class Forwarder:
         try:
             timing = outgoing.timing
             self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
-            route = f"{self.policy.name}:{decision.reason}"
+            route = f"{self.router.policy.name}:{decision.reason}"
             trace.routed(backend.url, route, outgoing.request_id)
             extra = [
                 (b"x-request-id", outgoing.request_id),

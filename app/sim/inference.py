@@ -10,6 +10,7 @@ meet the same faults and the same engine.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -28,22 +29,16 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 Handler = Callable[[Exchange], Awaitable[None]]
 
 
+@dataclass(eq=False)
 class Inference:
     """The engine, tokenizer, settings and faults one simulated backend answers with."""
 
-    def __init__(
-        self,
-        settings: SimSettings,
-        tokenizer: TextTokenizer,
-        engine: SimEngine,
-        faults: SimFaults,
-    ) -> None:
-        self.settings = settings
-        self.tokenizer = tokenizer
-        self.engine = engine
-        self.faults = faults
-        # One GIL: a monolithic server preprocesses one request at a time.
-        self._preprocessing = trio.Lock()
+    settings: SimSettings
+    tokenizer: TextTokenizer
+    engine: SimEngine
+    faults: SimFaults
+    # One GIL: a monolithic server preprocesses one request at a time.
+    _preprocessing: trio.Lock = field(default_factory=trio.Lock, init=False)
 
     async def read_body(self, exchange: Exchange) -> bytes:
         body = await exchange.read_body(MAX_BODY_BYTES)
