@@ -5,15 +5,16 @@ sampled flag; each invalid form: wrong length, separators, upper-case or non-hex
 all-zero ids, version ff, anything after a version-00 header; later versions read as far as
 00 defines them); `start_trace` continuing a valid header or starting a sampled trace; the
 traceparent the engine gets and the headers forwarded with it; the collector's URL in both
-forms; perf_counter readings as epoch nanoseconds. Then, against an OTLP/HTTP collector that
-the test serves on 127.0.0.1: a finished request's spans arrive with the trace id, the
-server span under the caller's span and the phases under the server span, their names,
-times, kinds and attributes, and service.name. A full queue drops and counts; an unsampled
-trace is not sent; a collector on a closed port counts failures (one log line, nothing from
-the SDK) with the queues bounded, and nothing grows from round to round; a collector that
-accepts and never answers leaves the loop free, drops and counts past the bounds, and does
-not hold shutdown. The resource the spans carry hashes (once) as the SDK's own would.
-"""
+forms; perf_counter readings as epoch nanoseconds; a request's phases as spans
+(proxy/request_spans.py), `upstream.connect` only where a connection was opened. Then,
+against an OTLP/HTTP collector that the test serves on 127.0.0.1: a finished request's spans
+arrive with the trace id, the server span under the caller's span and the phases under the
+server span, their names, times, kinds and attributes, and service.name. A full queue drops
+and counts; an unsampled trace is not sent; a collector on a closed port counts failures
+(one log line, nothing from the SDK) with the queues bounded, and nothing grows from round
+to round; a collector that accepts and never answers leaves the loop free, drops and counts
+past the bounds, and does not hold shutdown. The resource the spans carry hashes (once) as
+the SDK's own would."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ from app.observe.tracing import (
     traces_url,
     with_traceparent,
 )
+from app.proxy.forwarding import Timing
+from app.proxy.request_spans import request_spans
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -361,3 +364,29 @@ def test_the_resource_hashes_as_the_sdks_own() -> None:
     assert dict(hashed.attributes) == dict(resource.attributes)
     grouped: dict[Resource, int] = {hashed: 1}
     assert grouped[resource] == 1  # the encoder's grouping finds one resource
+
+
+@pytest.mark.parametrize("connected", [True, False], ids=["new connection", "kept alive"])
+def test_a_requests_phases_as_spans_laid_end_to_end(connected: bool) -> None:
+    timing = Timing(started=10.0, template=0.5, tokenize=0.25, queue=1.0)
+    timing.read_at, timing.routing_at, timing.routed_at = 10.5, 11.5, 13.0
+    timing.sent_at, timing.answered_at, timing.connected = 13.5, 14.0, connected
+    server, children = request_spans("POST /v1/chat/completions", timing, 20.0, {"k": 1})
+
+    def at(ns: int) -> float:
+        """Seconds after the request's first byte (10.0 on the perf_counter above)."""
+        return 10.0 + round((ns - server.start_ns) / 1e9, 6)
+
+    assert (at(server.end_ns), server.attributes) == (20.0, {"k": 1})
+    spans = {child.name: (at(child.start_ns), at(child.end_ns)) for child in children}
+    upstream = {"upstream.connect": (13.0, 13.5)} if connected else {}
+    assert spans == {
+        "template": (10.5, 11.0),
+        "tokenize": (11.0, 11.25),
+        "queue": (11.5, 12.5),
+        "route": (12.5, 13.0),
+        **upstream,
+        # On a kept-alive connection, sending is part of waiting for the first byte.
+        "upstream.first_byte": (13.5 if connected else 13.0, 14.0),
+        "relay": (14.0, 20.0),
+    }

@@ -84,6 +84,7 @@ class UpstreamResponse:
         except FramingError as exc:
             raise UpstreamError(f"invalid response from the backend: {exc}") from None
         self._arrived = head.rest  # body bytes read along with the head
+        self.reused = connection.reused  # sent on a kept-alive connection, not a new one
         self.sent_at = 0.0  # perf_counter once the request was sent (its first byte awaited)
         self._last_read = b""
         self.complete = self._decoder.done  # the whole body has been decoded

@@ -5,7 +5,8 @@ Level 1) or starts one, and gets a span of Sluice's own, whose id goes to the en
 forwarded `traceparent` (`with_traceparent`), so the engine's spans hang under Sluice's:
 
     caller's span -> sluice (server span) -> queue, template, tokenize, route,
-                                             upstream connect, first byte, relay
+                                             upstream connect (a new connection only),
+                                             first byte, relay
                                           -> the engine's spans
 
 The loop's whole share, per request: `start_trace` (a regex match and one random draw) and

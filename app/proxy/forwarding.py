@@ -56,6 +56,7 @@ class Timing:
     routing_at: float = 0.0  # preprocessed, it asks the router
     routed_at: float = 0.0  # a backend chosen: connecting and sending
     sent_at: float = 0.0  # sent: waiting for the first byte
+    connected: bool = False  # a new connection was opened for it (else one kept alive)
     answered_at: float = 0.0  # the backend's head arrived: relaying
 
     def header(self) -> bytes:
@@ -244,6 +245,7 @@ class Forwarder:
             outcome.broken = str(exc)
             raise
         timing.sent_at, timing.answered_at = response.sent_at, time.perf_counter()
+        timing.connected = not response.reused
         outcome.code = str(response.status_code)
         if response.status_code in BACKEND_FAULT_STATUSES:
             outcome.broken = f"answered {response.status_code}"
