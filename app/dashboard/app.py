@@ -142,17 +142,16 @@ def create_dashboard(
         return page_html
 
     @app.get("/api/snapshot")
-    async def api_snapshot() -> dict[str, Any]:
+    async def api_snapshot() -> Response:
         # `?counters=1`: as built, without what this feed derives for a page (a supervisor
         # merges its workers' counters and derives the rates from their sum itself).
-        snapshot = feed.counters() if request.args.get("counters") == "1" else feed.snapshot()
         # `?records_after=SEQ`: only the request log's newer records (a supervisor polling
         # its workers every second would otherwise read the same 200 records each time).
-        after = request.args.get("records_after", type=int)
-        requests = snapshot.get("requests")
-        if after is not None and isinstance(requests, dict) and "recent" in requests:
-            requests["recent"] = [r for r in requests["recent"] if r.get("seq", 0) > after]
-        return snapshot
+        payload = await feed.snapshot_bytes(
+            counters=request.args.get("counters") == "1",
+            records_after=request.args.get("records_after", 0, type=int),
+        )
+        return Response(payload, content_type="application/json")
 
     @app.get("/api/events")
     async def api_events() -> Response | Answer:
