@@ -112,16 +112,21 @@ class UpstreamResponse:
         assert self._connection is not None, "used after release"
         return self._connection.stream
 
-    async def read_rest(self, idle: float) -> bytes:
+    async def read_rest(self, idle: float, max_bytes: int | None = None) -> bytes:
         """The rest of the body, whole: for an answer that is reshaped before the client gets
-        any of it. `UpstreamError` (`timeout` set) after `idle` seconds without a byte."""
+        any of it, or read whole by a watcher. `UpstreamError` (`timeout` set) after `idle`
+        seconds without a byte, or once more than `max_bytes` have come."""
         pieces = [self.take_arrived()]
-        while not self.complete:
+        size = len(pieces[0])
+        while max_bytes is None or size <= max_bytes:
+            if self.complete:
+                return b"".join(pieces)
             with trio.move_on_after(idle):
                 pieces.append(self.decode(await self.receive()))
+                size += len(pieces[-1])
                 continue
             raise UpstreamError(f"no data from the backend for {idle:g}s", timeout=True)
-        return b"".join(pieces)
+        raise UpstreamError(f"an answer over {max_bytes} bytes")
 
     def decode(self, raw: bytes) -> bytes:
         """The content of one read (raw b"": the backend closed); `complete` turns true with

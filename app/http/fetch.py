@@ -12,12 +12,13 @@ proxy's CPU, and a scrape of every backend every 0.5 s is a steady cost while tr
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
-from app.http.client import UpstreamError, UpstreamPool
+from app.http.client import UpstreamPool
 
 # A watcher's answer is a health word, a model list or a metrics exposition (vLLM's: ~100
 # KB); a backend that sends more is not read further.
@@ -59,23 +60,15 @@ class Fetcher:
     async def exchange(self, base_url: str, path: str, method: bytes, body: bytes) -> Fetched:
         headers = JSON_HEADERS if body else []
         response = await self._pool.request(base_url, path, headers, body, method)
-        pieces: list[bytes] = []
-        size = 0
+        whole = False
         try:
-            pieces.append(response.take_arrived())
-            size = len(pieces[0])
-            while size <= self.max_answer_bytes and not response.complete:
-                data = await response.receive()
-                pieces.append(response.decode(data))
-                size += len(pieces[-1])
-                if not data and not response.complete:
-                    raise UpstreamError("the backend closed the connection mid-answer")
+            answer = await response.read_rest(math.inf, self.max_answer_bytes)
+            whole = True
         finally:
-            with trio.CancelScope(shield=True):  # its connection is closed if cut short
-                await response.release(reusable=size <= self.max_answer_bytes)
-        if size > self.max_answer_bytes:
-            raise UpstreamError(f"an answer over {self.max_answer_bytes} bytes")
-        return Fetched(response.status_code, b"".join(pieces))
+            # Closed if cut short or over the bound, whatever state it was left in.
+            with trio.CancelScope(shield=True):
+                await response.release(reusable=whole)
+        return Fetched(response.status_code, answer)
 
     async def aclose(self) -> None:
         await self._pool.aclose()
