@@ -1,4 +1,4 @@
-"""An OTLP/HTTP trace collector that keeps nothing but counts, for `bench streams --traced`:
+"""An OTLP/HTTP trace collector that keeps nothing but counts, for `bench tracing`:
 POST /v1/traces answered 200 with an empty ExportTraceServiceResponse (which encodes to no
 bytes), each body decoded so that the bench can say how many spans, and of how many
 requests, actually arrived. It runs on Sluice's own HTTP server inside the bench process: its

@@ -54,7 +54,30 @@ def log_path(process: subprocess.Popen[bytes]) -> Path:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of one process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_cpu(Path(f"/proc/{pid}/stat"))
+
+
+def helper_threads_cpu(pid: int) -> dict[int, float]:
+    """{thread id: CPU seconds} of a process's threads but its first (a Python process's
+    main thread, Sluice's event loop): its worker and exporter threads, those alive now."""
+    threads: dict[int, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if task.name != str(pid):
+            try:
+                threads[int(task.name)] = _stat_cpu(task / "stat")
+            except OSError:
+                continue  # the thread ended meanwhile
+    return threads
+
+
+def threads_cpu_since(before: dict[int, float], now: dict[int, float]) -> float:
+    """CPU seconds the threads of `now` spent since `before` was read: a thread started
+    meanwhile counts whole, one that ended meanwhile is not counted."""
+    return sum(cpu - before.get(thread, 0.0) for thread, cpu in now.items())
+
+
+def _stat_cpu(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -189,6 +212,14 @@ class Stack:
     def forget(self, process: subprocess.Popen[bytes]) -> None:
         """A process that died or was killed on purpose: no longer stopped at the end."""
         self.processes.remove(process)
+
+    async def stop(self, *urls: str) -> None:
+        """Stop the servers at `urls` as at the end (SIGTERM: a Sluice flushes its spans),
+        from a thread: this process may be serving what they send as they stop."""
+        processes = [p for p in self.processes if p.pid in {self.pids[url] for url in urls}]
+        for process in processes:
+            await trio.to_thread.run_sync(stop, process)
+            self.forget(process)
 
     def kill(self, url: str) -> None:
         """SIGKILL the process serving at `url` mid-run (a fault injected on purpose)."""

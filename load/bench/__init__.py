@@ -22,6 +22,7 @@ NAMES = (
     "detector-cost",
     "dashboard-cost",
     "streams",
+    "tracing",
     "replicas",
     "fairness",
     "longprompts",

@@ -14,12 +14,8 @@ The clients count `data: ` events per socket read on load/client.py's connection
 and all: a client library would spend more CPU than the proxies it measures on these two
 cores.
 
-`--traced` (issue 33) adds `sluice+otlp`: a second Sluice with the same flags and
-`--otlp-endpoint` pointing at a collector sink the bench serves (load/otlp_sink.py), so that
-every request's spans are built and sent over OTLP/HTTP by the SDK. Target: its CPU per
-1,000 tokens <= 1.05x sluice's in the same run. A second table gives that ratio, and the
-spans Sluice counted (its /metrics once its exporter has gone quiet) beside those the sink
-received.
+What tracing costs on this workload is `bench tracing`'s (load/bench/tracing.py): two Sluices
+streamed to at once, which these alternating rounds are too far apart to resolve.
 """
 
 from __future__ import annotations
@@ -34,13 +30,12 @@ from urllib.parse import urlsplit
 
 import trio
 
-from load import harness, otlp_sink
+from load import harness
 from load.client import CHAT, ERRORS, ONE_TOKEN, Connection, encode
 from load.harness import Bench, Scenario, Table
-from load.otlp_sink import OtlpSink
 from load.plots import plot_bars
 from load.processes import tree_cpu
-from load.stats import Ranged, paired_change, percentile
+from load.stats import percentile
 
 TOKENS = 200
 INTER_TOKEN_S = 0.02
@@ -55,12 +50,6 @@ SIM_FLAGS = (
 # Sluice as a user starts it: its admission reads the GPU's own metrics, and a GPU with room
 # for 2,048 sequences is not saturated by 200 streams (issue 32's first target).
 SLUICE_FLAGS: tuple[str, ...] = ()
-TRACED = "sluice+otlp"
-TRACED_TARGET = 1.05  # issue 33: CPU per 1,000 tokens traced over untraced
-CPU_COLUMN = "cpu_ms_per_1000_tokens"
-# The SDK's BatchSpanProcessor sends what it holds every 5 s (its default schedule delay):
-# span counts that held still for longer than that have nothing left to wait for.
-EXPORT_QUIET_S = 6.0
 BODY = {
     "model": "sim",
     "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -72,8 +61,7 @@ SEED_NOTE = (
     "240 ms CPU per 1,000 tokens (0.55 of a core), SMG 2,296 at 44 ms (0.10), /health p99\n"
     "Sluice 24 ms vs SMG 3.6; 200 streams: direct 7,669, Sluice 4,486 at 192 ms (0.86),\n"
     "SMG 7,247 at 28 ms (0.20), /health p99 181 ms vs 5.7. Targets: CPU per 1,000 tokens\n"
-    "<= 2x SMG's; at 200 streams tokens/s >= 0.95x direct and /health p99 <= 10 ms.\n"
-    f"issue 33 (--traced): {TRACED}'s CPU per 1,000 tokens <= {TRACED_TARGET:g}x sluice's."
+    "<= 2x SMG's; at 200 streams tokens/s >= 0.95x direct and /health p99 <= 10 ms."
 )
 
 
@@ -189,20 +177,12 @@ async def one_round(
 
 
 async def measure(bench: Bench) -> dict[str, Any]:
-    if not bench.args.traced:
-        return await measure_targets(bench, None)
-    async with otlp_sink.serving() as sink:
-        return await measure_targets(bench, sink)
-
-
-async def measure_targets(bench: Bench, sink: OtlpSink | None) -> dict[str, Any]:
-    """Every target at every number of streams; with a `sink`, `TRACED` too."""
+    """Every target at every number of streams."""
     counts = bench.args.streams or bench.pick([50], [50, 200])
     rounds, seconds = bench.rounds(1, 3), bench.pick(5.0, 10.0)
     warmup = TOKENS * INTER_TOKEN_S + 1.0
-    targets = await start_targets(bench, sink)
+    targets = await start_targets(bench)
     by_count: dict[str, dict[str, Any]] = {}
-    cpu_change: dict[str, list[float]] = {}
     for count in counts:
         samples = {name: Samples() for name in targets}
 
@@ -211,13 +191,11 @@ async def measure_targets(bench: Bench, sink: OtlpSink | None) -> dict[str, Any]
         ) -> dict[str, Any]:
             url, pid = targets[name]
             cpu = await one_round(url, pid, count, warmup, seconds, samples[name])
-            return {CPU_COLUMN: float("nan") if cpu is None else cpu}
+            return {"cpu_ms_per_1000_tokens": float("nan") if cpu is None else cpu}
 
-        rows = await bench.alternate(rounds, list(targets), one, f" {count} streams")
+        await bench.alternate(rounds, list(targets), one, f" {count} streams")
         by_count[str(count)] = {name: s.report(name != "direct") for name, s in samples.items()}
-        if TRACED in targets:
-            cpu_change[str(count)] = list(paired_change(rows, CPU_COLUMN, TRACED, "sluice"))
-    result = {
+    return {
         "streams": by_count,
         "tokens_per_stream": TOKENS,
         "inter_token_s": INTER_TOKEN_S,
@@ -225,22 +203,14 @@ async def measure_targets(bench: Bench, sink: OtlpSink | None) -> dict[str, Any]
         "seconds_per_round": seconds,
         "sluice_flags": list(SLUICE_FLAGS),
     }
-    if sink is not None and TRACED in targets:
-        spans = await quiet_span_counts(targets[TRACED][0])
-        result["tracing"] = {"cpu_change_pct": cpu_change, "spans": spans, "sink": sink.counts()}
-    return result
 
 
-async def start_targets(bench: Bench, sink: OtlpSink | None) -> dict[str, tuple[str, int | None]]:
+async def start_targets(bench: Bench) -> dict[str, tuple[str, int | None]]:
     """{name: (URL, PID whose CPU is measured)} of every target that answers a chat."""
     sim = await bench.stack.sim(*SIM_FLAGS)
     targets: dict[str, tuple[str, int | None]] = {"direct": (sim, None)}
     for name, url in (await bench.proxies("sluice", sim, *SLUICE_FLAGS)).items():
         targets[name] = (url, bench.stack.pids[url])
-    if sink is not None:
-        # This checkout's Sluice only, also when comparing: a revision may lack the flag.
-        url = await bench.stack.proxy(sim, *SLUICE_FLAGS, "--otlp-endpoint", sink.url)
-        targets[TRACED] = (url, bench.stack.pids[url])
     smg = None if bench.comparing else await bench.stack.smg([sim], "round_robin")
     if smg is not None:
         targets["smg"] = (smg, bench.stack.pids[smg])
@@ -249,23 +219,6 @@ async def start_targets(bench: Bench, sink: OtlpSink | None) -> dict[str, tuple[
             print(f"{name} never answered a request; left out")
             del targets[name]
     return targets
-
-
-async def quiet_span_counts(url: str) -> dict[str, float]:
-    """The traced Sluice's `sluice_trace_spans_total` by outcome, once two scrapes
-    `EXPORT_QUIET_S` apart agree (a minute at most): every span handed over by then was
-    answered for."""
-    last: dict[str, float] = {}
-    with trio.move_on_after(60):
-        while True:
-            counts = harness.label_values(
-                await harness.scrape(url), "sluice_trace_spans_total", "outcome"
-            )
-            if counts == last:
-                break
-            last = counts
-            await trio.sleep(EXPORT_QUIET_S)
-    return last
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
@@ -299,38 +252,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
         "x direct: tokens/s over direct's, x SMG: CPU per 1,000 tokens over SMG's (same run); "
         "/health p99: the worst round's"
     )
-    tracing = result.get("tracing")
-    return [Table(title, headers, rows, 2)] + ([tracing_table(result, tracing)] if tracing else [])
-
-
-def tracing_table(result: dict[str, Any], tracing: dict[str, Any]) -> Table:
-    """`TRACED` against sluice at each number of streams, and where the spans went."""
-    rows = []
-    for count, targets in result["streams"].items():
-        plain = (targets.get("sluice") or {}).get(CPU_COLUMN)
-        traced = (targets.get(TRACED) or {}).get(CPU_COLUMN)
-        ratio = traced / plain if plain and traced is not None else None
-        change = tracing["cpu_change_pct"].get(count)
-        met = None if ratio is None else ratio <= TRACED_TARGET
-        rows.append([count, plain, traced, ratio, signed(Ranged(*change)) if change else None, met])
-    spans, sink = tracing["spans"], tracing["sink"]
-    title = (
-        f"Tracing's cost (issue 33): {TRACED} is sluice with --otlp-endpoint to the bench's "
-        "collector sink; x sluice: its CPU per 1,000 tokens over sluice's, all rounds "
-        f"(target <= {TRACED_TARGET:g}x); by round: the change in each round, median (range). "
-        f"Spans by {TRACED}'s /metrics once quiet: {spans.get('exported', 0):,.0f} exported, "
-        f"{spans.get('dropped', 0):,.0f} dropped, {spans.get('failed', 0):,.0f} failed; the "
-        f"sink received {sink['spans']:,} spans of {sink['requests']:,} requests in "
-        f"{sink['posts']:,} POSTs"
-    )
-    headers = ["streams", "sluice CPU ms/1k tok", f"{TRACED} CPU ms/1k tok", "x sluice",
-               "by round %", "target met"]  # fmt: skip
-    return Table(title, headers, rows, 2)
-
-
-def signed(change: Ranged) -> str:
-    """A change in percent with its range, signs shown: `+3.1 (-2.0 to +8.4)`."""
-    return f"{change.value:+.1f} ({change.low:+.1f} to {change.high:+.1f})"
+    return [Table(title, headers, rows, 2)]
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -339,11 +261,6 @@ def options(parser: argparse.ArgumentParser) -> None:
         type=int,
         action="append",
         help="concurrent streams (repeatable; default 50 and 200, --quick 50)",
-    )
-    parser.add_argument(
-        "--traced",
-        action="store_true",
-        help=f"also {TRACED}: Sluice exporting spans to an OTLP collector sink (issue 33)",
     )
 
 
