@@ -2,7 +2,8 @@
 posts, spans and requests that Sluice's tracer exports to it, as Sluice counts them, and
 answers anything but POST /v1/traces with 404; the table pools each kind of pair (control,
 traced) over its rounds, weighing each round by its tokens, and holds the traced pair's ratio
-against issue 33's target."""
+against issue 33's target; a Sluice's helper threads' CPU counts from the window's start, or
+from a thread's own start within it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from app.observe.spans import SpanRecord
 from app.observe.tracing import Tracer, start_trace
 from load import otlp_sink
 from load.bench import tracing
+from load.processes import threads_cpu_since
 
 
 async def test_the_sink_counts_what_the_tracer_exported() -> None:
@@ -91,3 +93,9 @@ def test_a_traced_pair_over_the_target_is_not_met() -> None:
     }  # fmt: skip
     (row,) = tracing.tables(result)[0].rows
     assert row[0] == "traced" and row[10] is False
+
+
+def test_helper_threads_count_from_the_window_start_or_from_their_own() -> None:
+    before = {11: 2.0, 12: 5.0}  # 12 ends within the window
+    now = {11: 2.5, 13: 0.25}  # 13 starts within it
+    assert threads_cpu_since(before, now) == 0.75
