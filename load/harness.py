@@ -124,6 +124,17 @@ class Scenario:
     options: Callable[[argparse.ArgumentParser], None] | None = None
 
 
+def at_least_one(text: str) -> int:
+    """An option's count (streams, clients): a whole number, 1 or more."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {count}")
+    return count
+
+
 def alternate(rounds: int, variants: Sequence[str]) -> Iterator[tuple[int, str]]:
     for index in range(rounds):
         for variant in variants if index % 2 == 0 else list(reversed(variants)):

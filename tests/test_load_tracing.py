@@ -3,13 +3,15 @@ posts, spans and requests that Sluice's tracer exports to it, as Sluice counts t
 answers anything but POST /v1/traces with 404; the table pools each kind of pair (control,
 traced) over its rounds, weighing each round by its tokens, and holds the traced pair's ratio
 against issue 33's target; a Sluice's helper threads' CPU counts from the window's start, or
-from a thread's own start within it."""
+from a thread's own start within it; `--streams` takes a whole number of 1 or more."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from app.observe.spans import SpanRecord
@@ -99,3 +101,13 @@ def test_helper_threads_count_from_the_window_start_or_from_their_own() -> None:
     before = {11: 2.0, 12: 5.0}  # 12 ends within the window
     now = {11: 2.5, 13: 0.25}  # 13 starts within it
     assert threads_cpu_since(before, now) == 0.75
+
+
+@pytest.mark.parametrize("given", ["0", "-3", "x", "2.5"])
+def test_the_streams_a_side_are_a_whole_number_of_one_or_more(given: str) -> None:
+    parser = argparse.ArgumentParser()
+    tracing.options(parser)
+    assert parser.parse_args([]).streams == tracing.STREAMS
+    assert parser.parse_args(["--streams", "3"]).streams == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--streams", given])

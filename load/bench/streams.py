@@ -103,6 +103,11 @@ class Window:
         self.gaps: list[float] = []
 
 
+def chat_request(url: str) -> bytes:
+    """The streamed chat every client sends to `url`, encoded once."""
+    return encode(urlsplit(url).netloc, "POST", CHAT, json.dumps(BODY).encode())
+
+
 async def stream_once(connection: Connection, request: bytes, window: Window) -> None:
     """One streamed chat to its end: `data: ` events counted, gaps between reads kept."""
     await connection.start(request)
@@ -148,7 +153,7 @@ async def one_round(
     url: str, pid: int | None, streams: int, warmup: float, seconds: float, samples: Samples
 ) -> float | None:
     """One round added to `samples`; its CPU ms per 1,000 tokens (None: not measured)."""
-    request = encode(urlsplit(url).netloc, "POST", CHAT, json.dumps(BODY).encode())
+    request = chat_request(url)
     window = Window()
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -258,7 +263,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--streams",
-        type=int,
+        type=harness.at_least_one,
         action="append",
         help="concurrent streams (repeatable; default 50 and 200, --quick 50)",
     )

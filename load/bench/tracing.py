@@ -33,16 +33,20 @@ and failed counters just before each stopped, and what the sink received.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from typing import Any
-from urllib.parse import urlsplit
 
 import trio
 
 from load import harness, otlp_sink
-from load.bench.streams import BODY, INTER_TOKEN_S, SIM_FLAGS, TOKENS, Window, client_loop
-from load.client import CHAT, encode
+from load.bench.streams import (
+    INTER_TOKEN_S,
+    SIM_FLAGS,
+    TOKENS,
+    Window,
+    chat_request,
+    client_loop,
+)
 from load.harness import Bench, Scenario, Table
 from load.otlp_sink import OtlpSink
 from load.processes import helper_threads_cpu, threads_cpu_since, tree_cpu
@@ -64,12 +68,11 @@ async def measure(bench: Bench) -> dict[str, Any]:
     streams = bench.args.streams
     pairs: list[dict[str, Any]] = []
     async with otlp_sink.serving() as sink:
-        for number in range(1, rounds + 1):
-            for kind in KINDS if number % 2 else tuple(reversed(KINDS)):
-                harness.progress(f"tracing: round {number}/{rounds}, {kind}")
-                traced = sink if kind == "traced" else None
-                measured = await pair(bench, traced, number, streams, seconds)
-                pairs.append({"round": number, "kind": kind, **measured})
+        for number, kind in harness.alternate(rounds, KINDS):
+            harness.progress(f"tracing: round {number}/{rounds}, {kind}")
+            traced = sink if kind == "traced" else None
+            measured = await pair(bench, traced, number, streams, seconds)
+            pairs.append({"round": number, "kind": kind, **measured})
         harness.progress("")
         # The last traced Sluice flushed its spans to the sink as it stopped.
         received = sink.counts()
@@ -124,7 +127,7 @@ async def side_by_side(
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         for url, window in zip(urls, windows, strict=True):
-            request = encode(urlsplit(url).netloc, "POST", CHAT, json.dumps(BODY).encode())
+            request = chat_request(url)
             for _ in range(streams):
                 nursery.start_soon(client_loop, url, request, window, stop)
         await trio.sleep(TOKENS * INTER_TOKEN_S + 1.0)  # their starts spread over a stream
@@ -226,7 +229,7 @@ def signed(change: Ranged) -> str:
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--streams",
-        type=int,
+        type=harness.at_least_one,
         default=STREAMS,
         help=f"closed-loop streams to each Sluice (default {STREAMS}: two cores are not saturated)",
     )
