@@ -44,6 +44,7 @@ NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...]
             "max_body_bytes",
             "demo_backends",
             "max_index_blocks",
+            "max_queued_per_backend",
         ),
         lambda value: value >= 1,
         "must be at least 1",
@@ -214,9 +215,12 @@ class Settings(ServerSettings):
     # keys, up to admission_queue requests (admission_queue_per_key of one key, while other
     # keys send too) for at most admission_timeout seconds, then 429.
     # max_inflight_per_backend: an optional ceiling on our requests on one backend;
-    # max_kv_usage: an engine whose KV cache is this full takes no more.
+    # max_kv_usage: an engine whose KV cache is this full takes no more;
+    # max_queued_per_backend: our requests that may wait in a full engine's own queue (the
+    # rest wait at the proxy, in fair order).
     max_inflight_per_backend: int | None = None
     max_kv_usage: float = 0.95
+    max_queued_per_backend: int = 1
     admission_queue: int = 1024
     admission_queue_per_key: int = 256
     admission_timeout: float = 30.0

@@ -25,7 +25,7 @@ import trio
 
 from load import client, drive
 from load.drive import Ticker, progress
-from load.processes import Stack, tree_cpu
+from load.processes import Stack, forget_held_with_room, held_with_room, tree_cpu
 from load.stats import Ranged, by_group, paired_change, with_range
 
 REPO = Path(__file__).resolve().parent.parent
@@ -408,6 +408,12 @@ def report(scenario: Scenario, blob: dict[str, Any]) -> str:
     """The tables of a result, with its provenance and the figures to read them against."""
     head = f"== {scenario.name} ({blob['date']}, {blob['commit']}; {scenario.reproduces}) =="
     tables = "\n\n".join(table_text(t) for t in scenario.tables(blob["result"]))
+    held = blob["result"].get("held_with_room")
+    if held and held["proxies"]:
+        tables += (
+            f"\nHeld while an engine reported room: {held['seconds']:g} s in all, over "
+            f"{held['proxies']} Sluice process(es) (issue 40: 0)"
+        )
     for death in blob["result"].get("processes_died", []):
         tables += f"\n!! died during the run: {death}"
     return f"{head}\n{tables}\n\n{scenario.reference}"
@@ -432,11 +438,13 @@ def measured(
 
     started = time.perf_counter()
     result: dict[str, Any] = {}
+    forget_held_with_room()
     if scenario.in_process is not None:
         result["in_process"] = scenario.in_process(bench)
         progress("")
     if scenario.measure is not None:
         result.update(trio.run(measure))
+        result["held_with_room"] = held_with_room()
     return {
         "scenario": scenario.name,
         "reproduces": scenario.reproduces,

@@ -5,7 +5,10 @@ Stack() as stack:` stops them all, whatever happens.
 Each of ours binds port 0 and prints its URL; we read the URL from its log, so benchmarks never
 race for ports. Output goes to a log file, not a pipe: a pipe nobody drains would block a
 process that logs a lot (a soak's proxy does), and the log is what a crash report needs.
-CPU and RSS come from /proc (Linux), for a process and everything it started.
+CPU and RSS come from /proc (Linux), for a process and everything it started. Each `sluice
+serve` is asked, as it is stopped, how long it held requests while an engine reported room
+(issue 40 keeps that at zero in every bench): `held_with_room()` sums what this process's
+stacks read.
 """
 
 from __future__ import annotations
@@ -39,6 +42,38 @@ INSTANT = (
     "--inter-token-latency", "0",
     "--max-num-seqs", "1024",
 )  # fmt: skip
+
+
+HELD_WITH_ROOM = "sluice_admission_held_with_room_seconds_total"
+# What the Sluices stopped so far said of HELD_WITH_ROOM: [processes asked, seconds in all].
+_held_with_room = [0, 0.0]
+
+
+def held_with_room() -> dict[str, float]:
+    """The Sluices stopped since the last `forget_held_with_room`: how many answered, and
+    the seconds they held requests while an engine reported room, in all."""
+    return {"proxies": _held_with_room[0], "seconds": round(_held_with_room[1], 6)}
+
+
+def forget_held_with_room() -> None:
+    _held_with_room[:] = [0, 0.0]
+
+
+async def read_held_with_room(url: str) -> None:
+    """Add what the Sluice at `url` says of HELD_WITH_ROOM (nothing if it does not answer)."""
+    try:
+        reply = await call(url + "/metrics", give_up_s=5)
+    except FAILURES:
+        return
+    if reply.status != 200:
+        return
+    seconds = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in reply.text.splitlines()
+        if line.startswith(HELD_WITH_ROOM)
+    )
+    _held_with_room[0] += 1
+    _held_with_room[1] += seconds
 
 
 def free_port() -> int:
@@ -126,12 +161,16 @@ class Stack:
     def __init__(self, proxy_flags: Sequence[str] = ()) -> None:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.pids: dict[str, int] = {}
+        self.proxies: list[str] = []  # the `sluice serve` URLs, asked at their stop
         self.proxy_flags = list(proxy_flags)  # added to every `sluice serve` (--proxy-arg)
 
     async def __aenter__(self) -> Stack:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        with trio.CancelScope(shield=True):
+            for url in self.proxies:
+                await read_held_with_room(url)
         for process in reversed(self.processes):
             stop(process)
 
@@ -160,7 +199,9 @@ class Stack:
         args = ["serve", "--port", "0", "--dashboard-port", "0", "--log-level", "warning"]
         for url in [backends] if isinstance(backends, str) else backends:
             args += ["--backend", url]
-        return await self.app([*args, *self.proxy_flags, *flags], "Sluice proxy", source)
+        url = await self.app([*args, *self.proxy_flags, *flags], "Sluice proxy", source)
+        self.proxies.append(url)
+        return url
 
     def dashboard(self, proxy: str) -> str:
         """The dashboard URL of the `sluice serve` answering at `proxy` (printed just after
@@ -217,6 +258,10 @@ class Stack:
         """Stop the servers at `urls` as at the end (SIGTERM: a Sluice flushes its spans),
         from a thread: this process may be serving what they send as they stop."""
         processes = [p for p in self.processes if p.pid in {self.pids[url] for url in urls}]
+        for url in urls:
+            if url in self.proxies:
+                self.proxies.remove(url)
+                await read_held_with_room(url)
         for process in processes:
             await trio.to_thread.run_sync(stop, process)
             self.forget(process)
@@ -224,6 +269,8 @@ class Stack:
     def kill(self, url: str) -> None:
         """SIGKILL the process serving at `url` mid-run (a fault injected on purpose)."""
         process = next(p for p in self.processes if p.pid == self.pids[url])
+        if url in self.proxies:
+            self.proxies.remove(url)
         process.kill()
         process.wait()
         self.forget(process)

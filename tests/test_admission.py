@@ -24,9 +24,10 @@ import trio
 import trio.testing
 
 from app.config import Settings
-from app.fleet.backends import PROBE_BACKOFF_REPORTS, Backend, BackendPool, learnt_capacity
+from app.fleet.backends import Backend, BackendPool
 from app.fleet.engine_metrics import EngineLoad
-from app.fleet.saturation import saturation
+from app.fleet.room import REFUSALS_TO_LEARN, EngineRoom
+from app.fleet.saturation import queued_ours, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats, fair_shares
 from app.observe.metrics import Metrics
 from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held, Overloaded
@@ -153,91 +154,163 @@ def test_fair_shares_are_max_min_by_weight() -> None:
 # --- an engine's room, from its own reports -----------------------------------------------------
 
 
-def test_room_is_what_an_engine_ran_while_others_waited_and_grows_when_it_never_queued() -> None:
-    # learnt_capacity(capacity, proven, running, waiting, running at the report before)
-    assert learnt_capacity(None, 12, 12, 0, 0) is None  # never full: unknown, nothing held
-    assert learnt_capacity(None, 4, 4, 9, 4) == 4  # a queue it does not take in: full
-    assert learnt_capacity(None, 50, 50, 150, 0) is None  # a burst it is taking in: not full
-    assert learnt_capacity(4, 4, 4, 0, 4) == 5  # ran all it was thought to hold: one more
-    assert learnt_capacity(64, 64, 64, 0, 60) == 72  # an eighth more
-    assert learnt_capacity(6, 6, 3, 0, 6) == 6
-    assert learnt_capacity(5, 4, 4, 1, 4) == 4  # the probe waited: back to what it ran
-    assert learnt_capacity(200, 200, 190, 3, 195) == 200  # never below the most it ran
+def refusing(room: EngineRoom, running: int, waiting: int, reports: int) -> None:
+    for _ in range(reports):
+        room.reported(running, waiting)
 
 
-def reported(backend: Backend, running: int, waiting: int, kv: float | None = None) -> None:
-    backend.engine_reported(EngineLoad("vllm", running, waiting, kv, None))
+def test_a_room_is_learnt_only_from_a_queue_held_at_the_most_the_engine_ran() -> None:
+    room = EngineRoom()
+    refusing(room, 4, 9, REFUSALS_TO_LEARN - 1)
+    assert room.room is None and room.basis == "unknown"  # not yet: could be a step's wait
+    room.reported(4, 9)
+    assert (room.room, room.basis) == (4, "seen-full")
+    assert "ran 4 with 9 waiting" in room.why
 
 
-def full(backend: Backend, room: int) -> None:
-    """Two reports of an engine running `room` with a queue it does not take in: full."""
-    reported(backend, room, 1)
-    reported(backend, room, 1)
+def test_a_queue_while_the_running_count_moves_or_below_its_most_teaches_nothing() -> None:
+    """Chunked prefill: requests wait a step for the token budget while others finish, so
+    the running count moves under a queue (measured: read as a full engine, a burst of
+    1-token chats left a room of 9 on an engine of 32)."""
+    room = EngineRoom()
+    room.reported(20, 0)
+    for running in (9, 12, 7, 9, 11, 9, 9, 9):  # below the 20 it ran: a KV-bound or step wait
+        room.reported(running, 5)
+    assert room.room is None
+    for running in (20, 19, 20, 18, 20):  # at its most, but moving
+        room.reported(running, 3)
+    assert room.room is None
+    refusing(room, 20, 3, REFUSALS_TO_LEARN)
+    assert room.room == 20
 
 
-def test_a_probe_of_more_room_is_flagged_and_not_repeated_once_it_found_the_end() -> None:
+def test_a_room_is_never_below_what_the_engine_ran_and_grows_when_it_runs_more() -> None:
+    room = EngineRoom()
+    refusing(room, 4, 2, REFUSALS_TO_LEARN)
+    assert room.room == 4
+    room.reported(3, 4)  # a queue below its room: never lowers it
+    room.reported(4, 0)
+    assert room.room == 4
+    room.reported(6, 0)  # ran more than its room: it had more, how much is unknown
+    assert (room.room, room.basis) == (None, "unknown")
+    refusing(room, 8, 1, REFUSALS_TO_LEARN)
+    assert room.room == 8
+
+
+def test_a_stated_limit_wins_and_a_restart_forgets_all() -> None:
+    room = EngineRoom()
+    refusing(room, 4, 2, REFUSALS_TO_LEARN)
+    room.stated(16, "/get_server_info")
+    assert (room.room, room.basis, room.why) == (16, "stated", "/get_server_info states 16")
+    refusing(room, 10, 3, REFUSALS_TO_LEARN)  # a queue below a stated limit: KV-bound
+    assert room.room == 16
+    room.reported(17, 0)  # it ran more than it said: never below what it ran
+    assert room.room == 17
+    room.restarted("its engine restarted")
+    assert (room.room, room.basis, room.most, room.restarts) == (None, "unknown", 0, 1)
+    refusing(room, 2, 5, REFUSALS_TO_LEARN)  # restarted with fewer sequences
+    assert room.room == 2
+    room.stated(None, "/props")  # never stated: nothing changes
+    assert room.room == 2
+
+
+def reported(
+    backend: Backend, running: int, waiting: int, kv: float | None = None, at: float = 0.0
+) -> None:
+    backend.engine_reported(EngineLoad("vllm", running, waiting, kv, None), at)
+
+
+def full(backend: Backend, room: int, at: float = 0.0) -> None:
+    """Reports of an engine running `room` with a queue it does not take in: full."""
+    for _ in range(REFUSALS_TO_LEARN):
+        reported(backend, room, 1, at=at)
+
+
+def judge(backend: Backend, now: float = 0.0, ceiling: int | None = None) -> str | None:
+    return saturation(backend, now, ceiling, 0.95, 1)
+
+
+def test_an_engine_whose_room_is_unknown_takes_everything() -> None:
     backend = Backend("http://gpu-1:8000", healthy=True)
-    backend.inflight = 4
-    full(backend, 4)  # its room: 4
-    reported(backend, 4, 0)  # ran all 4, none waiting: probe one more
-    assert (backend.capacity, backend.proven) == (5, 4)
-    backend.inflight = 3
-    assert not backend.probing  # a slot it was seen to run
-    backend.inflight = 4
-    assert backend.probing  # the fifth would go past what it ran: a probe
-    backend.inflight = 5
-    reported(backend, 4, 1)  # the probe waited at the engine: its room's end, found
-    assert backend.capacity == 4
-    backend.inflight = 4
-    for _ in range(PROBE_BACKOFF_REPORTS):
-        reported(backend, 4, 0)
-        assert backend.capacity == 4  # not probed again for a while
-    reported(backend, 4, 0)
-    assert backend.capacity == 5
+    assert judge(backend) is None  # no report: the engine decides
+    for _ in range(50):
+        backend.sent(0.0)
+    reported(backend, 40, 10)  # a queue, but never seen refusing at its most
+    assert judge(backend) is None and queued_ours(backend, 0.0) == 0
 
 
-def test_a_probe_goes_to_the_tenant_holding_the_most() -> None:
-    queue = FairQueue(100, 100)
-    for tenant, count in (("light", 1), ("heavy", 5)):
-        for _ in range(count):
-            queue.push(Held(tenant, 1.0, 0, 0.0))
-    assert queue.pop(heaviest=True).tenant == "heavy"  # type: ignore[union-attr]
-    assert queue.pop().tenant == "light"  # type: ignore[union-attr]
-
-
-def test_saturation_follows_the_engine_and_what_the_proxy_sent_since() -> None:
+def test_full_means_one_of_ours_waits_in_the_engines_own_queue() -> None:
     backend = Backend("http://gpu-1:8000", healthy=True)
-    assert saturation(backend, None, 0.95) is None  # no report: the engine decides
-    backend.inflight = 5
-    reported(backend, 4, 1)  # 4 run, 1 waits, as it takes more in: not full yet
-    assert backend.capacity is None and saturation(backend, None, 0.95) is None
-    reported(backend, 4, 1)  # it takes no more in: its room is 4
-    assert backend.capacity == 4 and saturation(backend, None, 0.95) == "full"
-    backend.inflight = 3  # two of ours ended since: 3 on it
-    assert saturation(backend, None, 0.95) is None
-    backend.inflight = 4
-    assert saturation(backend, None, 0.95) == "full"
-    assert saturation(backend, 4, 0.95) == "ceiling"
+    full(backend, 4)
+    reported(backend, 0, 0)
+    for _ in range(4):
+        backend.sent(0.0)
+    assert judge(backend) is None  # four on an engine of four: the next waits there
+    backend.sent(0.0)
+    assert queued_ours(backend, 0.0) == 1 and judge(backend) == "full"
+    backend.started(0.0)  # one of ours started: at most the fifth waits there
+    assert judge(backend) == "full"
+    backend.ended(0.0, started=True)  # a sequence freed: the fifth runs, room for a sixth
+    assert queued_ours(backend, 0.0) == 0 and judge(backend) is None
+    assert judge(backend, ceiling=4) == "ceiling"
+
+
+def test_others_fill_the_queue_and_one_of_ours_still_waits_its_turn_there() -> None:
+    backend = Backend("http://gpu-1:8000", healthy=True)
+    full(backend, 4)
+    reported(backend, 4, 30)  # others' requests: all it runs, and 30 waiting
+    assert judge(backend) is None  # ours takes its place in the engine's queue
+    backend.sent(0.0)
+    assert queued_ours(backend, 0.0) == 1 and judge(backend) == "full"
+    backend.started(0.0)  # it ran: the next of ours may wait there
+    assert judge(backend) is None
+    assert judge(backend, now=2.5) is None  # and once that report is stale, others count nil
+
+
+def test_a_fresh_report_of_room_never_holds() -> None:
+    backend = Backend("http://gpu-1:8000", healthy=True)
+    full(backend, 4)
+    for _ in range(6):
+        backend.sent(0.0)
+    assert judge(backend) == "full"
+    reported(backend, 3, 0, at=1.0)  # asked after our last change: free and empty
+    assert reports_room(backend, 1.0, 0.95) and judge(backend, 1.0) is None
+    backend.sent(1.5)  # our change since: the report no longer says all
+    assert not reports_room(backend, 1.5, 0.95)
+
+
+def test_a_nearly_full_kv_cache_holds_only_while_it_queues_or_we_sent_since() -> None:
+    backend = Backend("http://gpu-1:8000", healthy=True)
+    for _ in range(3):
+        backend.sent(0.0)
     reported(backend, 3, 0, kv=0.97)
-    assert saturation(backend, None, 0.95) == "kv"
-    backend.inflight = 3  # nothing ended since that report
+    assert judge(backend) is None  # no queue, nothing sent since: it runs all it has
+    backend.sent(0.1)
+    assert judge(backend, 0.1) == "kv"  # sent since, into a nearly full cache
+    reported(backend, 3, 1, kv=0.97, at=0.2)
+    assert judge(backend, 0.2) == "kv"  # it queues
+    backend.ended(0.3, started=True)
+    assert judge(backend, 0.3) is None  # one of ours ended since: room again
+    assert judge(backend, 2.3) is None  # and a stale report holds nothing
 
 
 # --- the gate -----------------------------------------------------------------------------------
 
 
 def pool_of(count: int, room: int) -> BackendPool:
-    """Healthy backends whose engines have reported a room of `room` requests, idle."""
+    """Healthy backends whose engines have shown a room of `room` sequences, idle: each
+    takes `room` of ours and one more, which waits in its engine's queue."""
     pool = BackendPool(
         tuple(f"http://gpu-{i}:8000" for i in range(count)),
         failures_to_open=3,
         cooldown=10.0,
         probe_path="/health",
     )
+    now = trio.current_time()
     for backend in pool.backends:
         backend.healthy = True
-        full(backend, room)  # seen full once: its room is known
-        reported(backend, 0, 0)
+        full(backend, room, at=now)  # seen refusing: its room is known
+        reported(backend, 0, 0, at=now)
     return pool
 
 
@@ -252,7 +325,7 @@ class Routes:
     def route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         wanted = self.holder.get(request.text or "")
         backend = next((b for b in candidates if b.url == wanted), candidates[0])
-        backend.inflight += 1
+        backend.sent(trio.current_time())
         self.routed.append((request.text or "", backend.url))
         return Decision(backend, "test")
 
@@ -261,27 +334,35 @@ class Routes:
         return next((b for b in candidates if b.url == wanted), None)
 
     def give_back(self, decision: Decision) -> None:
-        decision.backend.inflight -= 1
+        decision.backend.ended(trio.current_time(), decision.started)
 
 
 def gate_for(pool: BackendPool, routes: Routes, timeout: float = 30.0) -> Gate:
     stats = AdmissionStats(lambda *_: None, lambda *_: None, lambda *_: None, trio.current_time)
-    limits = GateLimits(None, 0.95, max_held=8, max_per_tenant=8, timeout=timeout)
+    limits = GateLimits(None, 0.95, 1, max_held=8, max_per_tenant=8, timeout=timeout)
     return Gate(pool, routes.route, routes.give_back, limits, stats, prefers=routes.prefers)
 
 
 def done(gate: Gate, decision: Decision) -> None:
-    """Its answer ended: the backend has room again."""
-    decision.backend.inflight -= 1
+    """Its answer ended: a sequence of its engine is free."""
+    decision.backend.ended(trio.current_time(), decision.started)
     gate.opened([None])
+
+
+async def fill(gate: Gate, count: int) -> list[Decision]:
+    """`count` requests that pass at once."""
+    decisions = []
+    for i in range(count):
+        decision = await gate.enter(RouteRequest(text=f"fill-{i}"), (), Admission("a"))
+        assert decision is not None and gate.held == 0
+        decisions.append(decision)
+    return decisions
 
 
 async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_has() -> None:
     pool, routes = pool_of(1, room=2), Routes()
     gate = gate_for(pool, routes)
-    first = await gate.enter(RouteRequest(text="1"), (), Admission("a"))
-    second = await gate.enter(RouteRequest(text="2"), (), Admission("a"))
-    assert first is not None and second is not None and gate.held == 0
+    first, second, _waits_at_the_engine = await fill(gate, 3)
     results: list[str] = []
 
     async def enter(text: str, tenant: str) -> None:
@@ -304,24 +385,42 @@ async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_h
         nursery.cancel_scope.cancel()
 
 
+async def test_a_request_that_starts_lets_the_next_wait_in_the_engines_queue() -> None:
+    """Others fill an engine: one of ours waits in its queue at a time, and the next goes
+    the moment that one starts (its first byte), not at the next report."""
+    pool, routes = pool_of(1, room=2), Routes()
+    (gpu,) = pool.backends
+    reported(gpu, 2, 9, at=trio.current_time())  # others' requests: all it runs, 9 waiting
+    gate = gate_for(pool, routes)
+    (ours,) = await fill(gate, 1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.enter, RouteRequest(text="next"), (), Admission("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert gate.held == 1
+        ours.started = True
+        gpu.started(trio.current_time())
+        gate.opened()
+        await trio.testing.wait_all_tasks_blocked()
+        assert gate.held == 0 and routes.routed[-1] == ("next", gpu.url)
+
+
 async def test_a_held_request_goes_where_its_prefix_is_when_that_engine_has_room() -> None:
     pool, routes = pool_of(2, room=1), Routes()
     gpu_0, gpu_1 = pool.backends
     gate = gate_for(pool, routes)
-    on_0 = await gate.enter(RouteRequest(text="x"), (), Admission("a"))
-    on_1 = await gate.enter(RouteRequest(text="y"), (), Admission("a"))
-    assert on_0 is not None and on_1 is not None
+    decisions = await fill(gate, 4)
+    assert [d.backend for d in decisions] == [gpu_0, gpu_0, gpu_1, gpu_1]
     routes.holder["p1"] = gpu_1.url
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate.enter, RouteRequest(text="p0"), (), Admission("a"))
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(gate.enter, RouteRequest(text="p1"), (), Admission("b"))
         await trio.testing.wait_all_tasks_blocked()
-        done(gate, on_1)  # gpu-1 has room: p1, whose prefix it holds, goes there first
+        done(gate, decisions[2])  # gpu-1 has room: p1, whose prefix it holds, goes first
         await trio.testing.wait_all_tasks_blocked()
         assert routes.routed[-1] == ("p1", gpu_1.url) and gate.held == 1
         nursery.cancel_scope.cancel()
-    assert gpu_0.inflight == 1
+    assert gpu_0.inflight == 2
 
 
 async def test_a_held_request_is_refused_at_its_deadline(
@@ -329,7 +428,7 @@ async def test_a_held_request_is_refused_at_its_deadline(
 ) -> None:
     pool, routes = pool_of(1, room=1), Routes()
     gate = gate_for(pool, routes, timeout=30.0)
-    assert await gate.enter(RouteRequest(text="1"), (), Admission("a")) is not None
+    await fill(gate, 2)
     started = trio.current_time()
     with pytest.raises(Overloaded) as late:
         await gate.enter(RouteRequest(text="2"), (), Admission("a"))
@@ -347,8 +446,7 @@ async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved() -> N
     pool, routes = pool_of(1, room=1), Routes()
     (backend,) = pool.backends
     gate = gate_for(pool, routes)
-    first = await gate.enter(RouteRequest(text="1"), (), Admission("a"))
-    assert first is not None
+    first, _ = await fill(gate, 2)
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gate.enter, RouteRequest(text="gone"), (), Admission("a"))
@@ -362,16 +460,16 @@ async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved() -> N
             nursery.start_soon(gate.enter, RouteRequest(text="late"), (), Admission("a"))
             await trio.testing.wait_all_tasks_blocked()
             scope.cancel()  # delivered to the held task, which has not run since
-            done(gate, first)  # still in the queue: routed, inflight back to 1
-            assert backend.inflight == 1
-    assert backend.inflight == 0 and gate.held == 0
+            done(gate, first)  # still in the queue: routed, inflight back to 2
+            assert backend.inflight == 2
+    assert backend.inflight == 1 and backend.unstarted == 1 and gate.held == 0
 
 
 async def test_held_requests_learn_when_no_backend_of_their_pool_is_left() -> None:
     pool, routes = pool_of(1, room=1), Routes()
     (backend,) = pool.backends
     gate = gate_for(pool, routes)
-    assert await gate.enter(RouteRequest(text="1"), (), Admission("a")) is not None
+    await fill(gate, 2)
     outcome: list[Decision | None] = []
 
     async def enter() -> None:
@@ -422,13 +520,14 @@ async def test_a_running_router_hashes_a_long_prompt_in_a_thread_and_records_it_
 async def test_a_request_held_on_a_quiet_spells_report_wakes_the_fleets_watchers(
     nursery: trio.Nursery,
 ) -> None:
-    """An engine last read while other senders filled it holds this proxy's next request; that
-    request is traffic all the same, so the load scraper idling on the stale report reads
-    the engine at once. Measured (bench streams: others' 200 streams gone, this proxy's 50
-    starting), requests held on such a report waited ~2 s for the next idle scrape."""
+    """An engine last read while other senders filled it holds this proxy's requests beyond
+    the one it lets wait in that engine's queue; a held request is traffic all the same, so
+    the load scraper idling on the old report reads the engine at once. Measured (bench
+    streams: others' 200 streams gone, this proxy's 50 starting), requests held on such a
+    report waited ~2 s for the next idle scrape."""
     pool = pool_of(1, room=4)
     (gpu,) = pool.backends
-    reported(gpu, 4, 1)  # others' requests: all it runs, and one waiting
+    reported(gpu, 4, 1, at=trio.current_time())  # others': all it runs, and one waiting
     router = Router(Settings(), pool, Metrics())
     await nursery.start(router.run)
     woken = trio.Event()
@@ -444,11 +543,12 @@ async def test_a_request_held_on_a_quiet_spells_report_wakes_the_fleets_watchers
     nursery.start_soon(watch)
     await trio.testing.wait_all_tasks_blocked()
     assert not router.busy
+    await send()  # waits in the engine's queue
     nursery.start_soon(send)
     await trio.testing.wait_all_tasks_blocked()
-    assert woken.is_set() and router.requests == 1
+    assert woken.is_set() and router.requests == 2
     assert router.gate.held == 1 and router.busy
-    reported(gpu, 0, 0)  # read at once: the others' requests are gone
+    reported(gpu, 1, 0, at=trio.current_time())  # read at once: the others' requests are gone
     router.gate.opened()
     await trio.testing.wait_all_tasks_blocked()
-    assert router.gate.held == 0 and gpu.inflight == 1
+    assert router.gate.held == 0 and gpu.inflight == 2

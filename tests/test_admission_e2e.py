@@ -144,7 +144,7 @@ async def test_priority_and_a_clients_deadline(
 
         async def engine_full() -> bool:  # the engine has said, twice, that its room is one
             backend = running.sluice.pool.backends[0]
-            return backend.capacity == 1 or gate.saturated(backend) is not None
+            return backend.room.room == 1 or gate.saturated(backend) is not None
 
         for _ in range(3):
             nursery.start_soon(send, "filler", 60)  # a queue over several reports

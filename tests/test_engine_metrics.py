@@ -1,14 +1,17 @@
 """The engine load parser alone, on each engine's exposition as its server writes it: HELP and
 TYPE comments, histograms and unrelated metrics around the few names wanted, labels in the
 engine's own order, and the quirks (vLLM's data-parallel `engine` label, SGLang's replicated
-TP ranks, llama.cpp with and without KV use, TGI's blank lines)."""
+TP ranks, llama.cpp with and without KV use, TGI's blank lines); a restart told by a new start
+time or a counter gone back; and what each engine states of its own limit (engine_limits.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from app.fleet.engine_limits import stated_limit
 from app.fleet.engine_metrics import (
     EngineLoad,
+    EngineName,
     EngineReading,
     Sample,
     next_load,
@@ -251,6 +254,7 @@ def test_vllm_v1_prefers_kv_cache_usage_over_the_deprecated_name() -> None:
         reported_hit_rate=None,
         prefix_queries=48210.0,
         prefix_hits=30112.0,
+        started_at=1.7542307548562634e09,  # its counters' creation: the engine's start
     )
 
 
@@ -278,6 +282,7 @@ def test_sglang_reports_its_own_hit_rate() -> None:
         reported_hit_rate=0.734,
         prefix_queries=None,
         prefix_hits=None,
+        prompt_tokens=8128000.0,
     )
     assert next_load(result, None, None).prefix_cache_hit_rate == 0.734
 
@@ -369,4 +374,40 @@ def test_an_idle_interval_keeps_the_rate_and_a_restart_forgets_it() -> None:
     idle = next_load(vllm_reading(1400, 400), vllm_reading(1400, 400), shown)
     assert idle.prefix_cache_hit_rate == 0.75
     restarted = next_load(vllm_reading(20, 0), vllm_reading(1400, 400), shown)
-    assert restarted.prefix_cache_hit_rate is None
+    assert restarted.prefix_cache_hit_rate is None and restarted.restarted
+    assert not idle.restarted
+
+
+def test_a_restart_is_a_new_start_time_or_a_counter_gone_back() -> None:
+    def at(started: float | None, prompt: float | None) -> EngineReading:
+        return EngineReading("sglang", 1, 0, None, None, None, None, prompt, started)
+
+    assert not next_load(at(None, 900), None, None).restarted  # nothing to compare with
+    assert not next_load(at(5.0, 900), at(5.0, 800), None).restarted
+    assert next_load(at(9.0, 900), at(5.0, 800), None).restarted  # a new engine process
+    assert next_load(at(None, 12), at(None, 800), None).restarted  # its counter began again
+    assert not next_load(at(None, 12), at(None, None), None).restarted
+
+
+@pytest.mark.parametrize(
+    ("engine", "answer", "limit"),
+    [
+        # SGLang 0.5: a scheduler's cap per data-parallel rank; ranks add up.
+        ("sglang", {"max_running_requests": None, "internal_states": [
+            {"effective_max_running_requests_per_dp": 128, "last_gen_throughput": 9.1},
+            {"effective_max_running_requests_per_dp": 128}]}, 256),
+        ("sglang", {"max_running_requests": 48, "internal_states": [{}]}, 48),
+        ("sglang", {"max_running_requests": None}, None),
+        ("llamacpp", {"total_slots": 4, "model_alias": "m"}, 4),
+        ("tgi", {"max_batch_size": None, "max_concurrent_requests": 128}, None),
+        ("tgi", {"max_batch_size": 32}, 32),
+        ("llamacpp", {"total_slots": True}, None),  # nonsense is no statement
+        ("llamacpp", {"total_slots": 0}, None),
+        ("sglang", ["not", "an", "object"], None),
+        ("vllm", {"max_num_seqs": 256}, None),  # vLLM states nothing we read
+    ],
+)  # fmt: skip
+def test_what_each_engine_states_of_its_limit(
+    engine: EngineName, answer: object, limit: int | None
+) -> None:
+    assert stated_limit(engine, answer) == limit

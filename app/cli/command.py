@@ -37,6 +37,8 @@ HELP: dict[str, str] = {
     "backend (default: none; the engines' own metrics say when one is saturated)",
     "max_kv_usage": "an engine whose KV-cache usage reaches this takes no new request until "
     "it falls (default: 0.95)",
+    "max_queued_per_backend": "this proxy's requests that may wait in a full engine's own "
+    "queue; the rest are held at the proxy in fair order (default: 1)",
     "admission_queue": "requests that may be held while every engine of their model is "
     "saturated, before 429 (default: 1024)",
     "admission_queue_per_key": "of those, held for one API key while other keys send too "

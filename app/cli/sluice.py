@@ -26,6 +26,7 @@ from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
 from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
+from app.fleet.saturation import queued_ours
 from app.fleet.tokenizer_check import check_tokenizers_at_startup
 from app.http.client import UpstreamPool
 from app.http.fetch import Fetcher
@@ -139,9 +140,14 @@ class Sluice:
         kv_events = self.kv_event_snapshots()
         gate = self.router.gate
         saturated = {b.url: gate.saturated(b) for b in self.pool.backends}
+        queued = {b.url: queued_ours(b, now) for b in self.pool.backends}
+        held_with_room = self.metrics.admission.held_with_room_s
         for backend in backends:
-            backend["kv_events"] = kv_events.get(backend["url"])
-            backend["saturated"] = saturated.get(backend["url"])
+            url = backend["url"]
+            backend["kv_events"] = kv_events.get(url)
+            backend["saturated"] = saturated.get(url)
+            backend["queued"] = queued.get(url, 0)
+            backend["held_with_room_s"] = round(held_with_room.get(url, 0.0), 6)
         held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
         return {
             "time": now,

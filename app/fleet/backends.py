@@ -13,6 +13,11 @@ traffic flows again, and the next failure opens it at once while the next succes
 it. Per model, because one model of a server can fail alone (a broken LoRA adapter) while
 its others answer.
 
+This process's own requests on a backend are counted at once as they are sent, start (the
+first byte of the answer) and end (`sent`, `started`, `ended`), whichever door sent them; its
+engine's reports add others' requests as of the report (`on_engine`), and its room (room.py)
+is what saturation.py weighs them against.
+
 Load, for the policies, is `load`: the requests on the backend, its queue counted once more,
 and the prompt tokens this process's requests still have to prefill (in units of
 `TOKENS_PER_LOAD`). The requests on it are this process's own in flight (exact, at once) plus
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.fleet.engine_metrics import EngineLoad
+from app.fleet.room import EngineRoom
 from app.models import MAX_MODELS
 
 # "not required": passthrough mode. "unchecked" -> "checking" -> "verified" | "refused";
@@ -65,6 +71,11 @@ TRAFFIC_TOKENIZER_STATES = frozenset({"not required", "verified"})
 TOKENS_PER_LOAD = 1024
 
 
+# A report older than this says nothing of others' requests: while requests flow, engines are
+# read every 0.5 s, and one that has not answered for this long may be a stale picture.
+STALE_REPORT_S = 2.0
+
+
 def backend_id(url: str) -> str:
     """A short stable name for a backend URL (the same in every replica and every run)."""
     return "b-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
@@ -89,19 +100,22 @@ ANY_MODEL = ""
 class Backend:
     url: str
     healthy: bool = False
+    # This process's own requests on it, exact and at once, whichever door sent them: in
+    # flight (sent, not ended), and of those the ones whose first byte has not come (queued
+    # at its engine, or prefilling).
     inflight: int = 0
+    unstarted: int = 0
     pending_tokens: int = 0  # uncached prompt tokens of the requests in flight
-    reported_waiting: int = 0  # the engine's waiting count at the last scrape
-    others_inflight: int = 0  # what its engine ran or queued then beyond our own in flight
+    changed_at: float = -math.inf  # when our requests on it last changed: sent, started, ended
+    # Its engine's last report (the load scraper's), as of when it was asked for.
+    engine: EngineLoad | None = None
+    reported_at: float = -math.inf
+    reported_running: int = 0
+    reported_waiting: int = 0
+    others_inflight: int = 0  # what it ran or queued then beyond our own in flight
     inflight_at_report: int = 0  # our own in flight then
     others_per_own: float = 0.0  # the fleet's, at the last scrapes (`engines_reported`)
-    engine: EngineLoad | None = None  # what its engine's /metrics said at the last scrape
-    # Requests its engine runs at once, as learnt from its reports (saturation.py); None:
-    # never seen queueing. Above `proven` it is a probe: the engine has not run that many.
-    capacity: int | None = None
-    proven: int = 0  # the most its engine was seen to run at once
-    reported_running: int = 0  # what it ran at the last report
-    reports_before_probe: int = 0  # after a probe that found the room's end: wait this many
+    room: EngineRoom = field(default_factory=EngineRoom)  # sequences it runs at once
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
     # The models a configuration names for it, in the order of its tables; None: those its
@@ -131,6 +145,23 @@ class Backend:
             self.served = frozenset(card["id"] for card in cards[:MAX_MODELS])
             self.primary = cards[0]["id"] if cards else None
 
+    def sent(self, now: float) -> None:
+        """One of our requests goes to it."""
+        self.inflight += 1
+        self.unstarted += 1
+        self.changed_at = now
+
+    def started(self, now: float) -> None:
+        """The first byte of one of our requests' answers came: its engine runs it."""
+        self.unstarted -= 1
+        self.changed_at = now
+
+    def ended(self, now: float, started: bool) -> None:
+        """One of our requests on it ended (`started`: its first byte had come)."""
+        self.inflight -= 1
+        self.unstarted -= not started
+        self.changed_at = now
+
     @property
     def load(self) -> float:
         """Requests on it, those queued counted once more (a waiting request delays every
@@ -143,51 +174,47 @@ class Backend:
         requests = self.inflight + max(others, 0.0) + self.reported_waiting
         return requests + self.pending_tokens / TOKENS_PER_LOAD
 
-    @property
-    def on_engine(self) -> float:
-        """Requests its engine runs or queues now, everyone's: what it last reported, moved
-        since as our own in flight moved (others' with ours, `others_per_own` of theirs for
-        each of ours)."""
-        moved = (1.0 + self.others_per_own) * (self.inflight - self.inflight_at_report)
-        return max(self.others_inflight + self.inflight_at_report + moved, float(self.inflight))
+    def report_current(self, now: float) -> bool:
+        """Whether its engine's last report still says something of others' requests."""
+        return self.engine is not None and now - self.reported_at <= STALE_REPORT_S
 
-    def engine_reported(self, engine: EngineLoad | None) -> None:
-        """What its engine's metrics said just now (None: it reports no load). What it ran
-        and queued beyond this process's requests in flight is other senders' work."""
+    def on_engine(self, now: float) -> int:
+        """Everyone's requests its engine runs or queues now, as far as the proxy knows: what
+        its last report counted, if we changed nothing since; else our own as they are and
+        others' as last reported (none once that report is stale)."""
+        if not self.report_current(now):
+            return self.inflight
+        if self.report_fresh:
+            return self.reported_running + self.reported_waiting
+        return self.others_inflight + self.inflight
+
+    @property
+    def report_fresh(self) -> bool:
+        """Whether its engine's last report was asked for after our last change on it: it
+        then counts every one of our requests as they still are."""
+        return self.reported_at > self.changed_at
+
+    def engine_reported(
+        self, engine: EngineLoad | None, asked_at: float = 0.0, ours: int | None = None
+    ) -> None:
+        """What its engine's metrics said (None: it reports no load), asked for at
+        `asked_at` while `ours` of our requests were on it (default: as many as now).
+        What it ran and queued beyond those is other senders' work."""
         self.engine = engine
+        self.reported_at = asked_at
         if engine is None:
-            self.reported_waiting = self.others_inflight = 0
-            self.reported_running = self.proven = 0
-            self.capacity = None
+            self.reported_waiting = self.reported_running = self.others_inflight = 0
+            if self.room.basis != "stated":
+                self.room.restarted("its engine reports no load")
             return
-        previous_running = self.reported_running
+        if engine.restarted:
+            self.room.restarted("its engine restarted (a counter went back or a new start)")
+        ours = self.inflight if ours is None else ours
         self.reported_waiting = engine.waiting or 0
-        running = self.reported_running = engine.running or 0
-        on_engine = running + self.reported_waiting
-        self.others_inflight = max(on_engine - self.inflight, 0)
-        self.inflight_at_report = self.inflight
-        self.proven = max(self.proven, running)
-        previous = self.capacity
-        capacity = learnt_capacity(
-            previous, self.proven, running, self.reported_waiting, previous_running
-        )
-        if previous is not None and capacity is not None and capacity < previous:
-            self.reports_before_probe = PROBE_BACKOFF_REPORTS  # a probe found the room's end
-        elif (
-            previous is not None
-            and capacity is not None
-            and capacity > previous
-            and self.reports_before_probe > 0
-        ):  # a probe of more room, not yet again
-            self.reports_before_probe -= 1
-            capacity = previous
-        self.capacity = capacity
-
-    @property
-    def probing(self) -> bool:
-        """Whether the next request it starts goes past what its engine was seen to run:
-        that one may wait in the engine's own queue."""
-        return self.capacity is not None and self.on_engine >= self.proven
+        self.reported_running = engine.running or 0
+        self.others_inflight = max(self.reported_running + self.reported_waiting - ours, 0)
+        self.inflight_at_report = ours
+        self.room.reported(self.reported_running, self.reported_waiting)
 
     @property
     def reported_kv_usage(self) -> float | None:
@@ -236,36 +263,6 @@ class Backend:
     def _breaker_allows(self, now: float, model: str) -> bool:
         breaker = self.breakers.get(model)
         return breaker is None or now >= breaker.open_until
-
-
-# An engine that ran all it was thought to hold without queueing is given this much more room
-# (at least one request) at its next report, until a queue says where its room ends. Each
-# probe may leave that many requests queued at the engine until the next report: measured
-# (bench fairness, a GPU of 4), growing by half again kept 1-2 requests waiting at the engine
-# two reports in three, a light key's request queued there behind a heavy key's.
-CAPACITY_GROWTH = 0.125
-# After a probe found where an engine's room ends, it is not probed again for this many reports
-# (10 s at a report every 0.5 s): a full engine is not overfilled at every report.
-PROBE_BACKOFF_REPORTS = 20
-
-
-def learnt_capacity(
-    capacity: int | None, proven: int, running: int, waiting: int, previous_running: int
-) -> int | None:
-    """How many requests an engine runs at once, from a report. A queue it is not taking in
-    (requests waiting, and it runs no more than at the last report) says it is full: its
-    room is the most it was ever seen to run (`proven`; a batch that fits fewer because
-    its prompts grew fills the KV cache, which saturation.py watches). A queue while it
-    takes more in is requests waiting a step for the prefill budget (chunked prefill), not
-    a full engine: measured (bench streams, 200 streams on room for 2,048), taking such a
-    queue for the room held a third of the streams back. One that ran all it was thought to
-    hold, with none waiting, may have more: probed by an eighth. Never seen full: unknown
-    (None), and nothing is held back for it."""
-    if waiting > 0 and running <= previous_running:
-        return max(proven, running, 1)
-    if capacity is not None and waiting == 0 and running >= capacity:
-        return capacity + max(1, math.ceil(capacity * CAPACITY_GROWTH))
-    return capacity
 
 
 # Others' requests assumed to move with each of ours, at most: 8 replicas' worth.
@@ -365,8 +362,11 @@ class BackendPool:
             breaker.half_open = True
 
     def health_checked(self, backend: Backend, ok: bool, error: str | None = None) -> None:
-        if ok and not backend.healthy and self.tokenizer_probe is not None:
-            backend.tokenizer_state = "unchecked"  # re-admission: check the tokenizer again
+        if ok and not backend.healthy:
+            # It may be another process now, with other flags: learn its room again.
+            backend.room.restarted("it turned healthy")
+            if self.tokenizer_probe is not None:
+                backend.tokenizer_state = "unchecked"  # re-admission: check the tokenizer again
         backend.healthy = ok
         if not ok:
             backend.last_error = error
@@ -411,13 +411,14 @@ class BackendPool:
                 "breaker": b.breaker_state(now),
                 "breakers": {model: b.breaker_state(now, model) for model in sorted(b.served)},
                 "inflight": b.inflight,
+                "unstarted": b.unstarted,
                 "pending_tokens": b.pending_tokens,
                 "load": round(b.load, 3),
                 "reported_waiting": b.reported_waiting,
                 "others_inflight": b.others_inflight,
                 "others_per_own": round(b.others_per_own, 3),
                 "reported_kv_usage": b.reported_kv_usage,
-                "capacity": b.capacity,
+                "room": b.room.snapshot(),
                 "engine": _engine_block(b.engine),
                 "consecutive_failures": max(
                     (breaker.consecutive_failures for breaker in b.breakers.values()), default=0

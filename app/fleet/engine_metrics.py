@@ -44,6 +44,9 @@ class _Signals:
     hit_rate: tuple[str, ...] = ()
     prefix_queries: tuple[str, ...] = ()
     prefix_hits: tuple[str, ...] = ()
+    # A restart shows as a counter that went back, or a new start time.
+    prompt_tokens: tuple[str, ...] = ()
+    started_at: tuple[str, ...] = ()
     replica_labels: frozenset[str] = frozenset()
 
 
@@ -56,6 +59,14 @@ ENGINES: tuple[_Signals, ...] = (
         hit_rate=("vllm:gpu_prefix_cache_hit_rate",),
         prefix_queries=("vllm:prefix_cache_queries_total",),
         prefix_hits=("vllm:prefix_cache_hits_total",),
+        prompt_tokens=("vllm:prompt_tokens_total",),
+        # The counters' creation time is the engine's (one per data-parallel rank); the
+        # process's start time is the API server's, which outlives an engine restart.
+        started_at=(
+            "vllm:prompt_tokens_created",
+            "vllm:prefix_cache_queries_created",
+            "process_start_time_seconds",
+        ),
     ),
     _Signals(
         "sglang",
@@ -63,6 +74,7 @@ ENGINES: tuple[_Signals, ...] = (
         waiting=("sglang:num_queue_reqs",),
         kv_usage=("sglang:token_usage",),
         hit_rate=("sglang:cache_hit_rate",),
+        prompt_tokens=("sglang:prompt_tokens_total",),
         replica_labels=frozenset({"tp_rank", "pp_rank", "moe_ep_rank"}),
     ),
     _Signals(
@@ -70,6 +82,7 @@ ENGINES: tuple[_Signals, ...] = (
         running=("llamacpp:requests_processing",),
         waiting=("llamacpp:requests_deferred",),
         kv_usage=("llamacpp:kv_cache_usage_ratio",),
+        prompt_tokens=("llamacpp:prompt_tokens_total",),
     ),
     _Signals("tgi", running=("tgi_batch_current_size",), waiting=("tgi_queue_size",)),
 )
@@ -94,6 +107,8 @@ class EngineReading:
     reported_hit_rate: float | None
     prefix_queries: float | None
     prefix_hits: float | None
+    prompt_tokens: float | None = None
+    started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +120,7 @@ class EngineLoad:
     waiting: int | None
     kv_cache_usage: float | None
     prefix_cache_hit_rate: float | None
+    restarted: bool = False  # since the reading before: a counter went back, or a new start
 
 
 def samples(text: str, name: str) -> Iterator[Sample]:
@@ -195,6 +211,8 @@ def read_engine(text: str) -> EngineReading | None:
             reported_hit_rate=_first(text, signals.hit_rate, signals, average=True),
             prefix_queries=_first(text, signals.prefix_queries, signals, average=False),
             prefix_hits=_first(text, signals.prefix_hits, signals, average=False),
+            prompt_tokens=_first(text, signals.prompt_tokens, signals, average=False),
+            started_at=_first(text, signals.started_at, signals, average=True),
         )
     return None
 
@@ -207,6 +225,7 @@ def next_load(
     vLLM's rate covers the prompts looked up between the two readings. With none looked up,
     the rate shown stands (an idle engine's cache did not change); after a counter went
     backwards (the engine restarted) or on the first reading, it is unknown until the next.
+    A restart is told by a counter that went back or a start time that changed.
     """
     rate = reading.reported_hit_rate
     if reading.prefix_queries is not None and reading.prefix_hits is not None:
@@ -228,4 +247,18 @@ def next_load(
         waiting=reading.waiting,
         kv_cache_usage=reading.kv_cache_usage,
         prefix_cache_hit_rate=rate,
+        restarted=earlier is not None and _restarted(earlier, reading),
     )
+
+
+def _restarted(earlier: EngineReading, reading: EngineReading) -> bool:
+    before, now = earlier.started_at, reading.started_at
+    if before is not None and now is not None and now != before:
+        return True
+    for before, now in (
+        (earlier.prompt_tokens, reading.prompt_tokens),
+        (earlier.prefix_queries, reading.prefix_queries),
+    ):
+        if before is not None and now is not None and now < before:
+            return True
+    return False

@@ -8,7 +8,11 @@ running, waiting, KV use, prefix hit rate) through `Backend.engine_reported`, an
 each round the fleet's ratio of others' requests to ours (`BackendPool.engines_reported`).
 The policies see both in `Backend.load`: it also counts what other proxy replicas send,
 which local in-flight counts cannot. A backend that has no such metrics (404, or none of
-those names) is asked again only every `RETRY_UNSUPPORTED` seconds.
+those names) is asked again only every `RETRY_UNSUPPORTED` seconds. Each report is stamped
+with when it was asked for and how many of our requests were on the backend then (what it
+ran beyond those is others'). An engine that states its limit (engine_limits.py) is asked
+for it after its first report and after each restart; one that says nothing is asked again
+every `RETRY_UNSUPPORTED` seconds.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from dataclasses import dataclass, field
 import trio
 
 from app.fleet.backends import Backend, BackendPool
-from app.fleet.engine_metrics import EngineReading, next_load, read_engine
+from app.fleet.engine_limits import LIMIT_PATHS, stated_limit
+from app.fleet.engine_metrics import EngineName, EngineReading, next_load, read_engine
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
 from app.http.client import UpstreamError
 from app.http.fetch import Fetcher
@@ -52,6 +57,8 @@ class LoadScraper:
     reported: Callable[[], None] = lambda: None
     _unsupported_until: dict[str, float] = field(default_factory=dict, init=False)
     _last_reading: dict[str, EngineReading] = field(default_factory=dict, init=False)
+    # Backend id -> (its room's restarts, when) its stated limit was last asked for.
+    _limit_asked: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
 
     async def run(self) -> None:
         # Traffic that starts after a quiet spell is scraped for at once, not after the rest
@@ -79,6 +86,8 @@ class LoadScraper:
             del self._unsupported_until[gone]
         for gone in set(self._last_reading) - current:
             del self._last_reading[gone]
+        for gone in set(self._limit_asked) - current:
+            del self._limit_asked[gone]
         async with trio.open_nursery() as nursery:
             for backend in self.pool.backends:
                 if backend.healthy and self._unsupported_until.get(backend.id, 0.0) <= now:
@@ -87,6 +96,7 @@ class LoadScraper:
         self.reported()
 
     async def scrape(self, backend: Backend) -> None:
+        asked_at, ours = trio.current_time(), backend.inflight
         try:
             with trio.fail_after(self.timeout):
                 response = await self.client.get(backend.url, "/metrics")
@@ -100,11 +110,39 @@ class LoadScraper:
                 )
             self._unsupported_until[backend.id] = trio.current_time() + RETRY_UNSUPPORTED
             self._last_reading.pop(backend.id, None)
-            backend.engine_reported(None)
+            backend.engine_reported(None, asked_at, ours)
             return
         self._unsupported_until.pop(backend.id, None)
         if backend.engine is None or backend.engine.name != reading.engine:
             log.info("backend %s: %s metrics", backend.url, reading.engine)
         earlier = self._last_reading.get(backend.id)
         self._last_reading[backend.id] = reading
-        backend.engine_reported(next_load(reading, earlier, backend.engine))
+        backend.engine_reported(next_load(reading, earlier, backend.engine), asked_at, ours)
+        await self._read_limit(backend, reading.engine)
+
+    async def _read_limit(self, backend: Backend, engine: EngineName) -> None:
+        """Ask an engine that may state its limit, unless asked since it (re)started and
+        within RETRY_UNSUPPORTED."""
+        path = LIMIT_PATHS.get(engine)
+        room = backend.room
+        if path is None or room.stated_limit is not None:
+            return
+        now = trio.current_time()
+        restarts, at = self._limit_asked.get(backend.id, (-1, -math.inf))
+        if restarts == room.restarts and now - at < RETRY_UNSUPPORTED:
+            return
+        self._limit_asked[backend.id] = (room.restarts, now)
+        try:
+            with trio.fail_after(self.timeout):
+                response = await self.client.get(backend.url, path)
+            answer = response.json() if response.status == 200 else None
+        except (trio.TooSlowError, UpstreamError, ValueError):
+            return
+        if answer is None:
+            return
+        limit = stated_limit(engine, answer)
+        if limit is not None and room.stated_limit != limit:
+            log.info(
+                "backend %s states it runs %d sequences at once (%s)", backend.url, limit, path
+            )
+        room.stated(limit, path)

@@ -1,19 +1,27 @@
-"""Whether a backend's engine can start one more request now, as its own metrics tell. Pure:
-the caller passes the backend, whose last engine report the load scraper keeps.
+"""Whether a backend's engine should start one more of our requests now, and whether it
+reports room. Pure: the caller passes the backend and `now`.
 
 Design rules:
-1. The engine is the judge. A request is held at the proxy only when the engine would queue
-   it anyway: it reported a queue (`waiting` > 0: vLLM, SGLang and TGI's queue, llama.cpp's
-   deferred requests, no idle slot), or its KV cache nearly full (`max_kv_usage`), and
-   nothing of ours has finished there since. An engine that reports no load is never judged
-   saturated, and takes what the policy sends it (its own queue does the rest).
-2. Between two reports (every 0.5 s while traffic flows), what the proxy sent and what came
-   back moves the engine's figures: `Backend.on_engine` is its last report corrected by our
-   own requests in flight since (and others', in the fleet's proportion). Once an engine has
-   been seen queueing, its room is known (`Backend.capacity`: what it ran then), and it is
-   saturated while the requests on it reach that room, so the proxy fills it to the brim and
-   no further.
-3. `--max-inflight-per-backend`, when given, is a ceiling on top: our own requests on it.
+1. What is ours is known, not estimated: the proxy counts its own requests on an engine as
+   they are sent, start (their first byte) and end (`Backend.sent/started/ended`). The
+   engine's last report adds what it runs and queues for others, as of that report; a report
+   older than `STALE_REPORT_S` adds nothing (`Backend.on_engine`).
+2. The room is the engine's own (room.py): stated by it, or seen when it refused to run
+   more. Unknown, nothing is held for it: its own queue is the fallback.
+3. Full means `max_queued` of ours wait in the engine's own queue: everyone's requests on
+   it reach its room, and at least `max_queued` of ours beyond the room have not started
+   (`queued_ours`). So at most `max_queued` of ours wait there, and the engine's first come,
+   first served takes them as sequences free up, whoever else fills it; the rest wait at the
+   proxy in fair order. A request that starts lets the next go at once, so a learnt room
+   too small, or others' requests that ended since the report, hold nothing for longer than
+   one start: each start is a probe of more room.
+4. A report asked for after our last change on the engine, showing free sequences and an
+   empty queue, never holds a request: everyone on the engine is then what it reported
+   (below its room), and none of ours is beyond it (`reports_room` says when that holds;
+   the gate counts any time it held a request meanwhile, which should be none).
+5. A KV cache this full (`max_kv_usage`) takes no more while it queues or we sent since,
+   and until one of ours ends: vLLM would preempt a running sequence to fit another.
+6. `--max-inflight-per-backend`, when given, is a ceiling on top: our own requests on it.
 """
 
 from __future__ import annotations
@@ -25,18 +33,48 @@ from app.fleet.backends import Backend
 Saturation = Literal["ceiling", "kv", "full"]
 
 
-def saturation(backend: Backend, ceiling: int | None, max_kv_usage: float) -> Saturation | None:
+def queued_ours(backend: Backend, now: float) -> int:
+    """How many of our requests on `backend` may be waiting in its engine's own queue: those
+    not started yet, as many as everyone's requests on it are beyond its room."""
+    room = backend.room.room
+    if room is None:
+        return 0
+    return max(0, min(backend.unstarted, backend.on_engine(now) - room))
+
+
+def saturation(
+    backend: Backend,
+    now: float,
+    ceiling: int | None,
+    max_kv_usage: float,
+    max_queued: int,
+) -> Saturation | None:
     """Why `backend` should start no more of our requests now, or None when it may."""
     if ceiling is not None and backend.inflight >= ceiling:
         return "ceiling"
     engine = backend.engine
-    if engine is None:
-        return None
+    if engine is not None and backend.report_current(now):
+        usage = engine.kv_cache_usage
+        sent_since = backend.inflight > backend.inflight_at_report
+        freed = backend.inflight < backend.inflight_at_report
+        queue = backend.reported_waiting > 0
+        if usage is not None and usage >= max_kv_usage and not freed and (queue or sent_since):
+            return "kv"
+    room = backend.room.room
+    at_room = room is not None and backend.on_engine(now) >= room
+    return "full" if at_room and queued_ours(backend, now) >= max_queued else None
+
+
+def reports_room(backend: Backend, now: float, max_kv_usage: float) -> bool:
+    """Whether its engine's last report, asked for after our last change on it, shows free
+    sequences, an empty queue and KV room."""
+    engine = backend.engine
+    if engine is None or not backend.report_fresh or not backend.report_current(now):
+        return False
+    room = backend.room.room
     usage = engine.kv_cache_usage
-    freed = backend.inflight < backend.inflight_at_report  # ours finished since its report
-    if usage is not None and usage >= max_kv_usage and not freed:
-        return "kv"
-    capacity = backend.capacity
-    if capacity is not None and backend.on_engine >= capacity:
-        return "full"
-    return None
+    return (
+        backend.reported_waiting == 0
+        and (room is None or backend.reported_running < room)
+        and (usage is None or usage < max_kv_usage)
+    )

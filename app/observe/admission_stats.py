@@ -40,13 +40,19 @@ class AdmissionStats:
         count_left: Callable[[str, str], None],
         count_shed: Callable[[str, str], None],
         clock: Callable[[], float],
+        count_held_with_room: Callable[[str, float], None] = lambda *_: None,
     ) -> None:
-        """The three callbacks move the Prometheus series (wait histogram, dispatches by
-        model and key, sheds by model and reason); `clock` is the loop's."""
+        """The callbacks move the Prometheus series (wait histogram, dispatches by model and
+        key, sheds by model and reason, time held while a backend reported room); `clock`
+        is the loop's."""
         self._observe_wait = observe_wait
         self._count_left = count_left
         self._count_shed = count_shed
+        self._count_held_with_room = count_held_with_room
         self._clock = clock
+        # By backend URL: seconds requests were held while its engine reported room (the
+        # figure saturation.py's rule 4 keeps at zero); bounded by the pool (`forget`).
+        self.held_with_room_s: dict[str, float] = {}
         self._seconds: deque[_Second] = deque(maxlen=WINDOW_S)
         self._waits: dict[str, deque[float]] = {}
         self._shed: dict[str, dict[str, int]] = {}
@@ -80,6 +86,14 @@ class AdmissionStats:
         by_reason[reason] = by_reason.get(reason, 0) + 1
         self._count_shed(label, reason)
 
+    def held_with_room(self, backend: str, seconds: float) -> None:
+        """Requests were held for `seconds` while `backend`'s engine reported room."""
+        self.held_with_room_s[backend] = self.held_with_room_s.get(backend, 0.0) + seconds
+        self._count_held_with_room(backend, seconds)
+
+    def forget(self, backend: str) -> None:
+        self.held_with_room_s.pop(backend, None)
+
     def snapshot(self, held: Mapping[str, int], now: float) -> dict[str, Any]:
         """Per model: held now, wait p50/p99 of its last held requests, shed by reason; per
         key over the window: requests it sent, those that left, and its fair number of them."""
@@ -98,6 +112,7 @@ class AdmissionStats:
         models = sorted({*held, *left, *self._waits, *self._shed})
         return {
             "window_s": WINDOW_S,
+            "held_with_room_s": {url: round(s, 6) for url, s in self.held_with_room_s.items()},
             "models": {
                 model: {
                     "held": held.get(model, 0),

@@ -118,31 +118,38 @@ class Histogram(_RemembersChildren, prometheus_client.Histogram):
 
 
 class LabelledReading(Collector):
-    """A gauge with one label whose values are read when scraped, from counts the proxy
-    keeps anyway (`set_function` for a labelled gauge). A request in flight on a backend
-    moved such a gauge twice, through two label lookups; this reads the pool instead.
-    Nothing is read until `set_function` is given the reader."""
+    """A gauge whose labelled values are read when scraped, from counts the proxy keeps
+    anyway (`set_function` for a labelled gauge). A request in flight on a backend moved
+    such a gauge twice, through two label lookups; this reads the pool instead. Nothing is
+    read until `set_function` is given the reader."""
 
     def __init__(
-        self, name: str, documentation: str, label: str, registry: CollectorRegistry
+        self,
+        name: str,
+        documentation: str,
+        label: str | tuple[str, ...],
+        registry: CollectorRegistry,
     ) -> None:
         self._name = name
         self._documentation = documentation
-        self._label = label
-        self._read: Callable[[], Iterable[tuple[str, float]]] = tuple
+        self._labels = [label] if isinstance(label, str) else list(label)
+        self._read: Callable[[], Iterable[tuple[str | tuple[str, ...], float]]] = tuple
         registry.register(self)
 
-    def set_function(self, read: Callable[[], Iterable[tuple[str, float]]]) -> None:
-        """`read` gives (label value, value) pairs at each scrape."""
+    def set_function(
+        self, read: Callable[[], Iterable[tuple[str | tuple[str, ...], float]]]
+    ) -> None:
+        """`read` gives (label value or values, value) pairs at each scrape."""
         self._read = read
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
+        yield GaugeMetricFamily(self._name, self._documentation, labels=self._labels)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
-        for label_value, value in self._read():
-            family.add_metric([label_value], value)
+        family = GaugeMetricFamily(self._name, self._documentation, labels=self._labels)
+        for label_values, value in self._read():
+            values = [label_values] if isinstance(label_values, str) else list(label_values)
+            family.add_metric(values, value)
         yield family
 
 
@@ -353,6 +360,27 @@ class Metrics:
             "backend",
             registry=r,
         )
+        self.backend_room = LabelledReading(
+            "sluice_backend_room",
+            "Sequences its engine runs at once, as the proxy judges it, and on what basis "
+            "(stated by the engine, seen-full: it refused to run more, unknown: +Inf, nothing "
+            "is held for it)",
+            ("backend", "basis"),
+            registry=r,
+        )
+        self.backend_queued = LabelledReading(
+            "sluice_backend_queued",
+            "The proxy's requests that may be waiting in the backend's own engine queue",
+            "backend",
+            registry=r,
+        )
+        self.admission_held_with_room = held_with_room = Counter(
+            "sluice_admission_held_with_room_seconds",
+            "Seconds requests were held at the proxy while this backend's engine reported "
+            "room (free sequences, an empty queue, after the proxy's last change): kept at 0",
+            ["backend"],
+            registry=r,
+        )
         admission_wait = Histogram(
             "sluice_admission_wait_seconds",
             "Time a held request waited for an engine with room, by model",
@@ -378,12 +406,15 @@ class Metrics:
             lambda model, key: admission_dispatched.labels(model, key).inc(),
             lambda model, reason: admission_shed.labels(model, reason).inc(),
             clock,
+            lambda url, seconds: held_with_room.labels(url).inc(seconds),
         )
 
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its per-backend series (requests_total stays)."""
+        self.admission.forget(url)
         for metric in (
             self.backend_healthy,
+            self.admission_held_with_room,
             self.route_predicted_tokens,
             self.route_reported_cached_tokens,
             self.route_reported_prompt_tokens,

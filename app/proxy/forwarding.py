@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
@@ -199,7 +201,9 @@ class Forwarder:
                 converter,
                 outgoing.answer_as_chat,
             )
-            relayed = await self._try(exchange, backend, attempt, outcome, timing)
+            relayed = await self._try(
+                exchange, backend, attempt, outcome, timing, partial(self.router.started, decision)
+            )
         finally:
             usage = usage_from_tail(relayed.tail) if relayed is not None else None
             key = outgoing.admission.tenant
@@ -231,7 +235,9 @@ class Forwarder:
         attempt: Attempt,
         outcome: _Outcome,
         timing: Timing,
+        started: Callable[[], None] = lambda: None,
     ) -> Relayed:
+        """`started()` when the answer's body begins: the engine runs the request."""
         try:
             response = await open_upstream(
                 self.upstream,
@@ -252,10 +258,17 @@ class Forwarder:
         idle, hub, extra = self.settings.idle_timeout, self.relay_hub, attempt.extra
         try:
             if attempt.as_chat:
-                relayed = await relay_as_chat(response, exchange, extra, idle, hub)
+                relayed = await relay_as_chat(response, exchange, extra, idle, hub, started=started)
             else:
                 relayed = await relay(
-                    response, exchange, extra, idle, hub, attempt.converter, attempt.endpoint
+                    response,
+                    exchange,
+                    extra,
+                    idle,
+                    hub,
+                    attempt.converter,
+                    attempt.endpoint,
+                    started=started,
                 )
         except (StreamBroken, UpstreamFailure) as exc:
             outcome.broken = str(exc)

@@ -23,6 +23,7 @@ client gets a chat completion (chat_conversion.py).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,8 +105,11 @@ async def relay(
     hub: RelayHub,
     converter: Converter | None = None,
     endpoint: Endpoint = CHAT,
+    *,
+    started: Callable[[], None] = lambda: None,
 ) -> Relayed:
-    """Relay the response (through `converter` if given), its body's middle by `hub`.
+    """Relay the response (through `converter` if given), its body's middle by `hub`;
+    `started()` when its body's first bytes come (the engine runs the request).
     `UpstreamFailure` if the body is broken before anything was sent."""
     headers = downstream_headers(response, extra_headers)
     if converter is not None:  # it changes the body's length: chunked, unless all is here
@@ -123,6 +127,11 @@ async def relay(
         await exchange.start(response.status_code, headers, body, complete=True)
         return Relayed(None, passage.tail)
     await exchange.start(response.status_code, headers, first, complete=False)
+    first_write = exchange.mark_first_byte
+    if first:
+        started()
+    else:
+        first_write = _then(exchange.mark_first_byte, started)
     sink = exchange.relay_sink()
     if sink is None:  # an answer to HEAD: no body goes out, so none is read
         await response.release()
@@ -136,7 +145,7 @@ async def relay(
         passage.complete,
         frame,
         idle,
-        exchange.mark_first_byte,
+        first_write,
     )
     ended = await hub.relay(stream)
     if ended.client_gone:
@@ -146,6 +155,14 @@ async def relay(
     await response.release()
     await exchange.end(passage.last(ended.last))
     return Relayed(None, passage.tail)
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 async def _broken_off(
@@ -173,6 +190,8 @@ async def relay_as_chat(
     extra_headers: Headers,
     idle: float,
     hub: RelayHub,
+    *,
+    started: Callable[[], None] = lambda: None,
 ) -> Relayed:
     """Relay a backend's completion as a chat completion; errors (4xx/5xx) pass unchanged.
 
@@ -181,9 +200,10 @@ async def relay_as_chat(
     request can still be retried elsewhere.
     """
     if response.status_code != 200:
-        return await relay(response, exchange, extra_headers, idle, hub)
+        return await relay(response, exchange, extra_headers, idle, hub, started=started)
     if is_event_stream(response):
-        return await relay(response, exchange, extra_headers, idle, hub, ChatStreamConverter())
+        converter = ChatStreamConverter()
+        return await relay(response, exchange, extra_headers, idle, hub, converter, started=started)
     try:
         body = await response.read_rest(idle)
     except UpstreamError as exc:

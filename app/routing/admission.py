@@ -155,32 +155,32 @@ class FairQueue:
         prefer: Callable[[Held], bool] | None = None,
         window: int = 1,
         eligible: Callable[[Held], bool] | None = None,
-        *,
-        heaviest: bool = False,
     ) -> Held | None:
         """The next request to leave: the first in fair order of the best band, or the first
         of its next `window` that `prefer` accepts; only a tenant's first request that is
-        `eligible` (one pinned to a backend without room waits, and its tenant's behind it).
-        `heaviest`: the first of the tenant holding the most instead (a probe of an engine's
-        room, which may wait at the engine, is the heaviest tenant's to take), leaving the
-        band's virtual time as it was."""
-        if not self._bands:
+        `eligible` (one pinned to a backend without room waits, and its tenant's behind it)."""
+        heads = self._heads(eligible)
+        if not heads:
             return None
-        band = self._bands[min(self._bands)]
-        heads = sorted((queue[0] for queue in band.tenants.values()), key=_order)
-        if eligible is not None:
-            heads = [head for head in heads if eligible(head)]
-            if not heads:
-                return None
         chosen = heads[0]
-        if heaviest:
-            chosen = max(heads, key=lambda head: len(band.tenants[head.tenant]))
-        else:
-            if prefer is not None:
-                chosen = next((h for h in heads[:window] if prefer(h)), chosen)
-            band.now = max(band.now, chosen.start)
+        if prefer is not None:
+            chosen = next((h for h in heads[:window] if prefer(h)), chosen)
+        band = self._bands[chosen.priority]
+        band.now = max(band.now, chosen.start)
         self.remove(chosen)
         return chosen
+
+    def waiting_for(self, eligible: Callable[[Held], bool]) -> bool:
+        """Whether `pop` would give a request that is `eligible`."""
+        return bool(self._heads(eligible))
+
+    def _heads(self, eligible: Callable[[Held], bool] | None) -> list[Held]:
+        """The best band's tenants' first requests in fair order, those `eligible`."""
+        if not self._bands:
+            return []
+        band = self._bands[min(self._bands)]
+        heads = sorted((queue[0] for queue in band.tenants.values()), key=_order)
+        return heads if eligible is None else [head for head in heads if eligible(head)]
 
     def remove(self, held: Held) -> None:
         """Take `held` out, wherever it is (it left, gave up, or was shed)."""

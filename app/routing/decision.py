@@ -65,6 +65,7 @@ class Decision:
     pending_tokens: int = 0  # prompt tokens left to prefill, reserved on the backend's load
     model: str | None = None  # the pool it was chosen in
     waited: float = 0.0  # seconds the request was held before an engine had room
+    started: bool = False  # its answer's first byte came (`Router.started`)
 
 
 class Policy(Protocol):

@@ -2,18 +2,23 @@
 room, and is held, unrouted, while none has (late binding).
 
 `enter` routes a request among the pool's backends that are not saturated (saturation.py:
-the engines' own reports, corrected by what the proxy sent since), unless requests of its
-priority band are held already: a newcomer never overtakes them. Otherwise it is held in the
-pool's `FairQueue` (admission.py) until an engine has room, its deadline passes (429 with
-Retry-After), or it is shed to make room for a lighter tenant. Room is looked for whenever
-it may have appeared (`opened`): a request on a backend ended, an engine reported, a backend
-came back; and, while anything is held, every `POLL_S` (a backend that recovered, a report
-that freed room). Each request that leaves is routed then, by the pool's policy, among the
-backends with room, preferring among the next few in fair order one whose prefix the backend
-with room holds (`AFFINITY_WINDOW`).
+the engines' own reports and rooms, and the proxy's own requests as they are), unless
+requests of its priority band are held already: a newcomer never overtakes them. Otherwise
+it is held in the pool's `FairQueue` (admission.py) until an engine has room, its deadline
+passes (429 with Retry-After), or it is shed to make room for a lighter tenant. Room is
+looked for whenever it may have appeared (`opened`): a request on a backend started or
+ended, an engine reported, a backend came back; and, while anything is held, every `POLL_S`
+(a backend that recovered, a report that freed room). Each request that leaves is routed
+then, by the pool's policy, among the backends with room, preferring among the next few in
+fair order one whose prefix the backend with room holds (`AFFINITY_WINDOW`).
 
 A request that leaves is reserved on its backend before its task wakes; a task cancelled in
 between (its client left) gives the reservation back, so nothing is reserved for nobody.
+
+While requests are held, the time an engine they may go to reports room (a report asked
+for after our last change on it: free sequences, an empty queue) is counted per backend
+(`AdmissionStats.held_with_room`): saturation.py's rule 4 says it stays zero, and this is
+the watch on that rule.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 import trio
 
 from app.fleet.backends import Backend, BackendPool
-from app.fleet.saturation import saturation
+from app.fleet.saturation import reports_room, saturation
 from app.observe.admission_stats import AdmissionStats
 from app.routing.admission import Admission, FairQueue, Held, Overloaded
 from app.routing.decision import Decision, RouteRequest
@@ -52,6 +57,7 @@ class _Ticket:
 class GateLimits:
     ceiling: int | None  # --max-inflight-per-backend: our requests on one backend, at most
     max_kv_usage: float  # an engine this full takes no more
+    max_queued: int  # --max-queued-per-backend: ours waiting in one engine's queue, at most
     max_held: int  # held requests of one pool, every tenant's
     max_per_tenant: int  # held requests of one tenant in one pool
     timeout: float  # --admission-timeout: the longest a request is held
@@ -82,13 +88,17 @@ class Gate:
         # One per pool (model), made at its first held request: at most MAX_MODELS + 1.
         self.queues: dict[str | None, FairQueue] = {}
         self._anything_held = trio.Event()
+        # Backends that report room while requests they may take are held: since when.
+        self._room_since: dict[Backend, float] = {}
 
     @property
     def held(self) -> int:
         return sum(len(queue) for queue in self.queues.values())
 
     def saturated(self, backend: Backend) -> str | None:
-        return saturation(backend, self.limits.ceiling, self.limits.max_kv_usage)
+        limits = self.limits
+        now = trio.current_time()
+        return saturation(backend, now, limits.ceiling, limits.max_kv_usage, limits.max_queued)
 
     def with_room(self, candidates: Iterable[Backend]) -> list[Backend]:
         return [b for b in candidates if self.saturated(b) is None]
@@ -151,6 +161,7 @@ class Gate:
         # Room may be open to others while a request pinned to a full backend is held.
         self._release_from(model, queue)
         deadline = min(arrived + self.limits.timeout, admission.deadline)
+        self._watch_room()
         try:
             with trio.move_on_at(deadline):
                 await ticket.left.wait()
@@ -158,6 +169,7 @@ class Gate:
         finally:
             if not ticket.left.is_set():
                 queue.remove(held)
+                self._watch_room()
             elif ticket.decision is not None and not ticket.taken:
                 # Cancelled after it was routed: nobody will use the reservation.
                 self._give_back(ticket.decision)
@@ -174,6 +186,31 @@ class Gate:
             queue = self.queues.get(model)
             if queue:
                 self._release_from(model, queue)
+        if self._room_since or self.held:
+            self._watch_room()
+
+    def _watch_room(self) -> None:
+        """Start or stop the clock of each backend that reports room while a held request
+        could go to it (none should: saturation.py, rule 4); `--max-inflight-per-backend`
+        holding at its ceiling is the operator's choice, and not counted."""
+        now = trio.current_time()
+        max_kv = self.limits.max_kv_usage
+        reporting: set[Backend] = set()
+        for model, queue in self.queues.items():
+            if not queue:
+                continue
+            for backend in self.pool.available(now, (), model):
+                if (
+                    backend not in reporting
+                    and reports_room(backend, now, max_kv)
+                    and self.saturated(backend) != "ceiling"
+                    and queue.waiting_for(_may_go_to_one_of(frozenset((backend.url,))))
+                ):
+                    reporting.add(backend)
+        for backend in [b for b in self._room_since if b not in reporting]:
+            self.stats.held_with_room(backend.url, now - self._room_since.pop(backend))
+        for backend in reporting:
+            self._room_since.setdefault(backend, now)
 
     def _release_from(self, model: str | None, queue: FairQueue) -> None:
         now = trio.current_time()
@@ -188,13 +225,7 @@ class Gate:
             if not open_:
                 return
             urls = frozenset(backend.url for backend in open_)
-            probing = all(backend.probing for backend in open_)
-            held = queue.pop(
-                _prefers_one_of(urls),
-                AFFINITY_WINDOW,
-                _may_go_to_one_of(urls),
-                heaviest=probing,
-            )
+            held = queue.pop(_prefers_one_of(urls), AFFINITY_WINDOW, _may_go_to_one_of(urls))
             if held is None:
                 return
             ticket = self._ticket(held)

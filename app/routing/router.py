@@ -6,7 +6,9 @@ policy chooses among the backends of the request's model that take traffic and w
 have room, or the request is held, unrouted, until one has (fairly across API keys), or is
 refused with `Overloaded` (a 429). The chosen backend's in-flight count and pending prompt
 tokens are reserved at once (no await in between, so two requests never both take the last
-room), and `release` gives them back, lets held requests of the backend's pools leave, and
+room); `started` says its answer's first byte came (the engine runs it: it left the engine's
+queue, and a held request may take its place there); `release` gives the reservation back,
+lets held requests of the backend's pools leave, and
 feeds the backend's reported usage to the policy (cache_aware checks its prediction) and to
 the token limiter (completion tokens). Backends added or removed at run time go through here
 too, so the index forgets a removed backend.
@@ -25,6 +27,7 @@ from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
 from app.config import Settings
 from app.fleet.backends import Backend, BackendPool
+from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
 from app.observe.metrics import Metrics
 from app.routing.admission import ANYONE, Admission, Overloaded
@@ -97,6 +100,7 @@ class Router:
         limits = GateLimits(
             ceiling=settings.max_inflight_per_backend,
             max_kv_usage=settings.max_kv_usage,
+            max_queued=settings.max_queued_per_backend,
             max_held=settings.admission_queue,
             max_per_tenant=settings.admission_queue_per_key,
             timeout=settings.admission_timeout,
@@ -127,6 +131,15 @@ class Router:
         )
         metrics.backend_saturated.set_function(
             lambda: [(b.url, float(self.gate.saturated(b) is not None)) for b in pool.backends]
+        )
+        metrics.backend_room.set_function(
+            lambda: [
+                ((b.url, b.room.basis), math.inf if b.room.room is None else b.room.room)
+                for b in pool.backends
+            ]
+        )
+        metrics.backend_queued.set_function(
+            lambda: [(b.url, queued_ours(b, trio.current_time())) for b in pool.backends]
         )
         self._cache_aware = self.policy if isinstance(self.policy, CacheAware) else None
         self._chain_queued = trio.Event()  # set when a long chain waits to be recorded
@@ -218,7 +231,7 @@ class Router:
         cached = prediction.cached_tokens if prediction is not None else 0
         pending = max(estimated_tokens(request) - cached, 0)
         backend = decision.backend
-        backend.inflight += 1
+        backend.sent(trio.current_time())
         backend.pending_tokens += pending
         events = self.kv_events.get(backend.url)
         if events is not None and prediction is not None and prediction.stores_blocks:
@@ -236,6 +249,16 @@ class Router:
             self._requested = trio.Event()
         await self._requested.wait()
 
+    def started(self, decision: Decision) -> None:
+        """The first byte of `decision`'s answer came: its engine runs it, and one of ours
+        fewer waits in that engine's queue, so a held request may go."""
+        if decision.started:
+            return
+        decision.started = True
+        backend = decision.backend
+        backend.started(trio.current_time())
+        self.gate.opened((None, *backend.served))
+
     def release(
         self,
         decision: Decision,
@@ -248,7 +271,7 @@ class Router:
         Its completion tokens are charged to the key's budget, and its prompt's too when
         they were not taken at `admit` (`prompt_admitted`: Sluice counted no prompt)."""
         backend = decision.backend
-        backend.inflight -= 1
+        backend.ended(trio.current_time(), decision.started)
         backend.pending_tokens -= decision.pending_tokens
         self.gate.opened((None, *backend.served))
         limit = self.budget(per_minute)
@@ -308,6 +331,7 @@ class Router:
             "admission": {
                 "max_inflight_per_backend": limits.ceiling,
                 "max_kv_usage": limits.max_kv_usage,
+                "max_queued_per_backend": limits.max_queued,
                 "held": gate.held,
                 "held_by_model": {
                     model or NO_MODEL: len(queue) for model, queue in gate.queues.items()

@@ -60,10 +60,27 @@ from app.sim.transcription import TranscriptionEndpoint
 
 # What `GET /version` reports; SMG asks for it when it registers a worker.
 VERSION = "0.0.0+sluice.sim"
+# Where the imitated engine states how many sequences it runs at once (app/fleet/engine_limits.py).
+STATED_LIMIT_PATHS = {"sglang": "/get_server_info", "llamacpp": "/props", "tgi": "/info"}
 # How many requests' `traceparent` headers /sim/state shows.
 TRACEPARENTS_KEPT = 1000
 
 JSON = [(b"content-type", b"application/json")]
+
+
+def stated_about(settings: SimSettings) -> dict[str, Any]:
+    """What the imitated engine says about itself where it states its limit (a few of its
+    fields): SGLang's /get_server_info, llama.cpp's /props, TGI's /info (whose
+    `max_batch_size` is null unless TGI was given one, as by default)."""
+    model, seqs = settings.served_models[0], settings.max_num_seqs
+    if settings.metrics_style == "sglang":
+        state = {"effective_max_running_requests_per_dp": seqs, "last_gen_throughput": 0.0}
+        return {"model_path": model, "max_running_requests": None, "dp_size": 1,
+                "internal_states": [state], "version": VERSION}  # fmt: skip
+    if settings.metrics_style == "llamacpp":
+        return {"model_alias": model, "total_slots": seqs, "build_info": VERSION}
+    return {"model_id": model, "max_batch_size": None, "max_concurrent_requests": 128,
+            "version": VERSION}  # fmt: skip
 
 
 class SimServer:
@@ -111,6 +128,8 @@ class SimServer:
             "/sim/state": {"GET": self._state},
             "/sim/evict": {"POST": self._evict},
         }
+        if settings.metrics_style in STATED_LIMIT_PATHS:
+            self._routes[STATED_LIMIT_PATHS[settings.metrics_style]] = {"GET": self._about}
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -187,6 +206,9 @@ class SimServer:
 
     async def _version(self, exchange: Exchange) -> None:
         await exchange.respond_json(200, {"version": VERSION})
+
+    async def _about(self, exchange: Exchange) -> None:
+        await exchange.respond_json(200, stated_about(self.settings))
 
     async def _tokenize(self, exchange: Exchange) -> None:
         self.tokenize_requests += 1

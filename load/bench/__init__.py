@@ -25,6 +25,7 @@ NAMES = (
     "tracing",
     "replicas",
     "fairness",
+    "admission",
     "longprompts",
 )
 

@@ -5,13 +5,16 @@
 // router picked it, what its engine (vLLM, SGLang, llama.cpp, TGI) reports about itself in
 // its /metrics, when it does, and what the prefix index of it stands on: the engine's KV
 // events (with their lag), or Sluice's own predictions. A backend serving two models is
-// under both; one whose engine Sluice judges saturated says why (full, kv, ceiling). Below,
+// under both; one whose engine Sluice judges saturated says why (full, kv, ceiling), and
+// each shows its engine's room as Sluice judges it (stated by the engine, seen full, or
+// unknown: nothing held for it), with why, and the time requests were held while its engine
+// reported room (kept at zero: red when not). Below,
 // each API key's share of the requests that left the admission queue against its fair share.
 
 import { COLORS, TimeChart } from "../charts.js";
 import { DASH, count, el, ms, pct, rate, seconds } from "../format.js";
 
-const COLUMNS = 14;
+const COLUMNS = 16;
 
 function reasons(traffic) {
   const entries = Object.entries(traffic.route_reasons || {});
@@ -46,6 +49,15 @@ function fraction(value) {
   return value === null || value === undefined ? DASH : pct(value * 100);
 }
 
+// The room cell: sequences its engine runs at once, as judged, and on what basis.
+function roomCell(b) {
+  const room = b.room || {};
+  const value = room.room === null || room.room === undefined ? "∞" : count(room.room);
+  const queued = b.queued ? ` · ${count(b.queued)} queued` : "";
+  const title = `${room.why || ""}\nmost seen running: ${count(room.most || 0)}\nof ours maybe in its queue: ${count(b.queued || 0)}`;
+  return el("td", { class: "num", title, dataset: { basis: room.basis || "unknown" } }, `${value} ${room.basis || "unknown"}${queued}`);
+}
+
 function backendRow(b, model) {
   const traffic = b.traffic || {};
   const engine = b.engine || {};
@@ -67,6 +79,8 @@ function backendRow(b, model) {
     el("td", { class: "num" }, engine.running === undefined ? DASH : `${count(engine.running)} / ${count(engine.waiting)}`),
     el("td", { class: "num" }, fraction(engine.kv_cache_usage)),
     el("td", { class: "num" }, fraction(engine.prefix_cache_hit_rate)),
+    roomCell(b),
+    el("td", { class: `num ${b.held_with_room_s ? "down" : ""}`, dataset: { field: "held-with-room" } }, seconds(b.held_with_room_s || 0)),
     kvIndex(b.kv_events),
   ]);
 }

@@ -1,0 +1,107 @@
+"""How many sequences an engine runs at once, as Sluice judges it, and why. Pure: it is told
+the engine's reports, the limit the engine states and its restarts; no clock, no I/O.
+
+Design rules:
+1. A stated limit wins. An engine that says how many sequences it runs (SGLang's
+   `/get_server_info`, llama.cpp's `/props`, TGI's `/info`: engine_limits.py) has that room.
+2. Otherwise the room is unknown until the engine is seen refusing to run more: a queue held
+   over `REFUSALS_TO_LEARN` reports in a row while the running count stayed where it was, at
+   the most the engine ever ran. The room is then that most. A queue while the running
+   count moves says nothing: under chunked prefill, requests wait a step for the token
+   budget while others finish (measured: a burst of 1-token chats read that way as a room
+   of 9 on an engine of 32, and streams were held for seconds behind it). Nor does a queue
+   below its most (a batch bound by KV memory, which the KV use watches), nor one report.
+3. Never below what it demonstrably ran, and raised as soon as it runs more: an engine seen
+   running more than its learnt room had more, and the room is unknown again until it
+   refuses again. A stated room is at least what the engine was seen running.
+4. A restart forgets everything, a stated limit too (the watchers read it again): the new
+   process may run with other flags. Restarts are told by the fleet's watchers (a counter
+   that went back, a new start time, a health check that failed and passed again).
+5. Unknown is unbounded: nothing is held back for an engine whose room is unknown, and its
+   own queue is the fallback.
+
+The bases of a room and what moves them (anything else leaves the basis as it is):
+
+    basis      event                                                 next basis
+    ---------  ----------------------------------------------------  ----------
+    unknown    `stated(n)`                                           stated
+    seen-full  `stated(n)`                                           stated
+    stated     `stated(None)`: it no longer says                     unknown
+    unknown    `reported`: refusing at its most, REFUSALS_TO_LEARN   seen-full
+    seen-full  `reported`: ran more than the room                    unknown
+    any        `restarted`                                           unknown
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+RoomBasis = Literal["unknown", "stated", "seen-full"]
+# Reports in a row (0.5 s apart while traffic flows) that must show an engine refusing at
+# its most before its room is taken to be that most.
+REFUSALS_TO_LEARN = 3
+NEVER_SEEN_FULL = "never seen refusing: requests go to it, its own queue is the fallback"
+
+
+@dataclass
+class EngineRoom:
+    room: int | None = None  # None: unknown, unbounded
+    basis: RoomBasis = "unknown"
+    why: str = NEVER_SEEN_FULL
+    most: int = 0  # the most it was seen running at once since it (re)started
+    stated_limit: int | None = None
+    stated_by: str = ""  # where the stated limit was read
+    refusals: int = 0  # reports in a row that showed it refusing at its most
+    restarts: int = 0  # how many times it was told of a restart
+    _last_running: int | None = None
+
+    def reported(self, running: int, waiting: int) -> None:
+        """One report of the engine: sequences running, requests waiting."""
+        refusing_at_most = waiting > 0 and running >= self.most and running > 0
+        steady = running == self._last_running
+        self.refusals = (self.refusals + 1 if steady else 1) if refusing_at_most else 0
+        self._last_running = running
+        self.most = max(self.most, running)
+        if self.basis == "stated":
+            assert self.stated_limit is not None
+            if self.most > self.stated_limit:
+                self.room = self.most
+                self.why = f"{self.stated_by} states {self.stated_limit}; it ran {self.most}"
+            return
+        if self.basis == "seen-full" and self.room is not None and running > self.room:
+            self._unknown(f"ran {running}, more than its room of {self.room} then")
+            return
+        if self.refusals >= REFUSALS_TO_LEARN and self.basis == "unknown":
+            self.basis, self.room = "seen-full", self.most
+            self.why = (
+                f"ran {running} with {waiting} waiting in {self.refusals} reports in a row, "
+                "the most it ever ran"
+            )
+
+    def stated(self, limit: int | None, by: str) -> None:
+        """What the engine says of its own limit (None: it says nothing)."""
+        if limit is None or limit < 1:
+            if self.basis == "stated":
+                self._unknown(f"{self.stated_by} no longer states a limit")
+            self.stated_limit = None
+            return
+        self.stated_limit, self.stated_by = limit, by
+        self.basis, self.room = "stated", max(limit, self.most)
+        self.why = f"{by} states {limit}"
+
+    def restarted(self, what: str) -> None:
+        """The engine restarted (or may have): what was learnt of the old one is gone."""
+        self.restarts += 1
+        self.most = 0
+        self._last_running = None
+        self.refusals = 0
+        self.stated_limit = None
+        self._unknown(f"{what}: room unknown until it states or shows it")
+
+    def _unknown(self, why: str) -> None:
+        self.basis, self.room, self.why = "unknown", None, why
+        self.refusals = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"room": self.room, "basis": self.basis, "why": self.why, "most": self.most}
