@@ -24,9 +24,9 @@ import trio
 import trio.testing
 
 from app.config import Settings
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Asked, Backend, BackendPool
 from app.fleet.engine_metrics import EngineLoad
-from app.fleet.room import REFUSALS_TO_LEARN, EngineRoom
+from app.fleet.room import REFUSALS_TO_LEARN, EngineRoom, Seen
 from app.fleet.saturation import queued_ours, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats, fair_shares
 from app.observe.metrics import Metrics
@@ -155,15 +155,16 @@ def test_fair_shares_are_max_min_by_weight() -> None:
 
 
 def refusing(room: EngineRoom, running: int, waiting: int, reports: int) -> None:
+    """Reports of a queue while one of ours waited unstarted all along."""
     for _ in range(reports):
-        room.reported(running, waiting)
+        room.reported(Seen(running, waiting, True))
 
 
 def test_a_room_is_learnt_only_from_a_queue_held_at_the_most_the_engine_ran() -> None:
     room = EngineRoom()
     refusing(room, 4, 9, REFUSALS_TO_LEARN - 1)
     assert room.room is None and room.basis == "unknown"  # not yet: could be a step's wait
-    room.reported(4, 9)
+    room.reported(Seen(4, 9, False, queue_wait_s=0.4, step_s=0.02))  # 20 steps in its queue
     assert (room.room, room.basis) == (4, "seen-full")
     assert "ran 4 with 9 waiting" in room.why
 
@@ -173,12 +174,17 @@ def test_a_queue_while_the_running_count_moves_or_below_its_most_teaches_nothing
     the running count moves under a queue (measured: read as a full engine, a burst of
     1-token chats left a room of 9 on an engine of 32)."""
     room = EngineRoom()
-    room.reported(20, 0)
+    room.reported(Seen(20, 0, True))
     for running in (9, 12, 7, 9, 11, 9, 9, 9):  # below the 20 it ran: a KV-bound or step wait
-        room.reported(running, 5)
+        room.reported(Seen(running, 5, True))
     assert room.room is None
     for running in (20, 19, 20, 18, 20):  # at its most, but moving
-        room.reported(running, 3)
+        room.reported(Seen(running, 3, True))
+    assert room.room is None
+    for _ in range(5):  # steady at its most, but none of ours waited from one report to the next
+        room.reported(Seen(20, 12, False))
+    for _ in range(5):  # nor did the engine's own requests wait more than a step or two
+        room.reported(Seen(20, 12, True, queue_wait_s=0.03, step_s=0.02))
     assert room.room is None
     refusing(room, 20, 3, REFUSALS_TO_LEARN)
     assert room.room == 20
@@ -188,10 +194,10 @@ def test_a_room_is_never_below_what_the_engine_ran_and_grows_when_it_runs_more()
     room = EngineRoom()
     refusing(room, 4, 2, REFUSALS_TO_LEARN)
     assert room.room == 4
-    room.reported(3, 4)  # a queue below its room: never lowers it
-    room.reported(4, 0)
+    room.reported(Seen(3, 4, True))  # a queue below its room: never lowers it
+    room.reported(Seen(4, 0, True))
     assert room.room == 4
-    room.reported(6, 0)  # ran more than its room: it had more, how much is unknown
+    room.reported(Seen(6, 0, True))  # ran more than its room: it had more, how much is unknown
     assert (room.room, room.basis) == (None, "unknown")
     refusing(room, 8, 1, REFUSALS_TO_LEARN)
     assert room.room == 8
@@ -204,7 +210,7 @@ def test_a_stated_limit_wins_and_a_restart_forgets_all() -> None:
     assert (room.room, room.basis, room.why) == (16, "stated", "/get_server_info states 16")
     refusing(room, 10, 3, REFUSALS_TO_LEARN)  # a queue below a stated limit: KV-bound
     assert room.room == 16
-    room.reported(17, 0)  # it ran more than it said: never below what it ran
+    room.reported(Seen(17, 0, True))  # it ran more than it said: never below what it ran
     assert room.room == 17
     room.restarted("its engine restarted")
     assert (room.room, room.basis, room.most, room.restarts) == (None, "unknown", 0, 1)
@@ -217,7 +223,9 @@ def test_a_stated_limit_wins_and_a_restart_forgets_all() -> None:
 def reported(
     backend: Backend, running: int, waiting: int, kv: float | None = None, at: float = 0.0
 ) -> None:
-    backend.engine_reported(EngineLoad("vllm", running, waiting, kv, None), at)
+    """A report asked for at `at`, one of ours (if any) unstarted since the one before."""
+    asked = Asked(at, backend.inflight, True)
+    backend.engine_reported(EngineLoad("vllm", running, waiting, kv, None), asked)
 
 
 def full(backend: Backend, room: int, at: float = 0.0) -> None:

@@ -314,6 +314,7 @@ def test_tgi_has_queue_and_batch_but_no_kv_use() -> None:
         reported_hit_rate=None,
         prefix_queries=None,
         prefix_hits=None,
+        queue_time=(211.4, 1032.0),
     )
 
 
@@ -376,6 +377,20 @@ def test_an_idle_interval_keeps_the_rate_and_a_restart_forgets_it() -> None:
     restarted = next_load(vllm_reading(20, 0), vllm_reading(1400, 400), shown)
     assert restarted.prefix_cache_hit_rate is None and restarted.restarted
     assert not idle.restarted
+
+
+def test_the_queue_wait_and_the_step_are_means_over_the_interval() -> None:
+    def at(queued: tuple[float, float], gaps: tuple[float, float]) -> EngineReading:
+        return EngineReading(
+            "vllm", 4, 9, None, None, None, None, None, None, queue_time=queued, token_gap=gaps
+        )
+
+    first = next_load(at((3.0, 10), (2.0, 100)), None, None)
+    assert (first.queue_wait_s, first.step_s) == (None, None)  # one reading: no interval
+    later = next_load(at((5.0, 14), (4.0, 200)), at((3.0, 10), (2.0, 100)), first)
+    assert later.queue_wait_s == pytest.approx(0.5) and later.step_s == pytest.approx(0.02)
+    idle = next_load(at((5.0, 14), (4.0, 200)), at((5.0, 14), (4.0, 200)), later)
+    assert (idle.queue_wait_s, idle.step_s) == (None, None)  # nothing finished meanwhile
 
 
 def test_a_restart_is_a_new_start_time_or_a_counter_gone_back() -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.fleet.engine_metrics import EngineLoad
-from app.fleet.room import EngineRoom
+from app.fleet.room import EngineRoom, Seen
 from app.models import MAX_MODELS
 
 # "not required": passthrough mode. "unchecked" -> "checking" -> "verified" | "refused";
@@ -81,6 +81,16 @@ def backend_id(url: str) -> str:
     return "b-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A report of an engine, as it was asked for: when, how many of our requests were on
+    it, and whether one of ours had waited unstarted since the report before."""
+
+    at: float
+    ours: int
+    ours_waited: bool
+
+
 @dataclass
 class Breaker:
     consecutive_failures: int = 0
@@ -115,6 +125,8 @@ class Backend:
     others_inflight: int = 0  # what it ran or queued then beyond our own in flight
     inflight_at_report: int = 0  # our own in flight then
     others_per_own: float = 0.0  # the fleet's, at the last scrapes (`engines_reported`)
+    unstarted_at_ask: int = 0  # ours unstarted when its last report was asked for
+    left_unstarted: int = 0  # of ours, those that started, or ended unstarted, since
     room: EngineRoom = field(default_factory=EngineRoom)  # sequences it runs at once
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
@@ -154,13 +166,25 @@ class Backend:
     def started(self, now: float) -> None:
         """The first byte of one of our requests' answers came: its engine runs it."""
         self.unstarted -= 1
+        self.left_unstarted += 1
         self.changed_at = now
 
     def ended(self, now: float, started: bool) -> None:
         """One of our requests on it ended (`started`: its first byte had come)."""
         self.inflight -= 1
-        self.unstarted -= not started
+        if not started:
+            self.unstarted -= 1
+            self.left_unstarted += 1
         self.changed_at = now
+
+    def asking(self, now: float) -> Asked:
+        """A report of its engine is asked for now: what to read it against. Fewer of ours
+        left the unstarted since the last report was asked than were unstarted then, so
+        one of those is unstarted still: it waited a whole interval, where a request that
+        only waits a step for the token budget would have started."""
+        waited = self.left_unstarted < self.unstarted_at_ask
+        self.unstarted_at_ask, self.left_unstarted = self.unstarted, 0
+        return Asked(now, self.inflight, waited)
 
     @property
     def load(self) -> float:
@@ -194,14 +218,13 @@ class Backend:
         then counts every one of our requests as they still are."""
         return self.reported_at > self.changed_at
 
-    def engine_reported(
-        self, engine: EngineLoad | None, asked_at: float = 0.0, ours: int | None = None
-    ) -> None:
-        """What its engine's metrics said (None: it reports no load), asked for at
-        `asked_at` while `ours` of our requests were on it (default: as many as now).
-        What it ran and queued beyond those is other senders' work."""
+    def engine_reported(self, engine: EngineLoad | None, asked: Asked | None = None) -> None:
+        """What its engine's metrics said (None: it reports no load), against what was
+        `asked` (default: now, as many of ours as now, none of them waiting long). What it
+        ran and queued beyond our requests then is other senders' work."""
+        asked = asked or Asked(0.0, self.inflight, False)
         self.engine = engine
-        self.reported_at = asked_at
+        self.reported_at = asked.at
         if engine is None:
             self.reported_waiting = self.reported_running = self.others_inflight = 0
             if self.room.basis != "stated":
@@ -209,12 +232,20 @@ class Backend:
             return
         if engine.restarted:
             self.room.restarted("its engine restarted (a counter went back or a new start)")
-        ours = self.inflight if ours is None else ours
         self.reported_waiting = engine.waiting or 0
         self.reported_running = engine.running or 0
-        self.others_inflight = max(self.reported_running + self.reported_waiting - ours, 0)
-        self.inflight_at_report = ours
-        self.room.reported(self.reported_running, self.reported_waiting)
+        running_or_waiting = self.reported_running + self.reported_waiting
+        self.others_inflight = max(running_or_waiting - asked.ours, 0)
+        self.inflight_at_report = asked.ours
+        self.room.reported(
+            Seen(
+                self.reported_running,
+                self.reported_waiting,
+                asked.ours_waited,
+                engine.queue_wait_s,
+                engine.step_s,
+            )
+        )
 
     @property
     def reported_kv_usage(self) -> float | None:

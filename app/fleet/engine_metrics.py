@@ -47,6 +47,10 @@ class _Signals:
     # A restart shows as a counter that went back, or a new start time.
     prompt_tokens: tuple[str, ...] = ()
     started_at: tuple[str, ...] = ()
+    # Histograms' sums and counts: a request's time in the queue, and between two tokens
+    # (a step): together, whether it waited steps for room (room.py).
+    queue_time: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    token_gap: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     replica_labels: frozenset[str] = frozenset()
 
 
@@ -67,6 +71,17 @@ ENGINES: tuple[_Signals, ...] = (
             "vllm:prefix_cache_queries_created",
             "process_start_time_seconds",
         ),
+        queue_time=(
+            ("vllm:request_queue_time_seconds_sum",),
+            ("vllm:request_queue_time_seconds_count",),
+        ),
+        token_gap=(
+            ("vllm:inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"),
+            (
+                "vllm:inter_token_latency_seconds_count",
+                "vllm:time_per_output_token_seconds_count",
+            ),
+        ),
     ),
     _Signals(
         "sglang",
@@ -84,7 +99,16 @@ ENGINES: tuple[_Signals, ...] = (
         kv_usage=("llamacpp:kv_cache_usage_ratio",),
         prompt_tokens=("llamacpp:prompt_tokens_total",),
     ),
-    _Signals("tgi", running=("tgi_batch_current_size",), waiting=("tgi_queue_size",)),
+    _Signals(
+        "tgi",
+        running=("tgi_batch_current_size",),
+        waiting=("tgi_queue_size",),
+        queue_time=(("tgi_request_queue_duration_sum",), ("tgi_request_queue_duration_count",)),
+        token_gap=(
+            ("tgi_request_mean_time_per_token_duration_sum",),
+            ("tgi_request_mean_time_per_token_duration_count",),
+        ),
+    ),
 )
 
 Labels = tuple[tuple[str, str], ...]
@@ -109,6 +133,8 @@ class EngineReading:
     prefix_hits: float | None
     prompt_tokens: float | None = None
     started_at: float | None = None
+    queue_time: tuple[float, float] | None = None  # (sum, count)
+    token_gap: tuple[float, float] | None = None  # (sum, count)
 
 
 @dataclass(frozen=True)
@@ -121,6 +147,10 @@ class EngineLoad:
     kv_cache_usage: float | None
     prefix_cache_hit_rate: float | None
     restarted: bool = False  # since the reading before: a counter went back, or a new start
+    # Over the interval since the reading before, where the engine says: the mean time the
+    # requests that finished had waited in its queue, and the mean gap between two tokens.
+    queue_wait_s: float | None = None
+    step_s: float | None = None
 
 
 def samples(text: str, name: str) -> Iterator[Sample]:
@@ -213,8 +243,28 @@ def read_engine(text: str) -> EngineReading | None:
             prefix_hits=_first(text, signals.prefix_hits, signals, average=False),
             prompt_tokens=_first(text, signals.prompt_tokens, signals, average=False),
             started_at=_first(text, signals.started_at, signals, average=True),
+            queue_time=_sum_count(text, signals.queue_time, signals),
+            token_gap=_sum_count(text, signals.token_gap, signals),
         )
     return None
+
+
+def _sum_count(
+    text: str, names: tuple[tuple[str, ...], tuple[str, ...]], signals: _Signals
+) -> tuple[float, float] | None:
+    total = _first(text, names[0], signals, average=False)
+    count = _first(text, names[1], signals, average=False)
+    return None if total is None or count is None else (total, count)
+
+
+def _interval_mean(
+    now: tuple[float, float] | None, before: tuple[float, float] | None
+) -> float | None:
+    """A histogram's mean over the interval between two readings (None: nothing observed)."""
+    if now is None or before is None:
+        return None
+    total, count = now[0] - before[0], now[1] - before[1]
+    return total / count if count > 0 and total >= 0 else None
 
 
 def next_load(
@@ -227,6 +277,8 @@ def next_load(
     backwards (the engine restarted) or on the first reading, it is unknown until the next.
     A restart is told by a counter that went back or a start time that changed.
     """
+    restarted = earlier is not None and _restarted(earlier, reading)
+    before = earlier or reading
     rate = reading.reported_hit_rate
     if reading.prefix_queries is not None and reading.prefix_hits is not None:
         rate = None
@@ -247,7 +299,9 @@ def next_load(
         waiting=reading.waiting,
         kv_cache_usage=reading.kv_cache_usage,
         prefix_cache_hit_rate=rate,
-        restarted=earlier is not None and _restarted(earlier, reading),
+        restarted=restarted,
+        queue_wait_s=None if restarted else _interval_mean(reading.queue_time, before.queue_time),
+        step_s=None if restarted else _interval_mean(reading.token_gap, before.token_gap),
     )
 
 

@@ -8,11 +8,12 @@ running, waiting, KV use, prefix hit rate) through `Backend.engine_reported`, an
 each round the fleet's ratio of others' requests to ours (`BackendPool.engines_reported`).
 The policies see both in `Backend.load`: it also counts what other proxy replicas send,
 which local in-flight counts cannot. A backend that has no such metrics (404, or none of
-those names) is asked again only every `RETRY_UNSUPPORTED` seconds. Each report is stamped
-with when it was asked for and how many of our requests were on the backend then (what it
-ran beyond those is others'). An engine that states its limit (engine_limits.py) is asked
-for it after its first report and after each restart; one that says nothing is asked again
-every `RETRY_UNSUPPORTED` seconds.
+those names) is asked again only every `RETRY_UNSUPPORTED` seconds. Each report is read
+against what was true when it was asked for (`Backend.asking`): when, how many of our
+requests were on the backend (what it ran beyond those is others'), whether one of ours
+waited unstarted since the report before. An engine that states its limit (engine_limits.py)
+is asked for it after its first report and after each restart; one that says nothing is
+asked again every `RETRY_UNSUPPORTED` seconds.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class LoadScraper:
         self.reported()
 
     async def scrape(self, backend: Backend) -> None:
-        asked_at, ours = trio.current_time(), backend.inflight
+        asked = backend.asking(trio.current_time())
         try:
             with trio.fail_after(self.timeout):
                 response = await self.client.get(backend.url, "/metrics")
@@ -110,14 +111,14 @@ class LoadScraper:
                 )
             self._unsupported_until[backend.id] = trio.current_time() + RETRY_UNSUPPORTED
             self._last_reading.pop(backend.id, None)
-            backend.engine_reported(None, asked_at, ours)
+            backend.engine_reported(None, asked)
             return
         self._unsupported_until.pop(backend.id, None)
         if backend.engine is None or backend.engine.name != reading.engine:
             log.info("backend %s: %s metrics", backend.url, reading.engine)
         earlier = self._last_reading.get(backend.id)
         self._last_reading[backend.id] = reading
-        backend.engine_reported(next_load(reading, earlier, backend.engine), asked_at, ours)
+        backend.engine_reported(next_load(reading, earlier, backend.engine), asked)
         await self._read_limit(backend, reading.engine)
 
     async def _read_limit(self, backend: Backend, engine: EngineName) -> None:

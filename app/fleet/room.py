@@ -6,11 +6,18 @@ Design rules:
    `/get_server_info`, llama.cpp's `/props`, TGI's `/info`: engine_limits.py) has that room.
 2. Otherwise the room is unknown until the engine is seen refusing to run more: a queue held
    over `REFUSALS_TO_LEARN` reports in a row while the running count stayed where it was, at
-   the most the engine ever ran. The room is then that most. A queue while the running
-   count moves says nothing: under chunked prefill, requests wait a step for the token
-   budget while others finish (measured: a burst of 1-token chats read that way as a room
-   of 9 on an engine of 32, and streams were held for seconds behind it). Nor does a queue
-   below its most (a batch bound by KV memory, which the KV use watches), nor one report.
+   the most the engine ever ran, and requests waited for room, not for a step: where the
+   engine says (vLLM's, TGI's histograms), its requests' mean time in the queue was at least
+   `REFUSED_STEPS` of its steps (its mean gap between two tokens); elsewhere, one of our own
+   waited unstarted from one report to the next. The room is then that most.
+   A queue while the running count moves says nothing: under chunked prefill, requests wait
+   a step for the token budget while others finish (measured: a burst of 1-token chats read
+   that way as a room of 9 on an engine of 32, and streams were held for seconds behind
+   it). Nor does a queue below its most (a batch bound by KV memory, which the KV use
+   watches), nor one report. Nor a running count that only looks steady: a closed loop of
+   short requests settles into batches of fixed sizes (19 and 13 on an engine of 32), and
+   reports that happen to fall in the larger showed it "running 19, 13 waiting" three times
+   in a row; but no request waited longer than a step there.
 3. Never below what it demonstrably ran, and raised as soon as it runs more: an engine seen
    running more than its learnt room had more, and the room is unknown again until it
    refuses again. A stated room is at least what the engine was seen running.
@@ -28,6 +35,7 @@ The bases of a room and what moves them (anything else leaves the basis as it is
     seen-full  `stated(n)`                                           stated
     stated     `stated(None)`: it no longer says                     unknown
     unknown    `reported`: refusing at its most, REFUSALS_TO_LEARN   seen-full
+               reports in a row, one of ours waiting all along
     seen-full  `reported`: ran more than the room                    unknown
     any        `restarted`                                           unknown
 """
@@ -40,8 +48,29 @@ from typing import Any, Literal
 RoomBasis = Literal["unknown", "stated", "seen-full"]
 # Reports in a row (0.5 s apart while traffic flows) that must show an engine refusing at
 # its most before its room is taken to be that most.
-REFUSALS_TO_LEARN = 3
+REFUSALS_TO_LEARN = 2
+# A request that waited this many steps in the queue was passed over by as many plans of the
+# scheduler: refused room, not waiting a step for the token budget.
+REFUSED_STEPS = 3.0
 NEVER_SEEN_FULL = "never seen refusing: requests go to it, its own queue is the fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One report as the room reads it."""
+
+    running: int
+    waiting: int
+    ours_waited: bool  # one of our requests stayed unstarted since the report before
+    queue_wait_s: float | None = None  # the engine's mean time in its queue, this interval
+    step_s: float | None = None  # and its mean gap between two tokens
+
+    @property
+    def waited_for_room(self) -> bool:
+        """Whether its requests waited for room rather than for the next step."""
+        if self.queue_wait_s is not None and self.step_s:
+            return self.queue_wait_s >= REFUSED_STEPS * self.step_s
+        return self.ours_waited
 
 
 @dataclass
@@ -56,9 +85,11 @@ class EngineRoom:
     restarts: int = 0  # how many times it was told of a restart
     _last_running: int | None = None
 
-    def reported(self, running: int, waiting: int) -> None:
-        """One report of the engine: sequences running, requests waiting."""
+    def reported(self, seen: Seen) -> None:
+        """One report of the engine."""
+        running, waiting = seen.running, seen.waiting
         refusing_at_most = waiting > 0 and running >= self.most and running > 0
+        refusing_at_most = refusing_at_most and seen.waited_for_room
         steady = running == self._last_running
         self.refusals = (self.refusals + 1 if steady else 1) if refusing_at_most else 0
         self._last_running = running

@@ -18,6 +18,7 @@ import trio
 
 from app.sim.kv_cache import KVAllocation, PrefixKVCache
 from app.sim.latency import LatencyModel, Step
+from app.sim.observed import QUEUE_TIME_BUCKETS, TOKEN_GAP_BUCKETS, Observed
 from app.sim.scheduler import StepScheduler
 from app.sim.settings import SimSettings
 
@@ -28,6 +29,8 @@ EmitToken = Callable[[int], Awaitable[None]]
 class _Request:
     prompt: Sequence[int]
     output_tokens: int
+    arrived: float = 0.0
+    admitted: float | None = None
     allocation: KVAllocation | None = None
     produced: int = 0
     changed: trio.Event = field(default_factory=trio.Event)
@@ -55,6 +58,10 @@ class SimEngine:
         self.decode_steps = 0
         self.batched_seqs_total = 0
         self.last_prefill_hit_rate = 0.0
+        # vLLM's histograms: a finished request's time in the queue, and the gap between two
+        # tokens of a sequence (one step).
+        self.queue_times = Observed(QUEUE_TIME_BUCKETS)
+        self.token_gaps = Observed(TOKEN_GAP_BUCKETS)
         self._admitted_prompt_tokens = 0
         self._admitted_cached_tokens = 0
         self._seq_ids = itertools.count()
@@ -83,8 +90,11 @@ class SimEngine:
             step = self.scheduler.plan()
             self._notify()  # admissions change running/waiting
             self._account(step)
-            await trio.sleep(self.latency.step_seconds(step))
+            step_seconds = self.latency.step_seconds(step)
+            await trio.sleep(step_seconds)
             self.steps += 1
+            if step.decode:
+                self.token_gaps.observe(step_seconds, len(step.decode))
             for progress in self.scheduler.complete(step):
                 request = self._requests[progress.seq_id]
                 if not request.pooling:
@@ -113,6 +123,7 @@ class SimEngine:
         if not self._started:
             raise RuntimeError("SimEngine.run must be running before generate is called")
         seq_id = next(self._seq_ids)
+        request.arrived = trio.current_time()
         self._requests[seq_id] = request
         output_tokens = request.output_tokens
         try:
@@ -128,6 +139,8 @@ class SimEngine:
                     await emit(emitted)
                     emitted += 1
             assert request.allocation is not None
+            if request.admitted is not None:
+                self.queue_times.observe(request.admitted - request.arrived)
             return request.allocation.cached_tokens
         finally:
             self.scheduler.abort(seq_id)
@@ -139,6 +152,7 @@ class SimEngine:
     def _admit(self, seq_id: int) -> int:
         """The scheduler admits a sequence: hold its KV blocks; how much is left to compute."""
         request = self._requests[seq_id]
+        request.admitted = trio.current_time()
         # A pooling sequence holds no slot for output: its one step ends with the prefill.
         output_slots = 0 if request.pooling else request.output_tokens
         request.allocation = self.kv_cache.allocate(request.prompt, output_slots)

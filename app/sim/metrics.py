@@ -36,10 +36,12 @@ from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
 
 from app.sim.engine import SimEngine
+from app.sim.observed import Observed
 from app.sim.settings import SimSettings
 
 # vLLM's own HELP texts.
@@ -51,6 +53,8 @@ HITS_HELP = "Prefix cache hits, in terms of number of cached tokens."
 PREEMPTIONS_HELP = "Cumulative number of preemption from the engine."
 PROMPT_HELP = "Number of prefill tokens processed."
 GENERATION_HELP = "Number of generation tokens processed."
+QUEUE_HELP = "Histogram of time spent in WAITING phase for request."
+GAP_HELP = "Histogram of inter-token latency in seconds."
 
 
 class _VllmCollector:
@@ -75,6 +79,8 @@ class _VllmCollector:
         )
         for kind, name, help_text, value in series:
             yield (self._gauge if kind == "gauge" else self._counter)(name, help_text, value)
+        yield self._histogram("vllm:request_queue_time_seconds", QUEUE_HELP, engine.queue_times)
+        yield self._histogram("vllm:inter_token_latency_seconds", GAP_HELP, engine.token_gaps)
         config = {
             "block_size": str(self._settings.block_size),
             "enable_prefix_caching": "True",
@@ -92,6 +98,11 @@ class _VllmCollector:
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=list(self._labels))
         family.add_metric(list(self._labels.values()), value)
+        return family
+
+    def _histogram(self, name: str, documentation: str, seen: Observed) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, documentation, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), seen.buckets(), seen.total)
         return family
 
     def _counter(self, name: str, documentation: str, value: float) -> CounterMetricFamily:
