@@ -408,7 +408,7 @@ def report(scenario: Scenario, blob: dict[str, Any]) -> str:
     """The tables of a result, with its provenance and the figures to read them against."""
     head = f"== {scenario.name} ({blob['date']}, {blob['commit']}; {scenario.reproduces}) =="
     tables = "\n\n".join(table_text(t) for t in scenario.tables(blob["result"]))
-    held = blob["result"].get("held_with_room")
+    held = blob.get("held_with_room")
     if held and held["proxies"]:
         tables += (
             f"\nHeld while an engine reported room: {held['seconds']:g} s in all, over "
@@ -444,13 +444,15 @@ def measured(
         progress("")
     if scenario.measure is not None:
         result.update(trio.run(measure))
-        result["held_with_room"] = held_with_room()
     return {
         "scenario": scenario.name,
         "reproduces": scenario.reproduces,
         **provenance(),
         "quick": bool(args.quick),
         "seconds": round(time.perf_counter() - started, 1),
+        # Issue 40: every Sluice of the run, asked at its stop how long it held requests while
+        # an engine reported room.
+        "held_with_room": held_with_room(),
         "result": result,
     }
 

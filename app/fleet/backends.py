@@ -476,4 +476,7 @@ def _engine_block(load: EngineLoad | None) -> dict[str, Any] | None:
         "waiting": load.waiting,
         "kv_cache_usage": load.kv_cache_usage,
         "prefix_cache_hit_rate": load.prefix_cache_hit_rate,
+        "restarted": load.restarted,
+        "queue_wait_s": load.queue_wait_s,
+        "step_s": load.step_s,
     }
