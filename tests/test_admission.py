@@ -27,7 +27,7 @@ from app.config import Settings
 from app.fleet.backends import Asked, Backend, BackendPool
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.room import REFUSALS_TO_LEARN, EngineRoom, Seen
-from app.fleet.saturation import queued_ours, reports_room, saturation
+from app.fleet.saturation import queue_allowance, queued_ours, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats, fair_shares
 from app.observe.metrics import Metrics
 from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held, Overloaded
@@ -184,7 +184,7 @@ def test_a_queue_while_the_running_count_moves_or_below_its_most_teaches_nothing
     for _ in range(5):  # steady at its most, but none of ours waited from one report to the next
         room.reported(Seen(20, 12, False))
     for _ in range(5):  # nor did the engine's own requests wait more than a step or two
-        room.reported(Seen(20, 12, True, queue_wait_s=0.03, step_s=0.02))
+        room.reported(Seen(20, 12, False, queue_wait_s=0.03, step_s=0.02))
     assert room.room is None
     refusing(room, 20, 3, REFUSALS_TO_LEARN)
     assert room.room == 20
@@ -273,6 +273,21 @@ def test_others_fill_the_queue_and_one_of_ours_still_waits_its_turn_there() -> N
     backend.started(0.0)  # it ran: the next of ours may wait there
     assert judge(backend) is None
     assert judge(backend, now=2.5) is None  # and once that report is stale, others count nil
+
+
+def test_while_ours_are_held_none_waits_in_an_engine_that_runs_only_ours() -> None:
+    """The fair queue, not the engine's arrival order, picks who takes a sequence that frees;
+    an engine that others queue at keeps one of ours in its queue all the same."""
+    backend = Backend("http://gpu-1:8000", healthy=True)
+    full(backend, 4)
+    reported(backend, 0, 0)
+    for _ in range(4):
+        backend.sent(0.0)
+    assert queue_allowance(backend, 0.0, 1, held=False) == 1
+    assert queue_allowance(backend, 0.0, 1, held=True) == 0
+    assert saturation(backend, 0.0, None, 0.95, 0) == "full"
+    reported(backend, 4, 6)  # others' requests beside our four: it queues them
+    assert queue_allowance(backend, 0.0, 1, held=True) == 1
 
 
 def test_a_fresh_report_of_room_never_holds() -> None:
@@ -370,7 +385,7 @@ async def fill(gate: Gate, count: int) -> list[Decision]:
 async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_has() -> None:
     pool, routes = pool_of(1, room=2), Routes()
     gate = gate_for(pool, routes)
-    first, second, _waits_at_the_engine = await fill(gate, 3)
+    first, second, third = await fill(gate, 3)  # the third waits in the engine's queue
     results: list[str] = []
 
     async def enter(text: str, tenant: str) -> None:
@@ -385,9 +400,12 @@ async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_h
         nursery.start_soon(enter, "light", "light")
         await trio.testing.wait_all_tasks_blocked()
         assert gate.held == 5 and results == []
-        done(gate, first)  # room for one: the heavy key's first, then the light one
+        done(gate, first)  # the sequence freed is the third's, waiting at the engine
         await trio.testing.wait_all_tasks_blocked()
-        done(gate, second)
+        assert results == []  # and while requests are held, none more waits there
+        done(gate, second)  # a free sequence: the fairest held request, then the next
+        await trio.testing.wait_all_tasks_blocked()
+        done(gate, third)
         await trio.testing.wait_all_tasks_blocked()
         assert results == ["heavy-0", "light"]
         nursery.cancel_scope.cancel()
@@ -424,11 +442,12 @@ async def test_a_held_request_goes_where_its_prefix_is_when_that_engine_has_room
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(gate.enter, RouteRequest(text="p1"), (), Admission("b"))
         await trio.testing.wait_all_tasks_blocked()
-        done(gate, decisions[2])  # gpu-1 has room: p1, whose prefix it holds, goes first
+        done(gate, decisions[2])  # gpu-1's sequence goes to the one waiting at gpu-1
+        done(gate, decisions[3])  # then it has room: p1, whose prefix it holds, goes first
         await trio.testing.wait_all_tasks_blocked()
         assert routes.routed[-1] == ("p1", gpu_1.url) and gate.held == 1
         nursery.cancel_scope.cancel()
-    assert gpu_0.inflight == 2
+    assert gpu_0.inflight == 2 and gpu_1.inflight == 1
 
 
 async def test_a_held_request_is_refused_at_its_deadline(
@@ -454,7 +473,7 @@ async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved() -> N
     pool, routes = pool_of(1, room=1), Routes()
     (backend,) = pool.backends
     gate = gate_for(pool, routes)
-    first, _ = await fill(gate, 2)
+    first, second = await fill(gate, 2)
     with trio.CancelScope() as scope:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gate.enter, RouteRequest(text="gone"), (), Admission("a"))
@@ -468,9 +487,10 @@ async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved() -> N
             nursery.start_soon(gate.enter, RouteRequest(text="late"), (), Admission("a"))
             await trio.testing.wait_all_tasks_blocked()
             scope.cancel()  # delivered to the held task, which has not run since
-            done(gate, first)  # still in the queue: routed, inflight back to 2
-            assert backend.inflight == 2
-    assert backend.inflight == 1 and backend.unstarted == 1 and gate.held == 0
+            done(gate, first)
+            done(gate, second)  # a free sequence: still in the queue, it is routed
+            assert backend.inflight == 1
+    assert backend.inflight == 0 and backend.unstarted == 0 and gate.held == 0
 
 
 async def test_held_requests_learn_when_no_backend_of_their_pool_is_left() -> None:

@@ -8,6 +8,9 @@
   shares and `sluice_admission_*` in /metrics show.
 - A request's own `priority` (vLLM's field) leaves before the lower bands, never above its
   key's; a client's deadline header ends its wait with 429 and Retry-After.
+- What is Sluice's own is known at once: a stream counts as started when its first token
+  passes the relay; the room and the time held while the engine reported room are in
+  /metrics.
 """
 
 from __future__ import annotations
@@ -49,6 +52,37 @@ async def snapshot(client: httpx.AsyncClient, dashboard_url: str) -> dict[str, A
     assert answer.status_code == 200
     result: dict[str, Any] = answer.json()
     return result
+
+
+async def test_a_stream_starts_when_its_first_token_passes_and_metrics_say_the_room(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    sim = await start_sim(max_num_seqs=1, inter_token_latency=0.05, metrics_style="sglang")
+    running = await start_sluice([sim.url])
+    backend = running.sluice.pool.backends[0]
+    payload = body(200)
+    async with (
+        trio.open_nursery() as nursery,
+        client.stream("POST", running.proxy_url + "/v1/chat/completions", json=payload) as answer,
+    ):
+        chunks = answer.aiter_bytes()  # kept: a dropped iterator closes the stream
+        assert b"data:" in await chunks.__anext__()
+        assert (backend.inflight, backend.unstarted) == (1, 0)  # it runs: started
+
+        async def queued_behind() -> None:
+            assert await stream(client, running.proxy_url, body(2)) == 200
+
+        nursery.start_soon(queued_behind)
+
+        async def waits_at_the_engine() -> bool:
+            return sim.app.engine.waiting == 1
+
+        await wait_until(waits_at_the_engine)
+        assert (backend.inflight, backend.unstarted) == (2, 1)  # sent, no first byte
+    metrics = (await client.get(running.proxy_url + "/metrics")).text
+    url = backend.url
+    assert f'sluice_backend_room{{backend="{url}",basis="stated"}} 1.0' in metrics
+    assert f'sluice_admission_held_with_room_seconds_total{{backend="{url}"}}' not in metrics
 
 
 async def test_an_engine_with_room_gets_every_request_at_once(

@@ -336,7 +336,7 @@ async def test_short_streams_of_a_light_key_beside_a_heavy_one_on_a_small_engine
     heavy.stop()
     never_held_with_room(rig)
     assert rig.held_with_free_engine == 0.0
-    assert rig.most_queued == 1  # one of ours at most in the engine's own queue
+    assert rig.most_queued <= 1  # one of ours at most in the engine's own queue
     one_stream = 0.005 + 15 * 0.02
     assert percentile([s.ttft for s in light], 0.99) <= 2.5 * one_stream
     assert len(light) >= 20.0 / (2 * one_stream)
@@ -385,7 +385,7 @@ async def test_an_engine_restarted_with_fewer_then_more_sequences_is_learnt_agai
     assert rig.backend.room.room == 4
     rig.most_queued = 0
     await trio.sleep(2.0)
-    assert rig.most_queued == 1
+    assert rig.most_queued <= 1
     ours.stop()
     await trio.testing.wait_all_tasks_blocked()
     await rig.restart(SimSettings(max_num_seqs=32, inter_token_latency=0.01))

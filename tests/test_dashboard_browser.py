@@ -388,9 +388,17 @@ def events_flowing(snapshot: dict[str, Any]) -> bool:
     return all((b["kv_events"] or {}).get("source") == "events" for b in snapshot["backends"])
 
 
+def rooms_stated(snapshot: dict[str, Any]) -> bool:
+    """The engines that state their limit (SGLang, llama.cpp) have it as their room."""
+    bases = {(b["engine"] or {}).get("name"): b["room"]["basis"] for b in snapshot["backends"]}
+    return bases.get("sglang") == bases.get("llamacpp") == "stated"
+
+
 def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
     """Cells that show "—" where the snapshot has a number, or a number where it has none,
-    and KV index cells that do not say the backend's index follows its events."""
+    KV index cells that do not say the backend's index follows its events, room cells that
+    do not show the engine's room as judged and its basis, and time held while it had room
+    other than none."""
     table = page.evaluate(
         "() => ({"
         " heads: [...document.querySelectorAll('#panel-backends table.backends th')]"
@@ -399,6 +407,7 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
         ".map(tr => [tr.dataset.backend, [...tr.cells].map(td => td.textContent)])})"
     )
     engines = {b["url"]: b["engine"] or {} for b in snapshot["backends"]}
+    rooms = {b["url"]: b["room"] for b in snapshot["backends"]}
     mismatched = []
     for url, cells in table["rows"]:
         for head, field in ENGINE_COLUMNS.items():
@@ -409,6 +418,14 @@ def engine_cells_mismatched(page: Any, snapshot: dict[str, Any]) -> list[str]:
         kv_index = cells[table["heads"].index("KV index")]
         if not kv_index.startswith("events"):
             mismatched.append(f"{url} KV index: {kv_index!r}")
+        room = rooms[url]
+        shown = f"{'∞' if room['room'] is None else room['room']} {room['basis']}"
+        if not cells[table["heads"].index("room")].startswith(shown):
+            mismatched.append(f"{url} room: {cells[table['heads'].index('room')]!r} not {shown}")
+        if cells[table["heads"].index("held with room")] != "0.0 ms":
+            mismatched.append(
+                f"{url} held with room: {cells[table['heads'].index('held with room')]!r}"
+            )
     return mismatched or ([] if table["rows"] else ["no rows"])
 
 
@@ -435,7 +452,8 @@ def test_the_backends_table_shows_what_each_engine_reports(browser: Any) -> None
 
         def all_known() -> bool:
             snapshot = fetch_snapshot(dashboard_url)
-            return engine_numbers_known(snapshot) and events_flowing(snapshot)
+            known = engine_numbers_known(snapshot) and events_flowing(snapshot)
+            return known and rooms_stated(snapshot)
 
         while not all_known():
             assert time.monotonic() < deadline, fetch_snapshot(dashboard_url)["backends"]

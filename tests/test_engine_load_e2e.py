@@ -1,7 +1,8 @@
 """Engines' own load figures end to end: one simulated backend per metrics style (vLLM, SGLang,
 llama.cpp server, TGI), the load scraper reading each over HTTP into the backend's state, the
 prefix hit rate over a scrape interval, a backend without engine metrics, and the dashboard's
-`/api/snapshot` carrying each backend's `engine` block. Then, pure: how a GPU's load counts
+`/api/snapshot` carrying each backend's `engine` block; the engines that state their limit,
+and a restarted engine told by its metrics. Then, pure: how a GPU's load counts
 other replicas' requests, as reported and, between reports, moving as ours do in the fleet's
 proportion of theirs to ours. Last, the pace of the scraper and the health checks when no
 request is sent, and when one is."""
@@ -22,6 +23,7 @@ from app.fleet.backends import MAX_OTHERS_PER_OWN, BackendPool
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
+from app.fleet.room import REFUSALS_TO_LEARN, Seen
 from app.http.exchange import Exchange
 from app.http.fetch import Fetcher
 from app.observe.metrics import Metrics
@@ -106,6 +108,45 @@ async def test_the_scraper_reads_every_engines_queue_and_kv_use(
         else:
             assert engine.kv_cache_usage == pytest.approx(usage, rel=1e-5)
         assert backend.reported_kv_usage == engine.kv_cache_usage
+
+
+async def test_an_engine_that_states_its_limit_has_it_as_its_room(
+    launch: Launch, client: httpx.AsyncClient
+) -> None:
+    sims = [await launch(SLOW, metrics_style=style, max_num_seqs=6) for style in STYLES]
+    pool = healthy_pool([url for url, _ in sims])
+    await scraper(pool, client).scrape_all()
+    rooms = {
+        style: (b.room.room, b.room.basis) for style, b in zip(STYLES, pool.backends, strict=True)
+    }
+    # SGLang's /get_server_info and llama.cpp's /props say; vLLM says nothing, nor does TGI
+    # unless it was given --max-batch-size.
+    assert rooms == {
+        "vllm": (None, "unknown"),
+        "sglang": (6, "stated"),
+        "llamacpp": (6, "stated"),
+        "tgi": (None, "unknown"),
+    }
+
+
+async def test_an_engine_restarted_on_its_address_is_known_again_by_its_metrics(
+    start_sim: StartSim, client: httpx.AsyncClient
+) -> None:
+    """A new vLLM process behind the same URL: its counters' creation time changed, and the
+    room learnt of the old one is forgotten; an SGLang one states its limit again."""
+    first = await start_sim(metrics_style="vllm")
+    pool = healthy_pool([first.url])
+    (backend,) = pool.backends
+    reads = scraper(pool, client)
+    await reads.scrape_all()
+    for _ in range(REFUSALS_TO_LEARN):
+        backend.room.reported(Seen(8, 3, True))  # as if seen refusing: a room of 8
+    assert backend.room.room == 8
+    first.kill()
+    await start_sim(metrics_style="vllm", port=first.port)
+    await reads.scrape_all()
+    assert backend.engine is not None and backend.engine.restarted
+    assert backend.room.room is None and "restarted" in backend.room.why
 
 
 async def test_vllm_hit_rate_covers_the_prompts_between_two_scrapes(

@@ -6,10 +6,11 @@ Design rules:
    `/get_server_info`, llama.cpp's `/props`, TGI's `/info`: engine_limits.py) has that room.
 2. Otherwise the room is unknown until the engine is seen refusing to run more: a queue held
    over `REFUSALS_TO_LEARN` reports in a row while the running count stayed where it was, at
-   the most the engine ever ran, and requests waited for room, not for a step: where the
-   engine says (vLLM's, TGI's histograms), its requests' mean time in the queue was at least
-   `REFUSED_STEPS` of its steps (its mean gap between two tokens); elsewhere, one of our own
-   waited unstarted from one report to the next. The room is then that most.
+   the most the engine ever ran, and requests waited for room, not for a step: one of our
+   own waited unstarted from one report to the next, or, where the engine says (vLLM's,
+   TGI's histograms), its requests' mean time in the queue was at least `REFUSED_STEPS` of
+   its steps (its mean gap between two tokens; that histogram is kept as requests finish,
+   so it tells late). The room is then that most.
    A queue while the running count moves says nothing: under chunked prefill, requests wait
    a step for the token budget while others finish (measured: a burst of 1-token chats read
    that way as a room of 9 on an engine of 32, and streams were held for seconds behind
@@ -68,9 +69,11 @@ class Seen:
     @property
     def waited_for_room(self) -> bool:
         """Whether its requests waited for room rather than for the next step."""
-        if self.queue_wait_s is not None and self.step_s:
-            return self.queue_wait_s >= REFUSED_STEPS * self.step_s
-        return self.ours_waited
+        if self.ours_waited:
+            return True
+        if self.queue_wait_s is None or not self.step_s:
+            return False
+        return self.queue_wait_s >= REFUSED_STEPS * self.step_s
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import trio
 
 from app.fleet.backends import Backend, BackendPool
-from app.fleet.saturation import reports_room, saturation
+from app.fleet.saturation import queue_allowance, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats
 from app.routing.admission import Admission, FairQueue, Held, Overloaded
 from app.routing.decision import Decision, RouteRequest
@@ -98,7 +98,9 @@ class Gate:
     def saturated(self, backend: Backend) -> str | None:
         limits = self.limits
         now = trio.current_time()
-        return saturation(backend, now, limits.ceiling, limits.max_kv_usage, limits.max_queued)
+        held = any(self.queues.get(model) for model in (None, *backend.served))
+        queued = queue_allowance(backend, now, limits.max_queued, held)
+        return saturation(backend, now, limits.ceiling, limits.max_kv_usage, queued)
 
     def with_room(self, candidates: Iterable[Backend]) -> list[Backend]:
         return [b for b in candidates if self.saturated(b) is None]
