@@ -33,7 +33,7 @@ from app.observe.metrics import Metrics
 from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held, Overloaded
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, RouteRequest
-from app.routing.gate import Gate, GateLimits
+from app.routing.gate import ANTICIPATE_S, Gate, GateLimits
 from app.routing.router import Router
 from tests.conftest import wait_until
 
@@ -344,13 +344,15 @@ class Routes:
     def __init__(self) -> None:
         self.holder: dict[str, str] = {}  # request text -> backend URL holding its prefix
         self.routed: list[tuple[str, str]] = []
+        self.decisions: dict[str, Decision] = {}  # by request text
 
     def route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         wanted = self.holder.get(request.text or "")
         backend = next((b for b in candidates if b.url == wanted), candidates[0])
         backend.sent(trio.current_time())
         self.routed.append((request.text or "", backend.url))
-        return Decision(backend, "test")
+        decision = self.decisions[request.text or ""] = Decision(backend, "test")
+        return decision
 
     def prefers(self, candidates: Sequence[Backend], request: RouteRequest) -> Backend | None:
         wanted = self.holder.get(request.text or "")
@@ -408,6 +410,44 @@ async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_h
         done(gate, third)
         await trio.testing.wait_all_tasks_blocked()
         assert results == ["heavy-0", "light"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_room_a_light_keys_request_leaves_waits_a_moment_for_its_next(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A closed-loop client is busy all along but idle at the instant its answer ends: the
+    room its request left waits ANTICIPATE_S for its next, then goes to the others."""
+    pool, routes = pool_of(1, room=1), Routes()
+    gate = gate_for(pool, routes)
+    routed: list[tuple[str, float]] = []
+
+    async def enter(text: str, tenant: str) -> None:
+        decision = await gate.enter(RouteRequest(text=text), (), Admission(tenant))
+        assert decision is not None
+        routed.append((text, trio.current_time()))
+
+    def end(text: str, tenant: str) -> None:
+        routes.decisions[text].backend.ended(trio.current_time(), False)
+        gate.ended([None], tenant)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.run)
+        for text, tenant in [("light-1", "light"), *((f"heavy-{i}", "heavy") for i in range(3))]:
+            nursery.start_soon(enter, text, tenant)
+            await trio.testing.wait_all_tasks_blocked()
+        assert [text for text, _ in routed] == ["light-1", "heavy-0"]  # heavy-0 waits there
+        end("heavy-0", "heavy")  # it gave up at the engine: the light key's still runs
+        end("light-1", "light")  # room, which waits for the light key's next...
+        await trio.testing.wait_all_tasks_blocked()
+        assert routed[-1][0] == "heavy-0" and gate.held == 2
+        nursery.start_soon(enter, "light-2", "light")  # ...which comes a moment later
+        await trio.testing.wait_all_tasks_blocked()
+        assert routed[-1][0] == "light-2" and gate.held == 2
+        end("light-2", "light")  # and this time none comes: the heavy key's, after the wait
+        ended = trio.current_time()
+        await trio.sleep(2 * ANTICIPATE_S)  # virtual time: the autojump clock's
+        assert routed[-1] == ("heavy-1", ended + ANTICIPATE_S)
         nursery.cancel_scope.cancel()
 
 

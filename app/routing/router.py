@@ -273,7 +273,7 @@ class Router:
         backend = decision.backend
         backend.ended(trio.current_time(), decision.started)
         backend.pending_tokens -= decision.pending_tokens
-        self.gate.opened((None, *backend.served))
+        self.gate.ended((None, *backend.served), api_key)
         limit = self.budget(per_minute)
         if usage is not None and limit and api_key:
             tokens = usage.completion_tokens or 0
