@@ -444,10 +444,41 @@ async def test_the_room_a_light_keys_request_leaves_waits_a_moment_for_its_next(
         nursery.start_soon(enter, "light-2", "light")  # ...which comes a moment later
         await trio.testing.wait_all_tasks_blocked()
         assert routed[-1][0] == "light-2" and gate.held == 2
+        await trio.sleep(2 * ANTICIPATE_S)  # the gate's watch finds the wait taken: nothing
+        assert routed[-1][0] == "light-2" and gate.held == 2
         end("light-2", "light")  # and this time none comes: the heavy key's, after the wait
         ended = trio.current_time()
         await trio.sleep(2 * ANTICIPATE_S)  # virtual time: the autojump clock's
         assert routed[-1] == ("heavy-1", ended + ANTICIPATE_S)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_keys_next_request_in_the_same_instant_takes_its_room_every_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The gate's watch of kept room may wake after the key's next request took it (both
+    runnable at once, in either order): it finds nothing to end, and goes on."""
+    pool, routes = pool_of(1, room=1), Routes()
+    gate = gate_for(pool, routes)
+    texts: list[str] = []
+
+    async def enter(text: str, tenant: str) -> None:
+        decision = await gate.enter(RouteRequest(text=text), (), Admission(tenant))
+        assert decision is not None
+        texts.append(text)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.run)
+        for text, tenant in [("light-0", "light"), ("heavy-0", "heavy"), ("heavy-1", "heavy")]:
+            nursery.start_soon(enter, text, tenant)
+            await trio.testing.wait_all_tasks_blocked()
+        routes.decisions["heavy-0"].backend.ended(trio.current_time(), False)  # it gave up
+        for turn in range(1, 9):
+            routes.decisions[f"light-{turn - 1}"].backend.ended(trio.current_time(), False)
+            gate.ended([None], "light")
+            nursery.start_soon(enter, f"light-{turn}", "light")
+            await trio.sleep(2 * ANTICIPATE_S)
+            assert texts[-1] == f"light-{turn}" and gate.held == 1
         nursery.cancel_scope.cancel()
 
 

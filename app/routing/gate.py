@@ -321,9 +321,10 @@ class Gate:
 
     async def _end_anticipations(self) -> None:
         while True:
-            if not self._anticipated:
+            if not self._anticipated:  # (a key's next request may have taken it meanwhile)
                 self._anticipating = trio.Event()
                 await self._anticipating.wait()
+                continue
             await trio.sleep_until(min(until for _, until in self._anticipated.values()))
             now = trio.current_time()
             over = [model for model, (_, until) in self._anticipated.items() if until <= now]
