@@ -209,6 +209,9 @@ async def test_the_snapshot_carries_each_backends_engine_block(
         "waiting": 0,
         "kv_cache_usage": 0.0,
         "prefix_cache_hit_rate": 0.0,
+        "restarted": False,
+        "queue_wait_s": None,
+        "step_s": None,
     }
     assert found[sims["tgi"].url] == {
         "name": "tgi",
@@ -216,6 +219,9 @@ async def test_the_snapshot_carries_each_backends_engine_block(
         "waiting": 0,
         "kv_cache_usage": None,
         "prefix_cache_hit_rate": None,
+        "restarted": False,
+        "queue_wait_s": None,  # its histograms say nothing while no request finished
+        "step_s": None,
     }
 
 
