@@ -41,6 +41,8 @@ def worker_snapshot(
                 "inflight": 1,
                 "healthy": True,
                 "engine": {"running": 5, "kv_cache_usage": 0.5},
+                "room": {"room": 4, "basis": "seen-full", "why": "ran 4", "most": 4},
+                "queued": 1,
                 "traffic": {"requests_total": url_requests, "ttft_p99_s": worst},
             }
         ],
@@ -60,8 +62,11 @@ def test_counts_add_up_settings_stay_and_the_worst_is_kept() -> None:
     (backend,) = merged["backends"]
     assert backend["inflight"] == 2
     assert backend["traffic"] == {"requests_total": 27, "ttft_p99_s": 0.05}
-    # The engine reports itself to every worker alike: not doubled.
+    # The engine reports itself to every worker alike: not doubled; nor is its room, each
+    # worker's judgement of one engine. Each worker's own requests in its queue add up.
     assert backend["engine"] == {"running": 5, "kv_cache_usage": 0.5}
+    assert backend["room"] == {"room": 4, "basis": "seen-full", "why": "ran 4", "most": 4}
+    assert backend["queued"] == 2
 
 
 def test_histograms_are_merged_by_bucket_and_their_quantiles_recomputed() -> None:

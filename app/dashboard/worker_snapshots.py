@@ -75,8 +75,9 @@ SAME = frozenset(
 )
 # Lists of entries merged entry by entry, by this field.
 MERGED_BY = {"backends": "url", "models": "name"}
-# Blocks whose every number is the same thing seen by each worker (one engine, one Redis).
-SAME_BLOCKS = frozenset({"engine", "kv_events", "budgets"})
+# Blocks whose every number is the same thing seen by each worker (one engine, one Redis);
+# an engine's room is each worker's judgement of one engine: the first worker's is shown.
+SAME_BLOCKS = frozenset({"engine", "kv_events", "budgets", "room"})
 WORST = frozenset(
     {
         "p99",

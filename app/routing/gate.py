@@ -212,7 +212,9 @@ class Gate:
             queue = self.queues.get(model)
             if queue:
                 self._release_from(model, queue)
-        if self._room_since or self.held:
+        # A clock starts only on a report (every pool opened) or a request held (`_hold`);
+        # any change may stop one.
+        if self._room_since or (models is None and self.held):
             self._watch_room()
 
     def _watch_room(self) -> None:
