@@ -453,6 +453,36 @@ async def test_the_room_a_light_keys_request_leaves_waits_a_moment_for_its_next(
         nursery.cancel_scope.cancel()
 
 
+async def test_an_engines_report_of_room_ends_the_wait_for_a_keys_next_request(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool, routes = pool_of(1, room=1), Routes()
+    (gpu,) = pool.backends
+    gate = gate_for(pool, routes)
+    texts: list[str] = []
+
+    async def enter(text: str, tenant: str) -> None:
+        decision = await gate.enter(RouteRequest(text=text), (), Admission(tenant))
+        assert decision is not None
+        texts.append(text)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gate.run)
+        for text, tenant in [("light-1", "light"), ("heavy-0", "heavy"), ("heavy-1", "heavy")]:
+            nursery.start_soon(enter, text, tenant)
+            await trio.testing.wait_all_tasks_blocked()
+        gpu.ended(trio.current_time(), False)  # heavy-0 gave up
+        gpu.ended(trio.current_time(), False)  # light-1 ended: its room waits for light
+        gate.ended([None], "light")
+        await trio.sleep(ANTICIPATE_S / 4)
+        assert texts[-1] == "heavy-0"
+        reported(gpu, 0, 0, at=trio.current_time())  # asked after: free, nothing waiting
+        gate.opened()
+        await trio.testing.wait_all_tasks_blocked()
+        assert texts[-1] == "heavy-1"  # at once, not at the end of the wait
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_keys_next_request_in_the_same_instant_takes_its_room_every_time(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

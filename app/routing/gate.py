@@ -195,7 +195,8 @@ class Gate:
     def ended(self, models: Sequence[str | None], tenant: str | None) -> None:
         """A request of `tenant` ended on a backend of these pools: room. Where others'
         requests are held and none of `tenant`'s, that room waits ANTICIPATE_S for its next
-        request, which takes it; then it is anyone's, in fair order."""
+        request, which takes it; then it is anyone's, in fair order. An engine's report of
+        room meanwhile ends the wait: nothing is held while one says it has room."""
         if tenant is not None:
             until = trio.current_time() + ANTICIPATE_S
             for model in models:
@@ -246,7 +247,7 @@ class Gate:
         anticipated = self._anticipated.get(model)
         if anticipated is not None:
             tenant, until = anticipated
-            if now < until and not queue.held_by(tenant):
+            if now < until and not queue.held_by(tenant) and not self._reports_room(model, now):
                 return  # its room waits for that key's next request
             del self._anticipated[model]
             waited_for = tenant if queue.held_by(tenant) else None
@@ -278,6 +279,12 @@ class Gate:
             decision.waited = now - held.arrived
             self._wake(held, decision)
             self.stats.left(model, held.tenant, held.weight, decision.waited)
+
+    def _reports_room(self, model: str | None, now: float) -> bool:
+        """Whether an engine of the pool reports room since our last change on it: then
+        nothing is held, not even for a key's next request (saturation.py, rule 4)."""
+        max_kv = self.limits.max_kv_usage
+        return any(reports_room(b, now, max_kv) for b in self.pool.available(now, (), model))
 
     def _wake(self, held: Held, decision: Decision | None) -> None:
         ticket = self._ticket(held)
