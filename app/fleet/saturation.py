@@ -19,7 +19,11 @@ Design rules:
    (`queue_allowance`): the fair queue, not the engine's arrival order, picks who takes
    each sequence that frees. Measured (bench fairness, part S: 16-token streams on an engine
    of 4 beside a 32-client key), one of the heavy key's in the engine's queue ahead of every
-   light request cost the light key a whole stream's turn: 0.51x its rate alone.
+   light request cost the light key a whole stream's turn: 0.51x its rate alone. The cost:
+   a request sent when a sequence frees misses the engine's next step, so a saturated fleet
+   serves a little less (part B, at 2x its capacity: 8.0 requests/s dispatched, FCFS 9.2).
+   Keeping one there while only one key's requests are held gave 8.7, and part S's light
+   key 0.64x.
 4. A report asked for after our last change on the engine, showing free sequences and an
    empty queue, never holds a request: everyone on the engine is then what it reported
    (below its room), and none of ours is beyond it (`reports_room` says when that holds;
