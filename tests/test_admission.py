@@ -27,7 +27,13 @@ from app.config import Settings
 from app.fleet.backends import Asked, Backend, BackendPool
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.room import REFUSALS_TO_LEARN, EngineRoom, Seen
-from app.fleet.saturation import queue_allowance, queued_ours, reports_room, saturation
+from app.fleet.saturation import (
+    PROBE_EVERY_S,
+    queue_allowance,
+    queued_ours,
+    reports_room,
+    saturation,
+)
 from app.observe.admission_stats import AdmissionStats, fair_shares
 from app.observe.metrics import Metrics
 from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held, Overloaded
@@ -203,7 +209,7 @@ def test_a_room_is_never_below_what_the_engine_ran_and_grows_when_it_runs_more()
     assert room.room == 8
 
 
-def test_a_stated_limit_wins_and_a_restart_forgets_all() -> None:
+def test_a_stated_limit_wins_and_a_restart_keeps_the_room_until_it_shows_otherwise() -> None:
     room = EngineRoom()
     refusing(room, 4, 2, REFUSALS_TO_LEARN)
     room.stated(16, "/get_server_info")
@@ -212,12 +218,21 @@ def test_a_stated_limit_wins_and_a_restart_forgets_all() -> None:
     assert room.room == 16
     room.reported(Seen(17, 0, True))  # it ran more than it said: never below what it ran
     assert room.room == 17
-    room.restarted("its engine restarted")
-    assert (room.room, room.basis, room.most, room.restarts) == (None, "unknown", 0, 1)
+    room.restarted("its engine restarted")  # kept until the new process says
+    assert (room.room, room.basis, room.most, room.restarts) == (17, "stated", 0, 1)
+    room.stated(None, "/get_server_info")  # it no longer says: unknown
+    assert (room.room, room.basis) == (None, "unknown")
+    refusing(room, 8, 2, REFUSALS_TO_LEARN)
+    room.restarted("it turned healthy")
+    assert (room.room, room.basis, room.provisional) == (8, "seen-full", True)
     refusing(room, 2, 5, REFUSALS_TO_LEARN)  # restarted with fewer sequences
-    assert room.room == 2
-    room.stated(None, "/props")  # never stated: nothing changes
-    assert room.room == 2
+    assert (room.room, room.provisional) == (2, False) and "since it restarted" in room.why
+    room.restarted("its engine restarted")
+    room.reported(Seen(3, 0, True))  # restarted with more: it ran past the room
+    assert (room.room, room.basis) == (None, "unknown")
+    refusing(room, 6, 1, REFUSALS_TO_LEARN)
+    room.forgotten("its engine reports no load")
+    assert (room.room, room.basis, room.most) == (None, "unknown", 0)
 
 
 def reported(
@@ -277,14 +292,17 @@ def test_others_fill_the_queue_and_one_of_ours_still_waits_its_turn_there() -> N
 
 def test_while_ours_are_held_none_waits_in_an_engine_that_runs_only_ours() -> None:
     """The fair queue, not the engine's arrival order, picks who takes a sequence that frees;
-    an engine that others queue at keeps one of ours in its queue all the same."""
+    one of ours waits there all the same every PROBE_EVERY_S (a probe of more room), and at
+    an engine that others queue at."""
     backend = Backend("http://gpu-1:8000", healthy=True)
     full(backend, 4)
     reported(backend, 0, 0)
-    for _ in range(4):
-        backend.sent(0.0)
+    for _ in range(5):
+        backend.sent(0.0)  # the fifth past its room, waiting there: a probe of more room
     assert queue_allowance(backend, 0.0, 1, held=False) == 1
     assert queue_allowance(backend, 0.0, 1, held=True) == 0
+    assert queue_allowance(backend, PROBE_EVERY_S, 1, held=True) == 1  # the next probe
+    backend.ended(0.0, False)
     assert saturation(backend, 0.0, None, 0.95, 0) == "full"
     reported(backend, 4, 6)  # others' requests beside our four: it queues them
     assert queue_allowance(backend, 0.0, 1, held=True) == 1

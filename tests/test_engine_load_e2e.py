@@ -133,7 +133,7 @@ async def test_an_engine_restarted_on_its_address_is_known_again_by_its_metrics(
     start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
     """A new vLLM process behind the same URL: its counters' creation time changed, and the
-    room learnt of the old one is forgotten; an SGLang one states its limit again."""
+    room learnt of the old one is kept only until the new one shows otherwise."""
     first = await start_sim(metrics_style="vllm")
     pool = healthy_pool([first.url])
     (backend,) = pool.backends
@@ -146,7 +146,9 @@ async def test_an_engine_restarted_on_its_address_is_known_again_by_its_metrics(
     await start_sim(metrics_style="vllm", port=first.port)
     await reads.scrape_all()
     assert backend.engine is not None and backend.engine.restarted
-    assert backend.room.room is None and "restarted" in backend.room.why
+    room = backend.room  # kept, until the new process shows otherwise
+    assert (room.room, room.provisional, room.most) == (8, True, 0)
+    assert "restarted" in room.why
 
 
 async def test_vllm_hit_rate_covers_the_prompts_between_two_scrapes(

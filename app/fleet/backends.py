@@ -128,6 +128,7 @@ class Backend:
     unstarted_at_ask: int = 0  # ours unstarted when its last report was asked for
     left_unstarted: int = 0  # of ours, those that started, or ended unstarted, since
     room: EngineRoom = field(default_factory=EngineRoom)  # sequences it runs at once
+    probed_at: float = -math.inf  # when one of ours last went past its room
     probe_path: str = "/health"
     models: list[dict[str, Any]] = field(default_factory=list)  # its /v1/models cards
     # The models a configuration names for it, in the order of its tables; None: those its
@@ -158,10 +159,13 @@ class Backend:
             self.primary = cards[0]["id"] if cards else None
 
     def sent(self, now: float) -> None:
-        """One of our requests goes to it."""
+        """One of our requests goes to it (past its room: a probe of more room)."""
         self.inflight += 1
         self.unstarted += 1
         self.changed_at = now
+        room = self.room.room
+        if room is not None and self.on_engine(now) > room:
+            self.probed_at = now
 
     def started(self, now: float) -> None:
         """The first byte of one of our requests' answers came: its engine runs it."""
@@ -228,7 +232,7 @@ class Backend:
         if engine is None:
             self.reported_waiting = self.reported_running = self.others_inflight = 0
             if self.room.basis != "stated":
-                self.room.restarted("its engine reports no load")
+                self.room.forgotten("its engine reports no load")
             return
         if engine.restarted:
             self.room.restarted("its engine restarted (a counter went back or a new start)")

@@ -122,15 +122,17 @@ class LoadScraper:
         await self._read_limit(backend, reading.engine)
 
     async def _read_limit(self, backend: Backend, engine: EngineName) -> None:
-        """Ask an engine that may state its limit, unless asked since it (re)started and
-        within RETRY_UNSUPPORTED."""
+        """Ask an engine that may state its limit: after each restart, and while it states
+        none, every RETRY_UNSUPPORTED."""
         path = LIMIT_PATHS.get(engine)
         room = backend.room
-        if path is None or room.stated_limit is not None:
+        if path is None:
             return
         now = trio.current_time()
         restarts, at = self._limit_asked.get(backend.id, (-1, -math.inf))
-        if restarts == room.restarts and now - at < RETRY_UNSUPPORTED:
+        if restarts == room.restarts and (
+            room.stated_limit is not None or now - at < RETRY_UNSUPPORTED
+        ):
             return
         self._limit_asked[backend.id] = (room.restarts, now)
         try:

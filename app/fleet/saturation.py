@@ -23,7 +23,8 @@ Design rules:
    a request sent when a sequence frees misses the engine's next step, so a saturated fleet
    serves a little less (part B, at 2x its capacity: 8.0 requests/s dispatched, FCFS 9.2).
    Keeping one there while only one key's requests are held gave 8.7, and part S's light
-   key 0.64x.
+   key 0.64x. One goes there every `PROBE_EVERY_S` all the same, and while the room is the
+   one from before a restart: the probe of more room that holding would otherwise stop.
 4. A report asked for after our last change on the engine, showing free sequences and an
    empty queue, never holds a request: everyone on the engine is then what it reported
    (below its room), and none of ours is beyond it (`reports_room` says when that holds;
@@ -40,6 +41,10 @@ from typing import Literal
 from app.fleet.backends import Backend
 
 Saturation = Literal["ceiling", "kv", "full"]
+# While requests are held and none of ours waits in an engine's queue, one goes there this
+# often all the same: a room learnt too small (a batch bound by KV memory then) is found out
+# by the engine running it, which nothing else would send it while requests are held.
+PROBE_EVERY_S = 5.0
 
 
 def queued_ours(backend: Backend, now: float) -> int:
@@ -54,10 +59,13 @@ def queued_ours(backend: Backend, now: float) -> int:
 def queue_allowance(backend: Backend, now: float, max_queued: int, held: bool) -> int:
     """How many of ours may wait in the engine's own queue: `max_queued`, or none while
     requests of ours are `held` at the proxy and the engine runs no one else's (its current
-    report counted nothing beyond ours)."""
-    if held and not (backend.report_current(now) and backend.others_inflight > 0):
-        return 0
-    return max_queued
+    report counted nothing beyond ours), but for a probe of more room every PROBE_EVERY_S
+    and while its room is the one it had before a restart."""
+    if not held or backend.room.provisional or now - backend.probed_at >= PROBE_EVERY_S:
+        return max_queued
+    if backend.report_current(now) and backend.others_inflight > 0:
+        return max_queued
+    return 0
 
 
 def saturation(
