@@ -392,6 +392,32 @@ def done(gate: Gate, decision: Decision) -> None:
     gate.opened([None])
 
 
+class Entering:
+    """Requests entering a gate, each a task of `nursery`; `texts`: those that passed, in
+    order."""
+
+    def __init__(self, gate: Gate, nursery: trio.Nursery) -> None:
+        self.gate = gate
+        self.nursery = nursery
+        self.texts: list[str] = []
+        self.times: list[float] = []
+
+    def start(self, text: str, tenant: str) -> None:
+        self.nursery.start_soon(self._enter, text, tenant)
+
+    async def in_turn(self, *requests: tuple[str, str]) -> None:
+        """(text, tenant) entering one after the other, each as far as it goes."""
+        for text, tenant in requests:
+            self.start(text, tenant)
+            await trio.testing.wait_all_tasks_blocked()
+
+    async def _enter(self, text: str, tenant: str) -> None:
+        decision = await self.gate.enter(RouteRequest(text=text), (), Admission(tenant))
+        assert decision is not None
+        self.texts.append(text)
+        self.times.append(trio.current_time())
+
+
 async def fill(gate: Gate, count: int) -> list[Decision]:
     """`count` requests that pass at once."""
     decisions = []
@@ -438,12 +464,6 @@ async def test_the_room_a_light_keys_request_leaves_waits_a_moment_for_its_next(
     room its request left waits ANTICIPATE_S for its next, then goes to the others."""
     pool, routes = pool_of(1, room=1), Routes()
     gate = gate_for(pool, routes)
-    routed: list[tuple[str, float]] = []
-
-    async def enter(text: str, tenant: str) -> None:
-        decision = await gate.enter(RouteRequest(text=text), (), Admission(tenant))
-        assert decision is not None
-        routed.append((text, trio.current_time()))
 
     def end(text: str, tenant: str) -> None:
         routes.decisions[text].backend.ended(trio.current_time(), False)
@@ -451,23 +471,21 @@ async def test_the_room_a_light_keys_request_leaves_waits_a_moment_for_its_next(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate.run)
-        for text, tenant in [("light-1", "light"), *((f"heavy-{i}", "heavy") for i in range(3))]:
-            nursery.start_soon(enter, text, tenant)
-            await trio.testing.wait_all_tasks_blocked()
-        assert [text for text, _ in routed] == ["light-1", "heavy-0"]  # heavy-0 waits there
+        requests = Entering(gate, nursery)
+        await requests.in_turn(("light-1", "light"), *((f"heavy-{i}", "heavy") for i in range(3)))
+        assert requests.texts == ["light-1", "heavy-0"]  # heavy-0 waits at the engine
         end("heavy-0", "heavy")  # it gave up at the engine: the light key's still runs
         end("light-1", "light")  # room, which waits for the light key's next...
         await trio.testing.wait_all_tasks_blocked()
-        assert routed[-1][0] == "heavy-0" and gate.held == 2
-        nursery.start_soon(enter, "light-2", "light")  # ...which comes a moment later
-        await trio.testing.wait_all_tasks_blocked()
-        assert routed[-1][0] == "light-2" and gate.held == 2
+        assert requests.texts[-1] == "heavy-0" and gate.held == 2
+        await requests.in_turn(("light-2", "light"))  # ...which comes a moment later
+        assert requests.texts[-1] == "light-2" and gate.held == 2
         await trio.sleep(2 * ANTICIPATE_S)  # the gate's watch finds the wait taken: nothing
-        assert routed[-1][0] == "light-2" and gate.held == 2
+        assert requests.texts[-1] == "light-2" and gate.held == 2
         end("light-2", "light")  # and this time none comes: the heavy key's, after the wait
         ended = trio.current_time()
         await trio.sleep(2 * ANTICIPATE_S)  # virtual time: the autojump clock's
-        assert routed[-1] == ("heavy-1", ended + ANTICIPATE_S)
+        assert (requests.texts[-1], requests.times[-1]) == ("heavy-1", ended + ANTICIPATE_S)
         nursery.cancel_scope.cancel()
 
 
@@ -477,27 +495,19 @@ async def test_an_engines_report_of_room_ends_the_wait_for_a_keys_next_request(
     pool, routes = pool_of(1, room=1), Routes()
     (gpu,) = pool.backends
     gate = gate_for(pool, routes)
-    texts: list[str] = []
-
-    async def enter(text: str, tenant: str) -> None:
-        decision = await gate.enter(RouteRequest(text=text), (), Admission(tenant))
-        assert decision is not None
-        texts.append(text)
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate.run)
-        for text, tenant in [("light-1", "light"), ("heavy-0", "heavy"), ("heavy-1", "heavy")]:
-            nursery.start_soon(enter, text, tenant)
-            await trio.testing.wait_all_tasks_blocked()
+        requests = Entering(gate, nursery)
+        await requests.in_turn(("light-1", "light"), ("heavy-0", "heavy"), ("heavy-1", "heavy"))
         gpu.ended(trio.current_time(), False)  # heavy-0 gave up
         gpu.ended(trio.current_time(), False)  # light-1 ended: its room waits for light
         gate.ended([None], "light")
         await trio.sleep(ANTICIPATE_S / 4)
-        assert texts[-1] == "heavy-0"
+        assert requests.texts[-1] == "heavy-0"
         reported(gpu, 0, 0, at=trio.current_time())  # asked after: free, nothing waiting
         gate.opened()
         await trio.testing.wait_all_tasks_blocked()
-        assert texts[-1] == "heavy-1"  # at once, not at the end of the wait
+        assert requests.texts[-1] == "heavy-1"  # at once, not at the end of the wait
         nursery.cancel_scope.cancel()
 
 
@@ -508,25 +518,17 @@ async def test_a_keys_next_request_in_the_same_instant_takes_its_room_every_time
     runnable at once, in either order): it finds nothing to end, and goes on."""
     pool, routes = pool_of(1, room=1), Routes()
     gate = gate_for(pool, routes)
-    texts: list[str] = []
-
-    async def enter(text: str, tenant: str) -> None:
-        decision = await gate.enter(RouteRequest(text=text), (), Admission(tenant))
-        assert decision is not None
-        texts.append(text)
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(gate.run)
-        for text, tenant in [("light-0", "light"), ("heavy-0", "heavy"), ("heavy-1", "heavy")]:
-            nursery.start_soon(enter, text, tenant)
-            await trio.testing.wait_all_tasks_blocked()
+        requests = Entering(gate, nursery)
+        await requests.in_turn(("light-0", "light"), ("heavy-0", "heavy"), ("heavy-1", "heavy"))
         routes.decisions["heavy-0"].backend.ended(trio.current_time(), False)  # it gave up
         for turn in range(1, 9):
             routes.decisions[f"light-{turn - 1}"].backend.ended(trio.current_time(), False)
             gate.ended([None], "light")
-            nursery.start_soon(enter, f"light-{turn}", "light")
+            requests.start(f"light-{turn}", "light")
             await trio.sleep(2 * ANTICIPATE_S)
-            assert texts[-1] == f"light-{turn}" and gate.held == 1
+            assert requests.texts[-1] == f"light-{turn}" and gate.held == 1
         nursery.cancel_scope.cancel()
 
 
