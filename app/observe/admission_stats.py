@@ -112,7 +112,6 @@ class AdmissionStats:
         models = sorted({*held, *left, *self._waits, *self._shed})
         return {
             "window_s": WINDOW_S,
-            "held_with_room_s": {url: round(s, 6) for url, s in self.held_with_room_s.items()},
             "models": {
                 model: {
                     "held": held.get(model, 0),
