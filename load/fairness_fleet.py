@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from app.observe.admission_stats import fair_shares
-from app.proxy.accounting import fingerprint
+from app.preprocess.accounting import fingerprint
 from load import arrivals, client, drive, harness
 from load.client import CHAT, Pool
 from load.drive import Record

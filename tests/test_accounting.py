@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.proxy.accounting import ANONYMOUS, OVERFLOW, KeyLabels
+from app.preprocess.accounting import ANONYMOUS, OVERFLOW, KeyLabels
 
 
 def test_labels_fingerprint_the_key_and_never_contain_it() -> None:

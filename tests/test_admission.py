@@ -36,10 +36,11 @@ from app.fleet.saturation import (
 )
 from app.observe.admission_stats import AdmissionStats, fair_shares
 from app.observe.metrics import Metrics
-from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held, Overloaded
+from app.routing.admission import CONTENDED_S, Admission, FairQueue, Held
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, RouteRequest
 from app.routing.gate import ANTICIPATE_S, Gate, GateLimits
+from app.routing.refusal import Overloaded
 from app.routing.router import Router
 from tests.conftest import wait_until
 

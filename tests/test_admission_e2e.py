@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import trio
 
-from app.proxy.accounting import fingerprint
+from app.preprocess.accounting import fingerprint
 from tests.conftest import StartSim, StartSluice, wait_until
 
 

@@ -24,10 +24,10 @@ from app.cli.config_file import read_config
 from app.config import ConfigError, ModelConfig, Settings
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
+from app.preprocess.api_keys import load_api_keys, parse_api_keys
 from app.preprocess.dispatcher import Dispatcher
 from app.preprocess.l1_cache import L1Cache, L1Store
 from app.preprocess.pipeline import Preprocessor
-from app.proxy.api_keys import load_api_keys, parse_api_keys
 from tests.fakes import write_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from app.budgets.buckets import TokenBuckets
-from app.routing.admission import Overloaded
+from app.routing.refusal import Overloaded
 from app.routing.usage import Usage, usage_from_tail
 
 # --- tokens per minute --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from opentelemetry.sdk.resources import Resource
 
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
+from app.observe.request_spans import request_spans
 from app.observe.span_export import HashedResource
 from app.observe.spans import SpanRecord, TraceContext
 from app.observe.tracing import (
@@ -45,7 +46,6 @@ from app.observe.tracing import (
     with_traceparent,
 )
 from app.proxy.forwarding import Timing
-from app.proxy.request_spans import request_spans
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

@@ -292,7 +292,7 @@ def _check_files(settings: Settings) -> None:
     if settings.api_keys is None:
         return
     # Imported here: `--help` answers without loading the proxy.
-    from app.proxy.api_keys import load_api_keys
+    from app.preprocess.api_keys import load_api_keys
 
     try:
         load_api_keys(settings.api_keys)

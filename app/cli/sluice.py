@@ -46,9 +46,11 @@ from app.observe.tracing import Tracer
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.model_preps import check_one_tokenizer
 from app.preprocess.pipeline import Preprocessor
+from app.preprocess.reception import Reception
 from app.preprocess.tokenizer_loading import TokenizerLike
 from app.proxy.app import ProxyApp
 from app.proxy.forwarding import Forwarder
+from app.routing.decider import Decider
 from app.routing.router import Router
 
 log = logging.getLogger("sluice")
@@ -82,6 +84,7 @@ class Sluice:
         )
         self.catalog = ModelCatalog(settings.models, settings.max_model_len)
         self.router = Router(settings, self.pool, self.metrics)
+        self.decider = Decider(self.router, self.pool)
         self.policy = self.router.policy
         self.budget_sync: BudgetSync | None = None
         if isinstance(self.router.buckets, SharedBudgets) and settings.redis_url:
@@ -107,6 +110,15 @@ class Sluice:
         )
         if settings.forward == "tokens":
             check_one_tokenizer(self.preprocessor.preps)
+        self.reception = Reception(
+            settings,
+            self.preprocessor,
+            self.catalog,
+            self.pool,
+            self.metrics,
+            self.tracer,
+            self.access_log,
+        )
         self.shutdown = trio.Event()
         # `sluice demo` sets this: the dashboard's "send a burst" button calls it.
         self.request_burst: Callable[[], bool] | None = None
@@ -232,11 +244,9 @@ class Sluice:
             if self.access_log is not None:
                 await nursery.start(self.access_log.run)
             forwarder = Forwarder(
-                settings, self.pool, self.router, self.metrics, upstream, relay_hub
+                settings, self.pool, self.router, self.decider, self.metrics, upstream, relay_hub
             )
-            proxy = ProxyApp(
-                settings, self.preprocessor, self.catalog, forwarder, self.tracer, self.access_log
-            )
+            proxy = ProxyApp(settings, self.reception, forwarder)
             sources = DashboardSources(
                 self.snapshot,
                 self.occupancy,

@@ -10,13 +10,23 @@ every part of Sluice answers errors and HTTP needs nothing else.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ErrorAnswer(Protocol):
+    """What an error answer is made of: a `ClientError`, or a refusal of the decision's
+    (app/routing/refusal.py), which shares this shape without importing HTTP."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+
+    def body(self) -> dict[str, Any]: ...
 
 
 class ClientError(Exception):

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from app.http.connection import CLOSE, ClientConnection, response_head
-from app.http.errors import ClientError, error_body
+from app.http.errors import ClientError, ErrorAnswer, error_body
 from app.http.fields import Headers, field, first_values
 from app.http.framing import LAST_CHUNK, FramingError, chunk
 from app.http.request_head import RequestHead
@@ -165,7 +165,7 @@ class Exchange:
         """The one writer of error answers: OpenAI's shape (errors.py)."""
         await self.respond_json(status, error_body(message, type_, param, code), headers)
 
-    async def respond_client_error(self, error: ClientError) -> None:
+    async def respond_client_error(self, error: ErrorAnswer) -> None:
         await self.respond_json(error.status, error.body(), error.headers)
 
     async def start(

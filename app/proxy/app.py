@@ -1,12 +1,13 @@
-"""The proxy's handler: parse -> preprocess -> route -> forward, plus the small GET endpoints.
+"""The proxy's handler: arrive -> preprocess -> decide -> forward, plus the small GET endpoints.
 
 It answers each `Exchange` the proxy's server (app/http/server.py) hands it: a request costs one
-dict lookup to dispatch (endpoints.py names every inference endpoint and how its body is
-read), and forwarding.py takes it to a backend and back. Every error leaves as OpenAI-shaped
-JSON. With `--api-keys` an inference request or a model list needs a listed key
-(api_keys.py; `Authorization: Bearer`, or Anthropic's `x-api-key`); each request's model is
-resolved while it is preprocessed (404 for a model that is not served, or not the key's),
-and it goes only to that model's pool. A stored response, and a Responses request continuing
+dict lookup to dispatch (app/preprocess/endpoints.py names every inference endpoint and how
+its body is read); the `Reception` it shares with the endpoint picker reads its head, checks
+its key, preprocesses it and books it; forwarding.py asks the decision and takes it to a
+backend and back. Every error leaves as OpenAI-shaped JSON. With `--api-keys` an inference
+request or a model list needs a listed key; each request's model is resolved while it is
+preprocessed (404 for a model that is not served, or not the key's), and it goes only to
+that model's pool. A stored response, and a Responses request continuing
 one, go to the engine that holds it (response_ids.py). With `--forward tokens` chat and
 completion requests reach the backend as Sluice's token ids (token_forwarding.py), only
 backends whose tokenizer was verified take traffic (app/fleet/tokenizer_check.py), and chat
@@ -16,44 +17,28 @@ answers are reshaped back.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import time
 from typing import Any
 
 import trio
 
 from app.config import Settings
-from app.fleet.catalog import ModelCatalog
 from app.fleet.tokenizer_check import build_probe
 from app.http.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.fields import Headers
-from app.models import NO_MODEL
-from app.observe.access_log import AccessLog
-from app.observe.request_log import CLIENT_GONE_STATUS
-from app.observe.request_trace import RequestTrace
-from app.observe.spans import Attributes, TraceContext
-from app.observe.tracing import (
-    TRACEPARENT,
-    Tracer,
-    parse_traceparent,
-    start_trace,
-    with_traceparent,
-)
-from app.preprocess.pipeline import Prepared, Preprocessor
+from app.observe.tracing import with_traceparent
+from app.preprocess.arrival import Arrival, arrival
+from app.preprocess.endpoints import ENDPOINTS, RESPONSES, STORED, STORED_RESPONSES, Endpoint
+from app.preprocess.pipeline import Prepared
+from app.preprocess.reception import Reception
 from app.proxy import errors
-from app.proxy.accounting import KeyLabels, credential
-from app.proxy.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
-from app.proxy.endpoints import ENDPOINTS, RESPONSES, STORED, STORED_RESPONSES, Endpoint
 from app.proxy.forward import upstream_headers
-from app.proxy.forwarding import Attempt, Forwarder, Outgoing, Timing
-from app.proxy.request_spans import request_spans
+from app.proxy.forwarding import Attempt, Forwarder, Outgoing
 from app.proxy.response_ids import IdTagger, untag
 from app.proxy.token_forwarding import plan_forward
-from app.routing.admission import Admission, Overloaded
-from app.routing.decision import RouteRequest
-from app.routing.router import estimated_tokens
+from app.routing import refusal
+from app.routing.decider import RequestContext
 
 log = logging.getLogger("sluice.proxy")
 
@@ -61,33 +46,21 @@ GET_PATHS = frozenset({"/v1/models", "/health", "/metrics"})
 STORED_ROUTE = STORED_RESPONSES + "{response_id}"  # its spans' name: no id in it
 # What may be done to a stored response, by what follows its id in the path.
 STORED_METHODS = {"": (b"GET", b"DELETE"), "/cancel": (b"POST",), "/input_items": (b"GET",)}
-# How much of a body stands in for its prompt when a hash must route it unparsed (bail-out).
-ROUTE_KEY_BYTES = 4096
-# A client's own deadline, in seconds: ours, and the one the OpenAI SDKs send.
-CLIENT_TIMEOUT_HEADERS = (b"x-request-timeout", b"x-stainless-timeout")
 
 
 class ProxyApp:
     def __init__(
         self,
         settings: Settings,
-        preprocessor: Preprocessor,
-        catalog: ModelCatalog,
+        reception: Reception,
         forwarder: Forwarder,
-        tracer: Tracer,
-        access_log: AccessLog | None = None,
     ) -> None:
-        """`forwarder` takes a prepared request to a backend and back (its pool, router and
-        metrics are the proxy's too); `tracer` and `access_log` hear of each request."""
+        """`reception` checks, preprocesses and books each request (as the endpoint picker's
+        does); `forwarder` decides and takes it to a backend and back."""
         self.settings = settings
-        self.tracer = tracer
-        self.access_log = access_log
-        self.preprocessor = preprocessor
-        self.key_labels = KeyLabels()
-        self.keys: KeyTable | None = (
-            None if settings.api_keys is None else load_api_keys(settings.api_keys)
-        )
-        self.catalog = catalog
+        self.reception = reception
+        self.preprocessor = reception.preprocessor
+        self.catalog = reception.catalog
         self.forwarder = forwarder
         self.pool = forwarder.pool
         self.router = forwarder.router
@@ -99,7 +72,7 @@ class ProxyApp:
         self._ids_made = 0
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
-            probe = build_probe(preprocessor.encode_plain, preprocessor.special_tokens())
+            probe = build_probe(self.preprocessor.encode_plain, self.preprocessor.special_tokens())
             self.pool.require_tokenizer_match(probe)
 
     def _new_request_id(self) -> bytes:
@@ -158,23 +131,9 @@ class ProxyApp:
                 payload["status"] = "no verified backend"
         await exchange.respond_json(status, payload)
 
-    def grant(self, exchange: Exchange) -> KeyGrant | None:
-        """The caller's grant with `--api-keys` (None without: the proxy is open); a 401
-        `ClientError` when its key is missing or not listed."""
-        if self.keys is None:
-            return None
-        grant = self.keys.find(self._credential(exchange))
-        if grant is None:
-            raise invalid_api_key()
-        return grant
-
-    @staticmethod
-    def _credential(exchange: Exchange) -> bytes | None:
-        return credential(exchange.header(b"authorization"), exchange.header(b"x-api-key"))
-
     async def models(self, exchange: Exchange) -> None:
         try:
-            grant = self.grant(exchange)
+            grant = self.reception.grant(arrival(exchange.headers))
         except ClientError as exc:
             await exchange.respond_client_error(exc)
             return
@@ -184,7 +143,7 @@ class ProxyApp:
         allowed = grant.allowed(directory) if grant else None
         cards = self.catalog.cards(directory, backends, now, allowed)
         if not cards and not self.pool.any_available(now):
-            no_backend = errors.no_backend(refusals=self.pool.tokenizer_refusals())
+            no_backend = refusal.no_backend(refusals=self.pool.tokenizer_refusals())
             await exchange.respond_client_error(no_backend)
             return
         await exchange.respond_json(200, {"object": "list", "data": cards})
@@ -202,11 +161,9 @@ class ProxyApp:
         if method not in allowed:
             await exchange.respond_client_error(errors.method_not_allowed(b", ".join(allowed)))
             return
-        timing = Timing(started=time.perf_counter())
-        trace = self.metrics.traffic.trace(timing, STORED.name)
-        context = self._traced(exchange, trace)
+        context, head = self.reception.arrive(exchange.headers, STORED.name)
         try:
-            self.grant(exchange)
+            self.reception.grant(head)
             owner = untag(tagged)
             backend = self.pool.find(owner[1]) if owner is not None else None
             if owner is None or backend is None:
@@ -214,134 +171,50 @@ class ProxyApp:
             body = await exchange.read_body(self.settings.max_body_bytes)
         except ClientError as exc:
             await exchange.respond_client_error(exc)
-            self._finish(exchange, trace, STORED, timing, context)
+            self._depart(exchange, STORED, context)
             return
         engine_id = owner[0]
         target = STORED_RESPONSES + engine_id + action
         query = exchange.target.partition(b"?")[2]
         if query:
             target += "?" + query.decode("latin-1")
-        _, headers = self._upstream_headers(exchange, context)
+        headers = self._upstream_headers(exchange, head, context)
         attempt = Attempt(
             method, target, body, headers, [], STORED, IdTagger(backend.id, (engine_id,))
         )
         try:
-            await self.forwarder.direct(exchange, backend, attempt, timing)
+            await self.forwarder.direct(exchange, backend, attempt, context.timing)
         finally:
-            self._finish(exchange, trace, STORED, timing, context)
+            self._depart(exchange, STORED, context)
 
     async def infer(self, exchange: Exchange, path: str, endpoint: Endpoint) -> None:
-        timing = Timing(started=time.perf_counter())
-        trace = self.metrics.traffic.trace(timing, endpoint.name)
-        context = self._traced(exchange, trace)
+        context, head = self.reception.arrive(exchange.headers, endpoint.name)
         try:
-            await self._infer(exchange, path, endpoint, timing, trace, context)
+            await self._infer(exchange, path, endpoint, context, head)
         finally:
-            self._finish(exchange, trace, endpoint, timing, context)
-
-    def _traced(self, exchange: Exchange, trace: RequestTrace) -> TraceContext | None:
-        """The request's trace with --otlp-endpoint: the caller's continued, or a new one.
-        Without, the caller's traceparent goes to the engine as it came, and its trace id
-        to the request log."""
-        header = exchange.header(TRACEPARENT)
-        if self.tracer.enabled:
-            context = start_trace(header)
-            trace.trace_id = context.trace_id
-            return context
-        if header is not None:
-            parsed = parse_traceparent(header)
-            trace.trace_id = parsed[0] if parsed is not None else None
-        return None
-
-    def _upstream_headers(
-        self, exchange: Exchange, context: TraceContext | None
-    ) -> tuple[bytes, Headers]:
-        """The request's id (the client's x-request-id, or one made here) and the headers
-        the engine gets."""
-        request_id = exchange.header(b"x-request-id") or self._new_request_id()
-        headers = upstream_headers(exchange.headers, request_id)
-        return request_id, headers if context is None else with_traceparent(headers, context)
-
-    def _finish(
-        self,
-        exchange: Exchange,
-        trace: RequestTrace,
-        endpoint: Endpoint,
-        timing: Timing,
-        context: TraceContext | None,
-    ) -> None:
-        """Count the request, log it, and hand its spans over: once, when it has ended."""
-        trace.finish(exchange)
-        code = CLIENT_GONE_STATUS if exchange.status is None else exchange.status
-        model = trace.model or NO_MODEL
-        self.metrics.requests.labels(model=model, code=str(code), endpoint=endpoint.name).inc()
-        if context is not None:
-            attributes: Attributes = {
-                "http.request.method": exchange.method,
-                "url.path": exchange.path,
-                "http.response.status_code": code,
-                "sluice.endpoint": endpoint.name,
-            }
-            if trace.model is not None:
-                attributes["gen_ai.request.model"] = trace.model
-            if trace.backend is not None:
-                attributes["sluice.backend"] = trace.backend
-            route = exchange.path if endpoint is not STORED else STORED_ROUTE
-            name = f"{exchange.method} {route}"
-            server, children = request_spans(name, timing, trace.ended, attributes)
-            self.tracer.finish(context, server, children)
-        if self.access_log is not None:
-            # The seq the request log just gave it: the same record, the same number.
-            self.access_log.write(trace.record(self.metrics.traffic.log.total))
+            self._depart(exchange, endpoint, context)
 
     async def _infer(
         self,
         exchange: Exchange,
         path: str,
         endpoint: Endpoint,
-        timing: Timing,
-        trace: RequestTrace,
-        context: TraceContext | None,
+        context: RequestContext,
+        head: Arrival,
     ) -> None:
         kind = endpoint.kind
-        directory = self.catalog.directory(self.pool.backends)
         try:
-            grant = self.grant(exchange)
+            grant = self.reception.grant(head)
             body = await exchange.read_body(self.settings.max_body_bytes)
-            timing.read_at = time.perf_counter()
-            prepared = await self.preprocessor.prepare(
-                kind,
-                body,
-                models=directory,
-                allowed=grant.allowed(directory) if grant else None,
-            )
+            prepared = await self.reception.prepare(context, head, grant, kind, body)
             body = prepared.forward_body or body
-            route_request = self._route_request(exchange, prepared, body)
             known_ids: tuple[str, ...] = ()
             if endpoint is RESPONSES:
-                body, known_ids = self._follow_up(prepared, body, route_request)
+                body, known_ids = self._follow_up(prepared, body, context)
         except ClientError as exc:
             await exchange.respond_client_error(exc)
             return
-        trace.prepared(prepared)
-        timing.template = prepared.template_seconds
-        timing.tokenize = prepared.tokenize_seconds
-        model = prepared.model
-        key = grant.label if grant else self.key_labels.label(self._credential(exchange))
-        if prepared.token_ids is not None:
-            self.metrics.prompt_tokens.labels(api_key=key, model=model or NO_MODEL).inc(
-                len(prepared.token_ids)
-            )
-        per_minute = grant.tokens_per_minute if grant else None
-        # Without a prompt of Sluice's (embeddings, uploads), the engine's usage is charged.
-        prompt_admitted = prepared.tokenize_path != "none"
-        prompt_tokens = estimated_tokens(route_request) if prompt_admitted else 0
-        try:
-            self.router.admit(key, model, prompt_tokens, per_minute)
-        except Overloaded as exc:
-            await exchange.respond_client_error(exc)
-            return
-        request_id, headers = self._upstream_headers(exchange, context)
+        headers = self._upstream_headers(exchange, head, context)
         extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
         as_chat = False
         if self.forward_tokens and kind in ("chat", "completion"):
@@ -349,29 +222,33 @@ class ProxyApp:
             path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
             extra_headers.append((b"x-sluice-forward", plan.label.encode()))
         outgoing = Outgoing(
-            endpoint,
-            path,
-            body,
-            headers,
-            request_id,
-            route_request,
-            timing,
-            extra_headers,
-            as_chat,
-            self._admission(exchange, grant, key, prepared.fields, timing),
-            per_minute,
-            known_ids,
-            prompt_admitted,
+            endpoint=endpoint,
+            path=path,
+            body=body,
+            headers=headers,
+            extra_headers=extra_headers,
+            answer_as_chat=as_chat,
+            known_ids=known_ids,
         )
-        await self.forwarder.forward(exchange, outgoing, trace)
+        await self.forwarder.forward(exchange, outgoing, context)
 
-    def _route_request(self, exchange: Exchange, prepared: Prepared, body: bytes) -> RouteRequest:
-        route_key = prepared.prompt or body[:ROUTE_KEY_BYTES].decode("utf-8", "replace")
-        session = exchange.header(b"x-session-id") or prepared.fields.get("user")
-        return RouteRequest(prepared.token_ids, route_key, _session_key(session), prepared.model)
+    def _upstream_headers(
+        self, exchange: Exchange, head: Arrival, context: RequestContext
+    ) -> Headers:
+        """The headers the engine gets, with the request's id: the client's x-request-id,
+        or one made here (the context's from now on)."""
+        context.request_id = head.request_id or self._new_request_id()
+        headers = upstream_headers(exchange.headers, context.request_id)
+        return headers if context.span is None else with_traceparent(headers, context.span)
+
+    def _depart(self, exchange: Exchange, endpoint: Endpoint, context: RequestContext) -> None:
+        route = exchange.path if endpoint is not STORED else STORED_ROUTE
+        self.reception.depart(
+            context, exchange, exchange.method, exchange.path, route, endpoint.name
+        )
 
     def _follow_up(
-        self, prepared: Prepared, body: bytes, route_request: RouteRequest
+        self, prepared: Prepared, body: bytes, context: RequestContext
     ) -> tuple[bytes, tuple[str, ...]]:
         """A Responses request continuing a stored one (`previous_response_id`) goes to the
         engine that stores it, asked by the engine's own id: the body, and that id."""
@@ -383,52 +260,10 @@ class ProxyApp:
         backend = self.pool.find(backend_id)
         if backend is None:
             raise errors.response_not_found(previous, "previous_response_id")
-        route_request.pinned = backend
+        assert context.facts is not None
+        context.facts.route.only = frozenset((backend,))
         quoted = b'"%b"' % previous.encode()
         return body.replace(quoted, b'"%b"' % engine_id.encode(), 1), (engine_id,)
-
-    def _admission(
-        self,
-        exchange: Exchange,
-        grant: KeyGrant | None,
-        key: str,
-        fields: dict[str, Any],
-        timing: Timing,
-    ) -> Admission:
-        """Its tenant (the key's label) and weight, its priority band (the key's, or the
-        body's `priority` as vLLM takes it, never above the key's), and when it stops
-        waiting: --admission-timeout after it arrived, or sooner if the client says so."""
-        priority = grant.priority if grant else 0
-        asked = fields.get("priority")
-        if isinstance(asked, int) and not isinstance(asked, bool):
-            priority = max(priority, asked)
-        timeout = self.settings.admission_timeout
-        for name in CLIENT_TIMEOUT_HEADERS:
-            seconds = _seconds(exchange.header(name))
-            if seconds is not None:
-                timeout = min(timeout, seconds)
-                break
-        elapsed = time.perf_counter() - timing.started
-        deadline = trio.current_time() + timeout - elapsed
-        return Admission(key, grant.weight if grant else 1.0, priority, deadline)
-
-
-def _seconds(value: bytes | None) -> float | None:
-    """A header's positive number of seconds, or None."""
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None
-    return seconds if seconds > 0 and math.isfinite(seconds) else None
-
-
-def _session_key(session: object) -> str | None:
-    """`x-session-id` (bytes) or the body's `user` (any JSON): a string, or None."""
-    if isinstance(session, bytes):
-        return session.decode("latin-1")
-    return session if isinstance(session, str) and session else None
 
 
 def _prompt_tokens_header(prepared: Prepared) -> bytes:

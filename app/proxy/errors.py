@@ -1,6 +1,7 @@
-"""The proxy's own error answers that no request check raises: unknown paths, overload, no
-backend, a failed backend. Each is a `ClientError` (app/http/errors.py, OpenAI's shape), so
-the proxy answers every error one way: `exchange.respond_client_error`."""
+"""The proxy's own error answers that no request check raises: unknown paths, overload, a
+failed backend (the decision's refusals are app/routing/refusal.py's). Each is a
+`ClientError` (app/http/errors.py, OpenAI's shape), so the proxy answers every error one way:
+`exchange.respond_client_error`."""
 
 from __future__ import annotations
 
@@ -34,31 +35,13 @@ def method_not_allowed(allowed: bytes) -> ClientError:
     )
 
 
-def _unavailable(message: str, code: str) -> ClientError:
-    return ClientError(
-        message, code=code, status=503, type_="service_unavailable", headers=[RETRY_AFTER]
-    )
-
-
-def no_backend(model: str | None = None, refusals: dict[str, str] | None = None) -> ClientError:
-    """503: no healthy backend (of `model`'s pool), or (`--forward tokens`) none whose
-    tokenizer is verified: `refusals` says why each was refused."""
-    if refusals:
-        reasons = "; ".join(f"{url}: {why}" for url, why in refusals.items())
-        message = (
-            "No backend is verified to tokenize exactly as Sluice does, and --forward tokens "
-            f"sends token ids only to such backends ({reasons})."
-        )
-        return _unavailable(message, "no_verified_backend")
-    serving = "" if model is None else f" for model {model}"
-    return _unavailable(
-        f"No healthy backend is available{serving}; try again shortly.", "no_healthy_backend"
-    )
-
-
 def overloaded(limit: int) -> ClientError:
-    return _unavailable(
-        f"The proxy is serving its maximum of {limit} requests; try again shortly.", "overloaded"
+    return ClientError(
+        f"The proxy is serving its maximum of {limit} requests; try again shortly.",
+        code="overloaded",
+        status=503,
+        type_="service_unavailable",
+        headers=[RETRY_AFTER],
     )
 
 

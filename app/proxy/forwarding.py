@@ -10,7 +10,6 @@ is no inference (a stored response's GET, DELETE or cancel): no routing, no retr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,14 +25,15 @@ from app.http.exchange import Exchange
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
 from app.observe.metrics import Metrics
-from app.observe.request_trace import RequestTrace
+from app.observe.timing import Timing
+from app.preprocess.endpoints import Endpoint
 from app.proxy import errors
-from app.proxy.endpoints import Endpoint
 from app.proxy.forward import StreamBroken, UpstreamFailure, open_upstream
 from app.proxy.relay import Converter, Relayed, relay, relay_as_chat
 from app.proxy.response_ids import IdTagger
-from app.routing.admission import Admission, Overloaded
-from app.routing.decision import Decision, RouteRequest
+from app.routing.decider import Decider, RequestContext
+from app.routing.decision import Decision
+from app.routing.refusal import Refused
 from app.routing.router import Router
 from app.routing.usage import usage_from_tail
 
@@ -43,36 +43,10 @@ log = logging.getLogger("sluice.proxy")
 BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
 
 
-@dataclass
-class Timing:
-    """How long each phase took (server-timing, the request log) and, for its trace's spans,
-    when the phases met: perf_counter readings, 0.0 for a phase the request never reached
-    (the last try's, after a retry)."""
-
-    started: float
-    template: float = 0.0
-    tokenize: float = 0.0
-    route: float = 0.0
-    queue: float = 0.0  # held at the gate, every engine of its pool saturated
-    read_at: float = 0.0  # its body read, preprocessing begins
-    routing_at: float = 0.0  # preprocessed, it asks the router
-    routed_at: float = 0.0  # a backend chosen: connecting and sending
-    sent_at: float = 0.0  # sent: waiting for the first byte
-    connected: bool = False  # a new connection was opened for it (else one kept alive)
-    answered_at: float = 0.0  # the backend's head arrived: relaying
-
-    def header(self) -> bytes:
-        return b"template;dur=%.3f, tokenize;dur=%.3f, route;dur=%.3f, queue;dur=%.3f" % (
-            self.template * 1000,
-            self.tokenize * 1000,
-            self.route * 1000,
-            self.queue * 1000,
-        )
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Outgoing:
-    """One validated, preprocessed request, ready to be forwarded (and retried).
+    """One validated, preprocessed request as its backend gets it, ready to be forwarded (and
+    retried); what was decided about it is in its `RequestContext`.
 
     Not frozen, like every value a request hands along its path (RequestHead, Prepared,
     RouteRequest, Decision, ResponseHead, Relayed, Usage): nothing changes them once made,
@@ -83,19 +57,9 @@ class Outgoing:
     path: str
     body: bytes
     headers: Headers
-    request_id: bytes
-    route_request: RouteRequest
-    timing: Timing
-    extra_headers: Headers
-    answer_as_chat: bool  # the backend answers a completion to what was a chat request
-    admission: Admission  # its key's label (token budgets, accounting, fair queuing) and more
-    tokens_per_minute: int | None  # the key's own limit (None: --tokens-per-minute)
+    extra_headers: Headers  # added to the answer's headers
+    answer_as_chat: bool = False  # the backend answers a completion to a chat request
     known_ids: tuple[str, ...] = ()  # engine response ids its answer names (to tag them)
-    prompt_admitted: bool = True  # its prompt's tokens were taken from the key's budget
-
-    @property
-    def model(self) -> str | None:
-        return self.route_request.model
 
 
 @dataclass(slots=True)
@@ -119,68 +83,67 @@ class Forwarder:
     settings: Settings
     pool: BackendPool
     router: Router
+    decider: Decider
     metrics: Metrics
     upstream: UpstreamPool
     relay_hub: RelayHub
 
-    async def forward(self, exchange: Exchange, outgoing: Outgoing, trace: RequestTrace) -> None:
-        tried: list[Backend] = []
-        failure: UpstreamFailure | None = None
-        while len(tried) < 2:
-            route_started = outgoing.timing.routing_at = time.perf_counter()
-            try:
-                chosen = await self.router.choose(
-                    outgoing.route_request, tuple(tried), outgoing.admission
-                )
-            except Overloaded as exc:
-                await exchange.respond_client_error(exc)
-                return
-            if chosen is None:
-                break
-            decision = dataclasses.replace(chosen, reason="retry") if tried else chosen
-            outgoing.timing.queue += decision.waited
-            routed_at = outgoing.timing.routed_at = time.perf_counter()
-            outgoing.timing.route += routed_at - route_started - decision.waited
-            backend = decision.backend
-            self.metrics.route_decisions.labels(self.router.policy.name, decision.reason).inc()
-            tried.append(backend)
-            try:
-                await self._exchange(exchange, backend, decision, outgoing, trace)
-                return
-            except UpstreamFailure as exc:
-                failure = exc
-                log.warning("backend %s failed before answering: %s", backend.url, exc)
-            except StreamBroken as exc:
-                # The client has part of an answer that cannot be finished: the server
-                # closes its connection, which is how HTTP says the answer is incomplete.
-                log.warning("backend %s broke off its answer: %s", backend.url, exc)
-                return
-        if failure is None:
-            no_backend = errors.no_backend(outgoing.model, self.pool.tokenizer_refusals())
-            await exchange.respond_client_error(no_backend)
-        else:
-            await exchange.respond_client_error(errors.upstream_failure(failure))
+    async def forward(
+        self, exchange: Exchange, outgoing: Outgoing, context: RequestContext
+    ) -> None:
+        """Decide, then try the chosen backend, and on a failure before it answered, the
+        decision's first fallback; the decision hears how it ended (`complete`)."""
+        assert context.facts is not None
+        timing = context.timing
+        route_started = timing.routing_at = time.perf_counter()
+        verdict = await self.decider.decide(context.facts)
+        if isinstance(verdict, Refused):
+            await exchange.respond_client_error(verdict)
+            return
+        decision = context.decision = verdict
+        timing.queue = decision.waited
+        timing.routed_at = time.perf_counter()
+        timing.route = timing.routed_at - route_started - decision.waited
+        try:
+            for retried in (False, True):
+                try:
+                    await self._exchange(exchange, decision, outgoing, context)
+                    return
+                except UpstreamFailure as exc:
+                    log.warning("backend %s failed before answering: %s", decision.backend.url, exc)
+                    if retried or not decision.fallbacks:
+                        await exchange.respond_client_error(errors.upstream_failure(exc))
+                        return
+                    decision = self.decider.served_by(decision, decision.fallbacks[0])
+                    context.decision = decision
+                except StreamBroken as exc:
+                    # The client has part of an answer that cannot be finished: the server
+                    # closes its connection, which is how HTTP says the answer is incomplete.
+                    log.warning("backend %s broke off its answer: %s", decision.backend.url, exc)
+                    return
+        finally:
+            self.decider.complete(context)
 
     async def _exchange(
         self,
         exchange: Exchange,
-        backend: Backend,
         decision: Decision,
         outgoing: Outgoing,
-        trace: RequestTrace,
+        context: RequestContext,
     ) -> None:
-        """One try on one backend. Raises `UpstreamFailure` while a retry is still possible.
-
-        `decision` was reserved by the router, which `release` gives back."""
+        """One try on the decision's backend. Raises `UpstreamFailure` while a retry is still
+        possible; the usage its answer reported is the context's."""
+        backend = decision.backend
+        self.metrics.route_decisions.labels(self.router.policy.name, decision.reason).inc()
         relayed: Relayed | None = None
         outcome = _Outcome()
         try:
-            timing = outgoing.timing
+            timing = context.timing
             self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
             route = f"{self.router.policy.name}:{decision.reason}"
-            trace.routed(backend.url, route, outgoing.request_id)
+            context.trace.routed(backend.url, route, context.request_id)
             extra = [
-                (b"x-request-id", outgoing.request_id),
+                (b"x-request-id", context.request_id),
                 (b"x-sluice-backend", backend.url.encode()),
                 (b"x-sluice-route", route.encode()),
                 (b"server-timing", timing.header()),
@@ -201,16 +164,11 @@ class Forwarder:
                 converter,
                 outgoing.answer_as_chat,
             )
-            relayed = await self._try(
-                exchange, backend, attempt, outcome, timing, partial(self.router.started, decision)
-            )
+            started = partial(self.decider.started, decision)
+            relayed = await self._try(exchange, backend, attempt, outcome, timing, started)
         finally:
-            usage = usage_from_tail(relayed.tail) if relayed is not None else None
-            key = outgoing.admission.tenant
-            self.router.release(
-                decision, usage, key, outgoing.tokens_per_minute, outgoing.prompt_admitted
-            )
-            self._count(backend, outcome, outgoing.model or ANY_MODEL)
+            context.usage = usage_from_tail(relayed.tail) if relayed is not None else None
+            self._count(backend, outcome, decision.model or ANY_MODEL)
 
     async def direct(
         self, exchange: Exchange, backend: Backend, attempt: Attempt, timing: Timing

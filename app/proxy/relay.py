@@ -31,8 +31,8 @@ from app.http.client import UpstreamError, UpstreamResponse
 from app.http.exchange import ClientGone, Exchange
 from app.http.fields import Headers
 from app.http.relay_hub import HubStream, RelayHub
+from app.preprocess.endpoints import CHAT, Endpoint
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.endpoints import CHAT, Endpoint
 from app.proxy.forward import (
     StreamBroken,
     UpstreamFailure,

@@ -35,28 +35,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.http.errors import ClientError
-
 ANONYMOUS = "anonymous"
 # Another tenant that came to a queue this recently makes the per-tenant bound hold.
 CONTENDED_S = 10.0
-
-
-class Overloaded(ClientError):
-    """Refused for now: 429 with Retry-After (whole seconds, at least one)."""
-
-    def __init__(self, reason: str, message: str, retry_after: float) -> None:
-        retry = str(max(1, math.ceil(retry_after))).encode()
-        super().__init__(
-            message,
-            code=reason,
-            status=429,
-            type_="rate_limit_error",
-            headers=[(b"retry-after", retry)],
-        )
-        # tokens_per_minute | request_too_large | queue_full | key_queue_full | queue_timeout
-        self.reason = reason
-        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -83,7 +64,7 @@ class Held:
     arrived: float
     ticket: object = None
     prefers: str | None = None  # the backend holding its prefix when it was held, if any
-    only: str | None = None  # the one backend it may go to, if pinned
+    only: frozenset[str] | None = None  # the backends (URLs) it may go to; None: any
     start: float = field(default=0.0, init=False)  # virtual start, set when queued
 
 

@@ -24,15 +24,16 @@ class RouteRequest:
     """What a policy may look at. `token_ids` is None when tokenization was skipped; `text` is
     the rendered prompt or a prefix of it (opaque: only its start is hashed); `session` is the
     client's `x-session-id` header or the body's `user` field; `model` the served model whose
-    pool the candidates are (None: a pool of every backend); `pinned` the one backend it may
-    go to (a follow-up of a response that backend stores), None for any; `block_hashes` the
+    pool the candidates are (None: a pool of every backend); `only` the backends it may go
+    to (a follow-up of a response one backend stores; the gateway's subset hint), None for
+    any; `block_hashes` the
     token ids' chained block hashes, when they were computed off the loop (a long prompt)."""
 
     token_ids: Sequence[int] | None = None
     text: str | None = None
     session: str | None = None
     model: str | None = None
-    pinned: Backend | None = None
+    only: frozenset[Backend] | None = None
     block_hashes: Sequence[int] | None = None
 
 
@@ -66,6 +67,7 @@ class Decision:
     model: str | None = None  # the pool it was chosen in
     waited: float = 0.0  # seconds the request was held before an engine had room
     started: bool = False  # its answer's first byte came (`Router.started`)
+    fallbacks: tuple[Backend, ...] = ()  # where it goes if the backend fails it, in order
 
 
 class Policy(Protocol):

@@ -31,8 +31,9 @@ import trio
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.saturation import queue_allowance, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats
-from app.routing.admission import Admission, FairQueue, Held, Overloaded
+from app.routing.admission import Admission, FairQueue, Held
 from app.routing.decision import Decision, RouteRequest
+from app.routing.refusal import Overloaded
 
 POLL_S = 0.5
 # After a request of a key with nothing held ends while others' requests are held, the room
@@ -125,8 +126,8 @@ class Gate:
         model = request.model
         now = trio.current_time()
         candidates = self.pool.available(now, exclude, model)
-        if request.pinned is not None:
-            candidates = [b for b in candidates if b is request.pinned]
+        if request.only is not None:
+            candidates = [b for b in candidates if b in request.only]
         if not candidates:
             return None
         if not exclude:  # a retry asked once already
@@ -162,7 +163,7 @@ class Gate:
             arrived,
             ticket,
             prefers.url if prefers is not None else None,
-            request.pinned.url if request.pinned is not None else None,
+            None if request.only is None else frozenset(b.url for b in request.only),
         )
         shed = queue.push(held)
         if shed is held:
@@ -272,7 +273,7 @@ class Gate:
                 return
             ticket = self._ticket(held)
             if held.only is not None:
-                choices = [b for b in open_ if b.url == held.only]
+                choices = [b for b in open_ if b.url in held.only]
             else:
                 choices = [b for b in open_ if b not in ticket.exclude] or open_
             decision = self._route(choices, ticket.request)
@@ -351,4 +352,4 @@ def _of_tenant(tenant: str) -> Callable[[Held], bool]:
 
 
 def _may_go_to_one_of(urls: frozenset[str]) -> Callable[[Held], bool]:
-    return lambda held: held.only is None or held.only in urls
+    return lambda held: held.only is None or not held.only.isdisjoint(urls)

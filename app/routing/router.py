@@ -30,12 +30,13 @@ from app.fleet.backends import Backend, BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
 from app.observe.metrics import Metrics
-from app.routing.admission import ANYONE, Admission, Overloaded
+from app.routing.admission import ANYONE, Admission
 from app.routing.block_index import block_hashes
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.gate import Gate, GateLimits
 from app.routing.policies import RoutingParams, make_policy
+from app.routing.refusal import Overloaded
 from app.routing.usage import Usage
 
 log = logging.getLogger("sluice.router")
@@ -258,6 +259,20 @@ class Router:
         backend = decision.backend
         backend.started(trio.current_time())
         self.gate.opened((None, *backend.served))
+
+    def moved(self, decision: Decision, backend: Backend) -> Decision:
+        """`decision`'s reservation given back unused and made on `backend`, which serves
+        the request instead (a retry): the policy's prediction was for the other."""
+        now = trio.current_time()
+        failed = decision.backend
+        failed.ended(now, decision.started)
+        failed.pending_tokens -= decision.pending_tokens
+        backend.sent(now)
+        backend.pending_tokens += decision.pending_tokens
+        self.gate.ended((None, *failed.served), None)
+        return Decision(
+            backend, "retry", None, decision.pending_tokens, decision.model, decision.waited
+        )
 
     def release(
         self,

@@ -27,7 +27,7 @@ from typing import Any
 from app.config import ConfigError
 from app.http.errors import ClientError
 from app.models import ModelDirectory
-from app.proxy.accounting import bearer_token, fingerprint
+from app.preprocess.accounting import bearer_token, fingerprint
 
 ENTRY_KEYS = frozenset({"key", "models", "tokens_per_minute", "weight", "priority"})
 

@@ -11,8 +11,8 @@ are laid end to end from the moment the body was read. A phase the request never
 from __future__ import annotations
 
 from app.observe.spans import Attributes, SpanRecord
+from app.observe.timing import Timing
 from app.observe.tracing import clock_offset_ns, epoch_ns
-from app.proxy.forwarding import Timing
 
 
 def request_spans(
