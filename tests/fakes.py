@@ -14,11 +14,15 @@ from tokenizers import AddedToken, Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from app.http.exchange import ClientConnection
+from app.http.client import UpstreamResponse
+from app.http.exchange import ClientConnection, Exchange
+from app.http.fields import Headers
+from app.http.relay_hub import RelayHub
 from app.http.request_head import RequestHead
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.request_bodies import Kind
 from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
+from app.proxy.relay import Passage, reply_from
 
 
 async def prepare(
@@ -99,3 +103,18 @@ def write_word_tokenizer(path: Path, words: Sequence[str] = ()) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
     return path / "tokenizer.json"
+
+
+async def relay(
+    response: UpstreamResponse,
+    exchange: Exchange,
+    extra_headers: Headers,
+    idle: float,
+    hub: RelayHub,
+) -> Passage:
+    """What the proxy does with a backend's answer: its reply sent to the client, and its
+    passage (its tail, whether it broke) returned. (The proxy then releases the response,
+    whatever happened; the caller does here.)"""
+    reply, passage = await reply_from(response, extra_headers, idle, hub)
+    await exchange.send(reply)
+    return passage

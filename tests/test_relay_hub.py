@@ -26,8 +26,8 @@ from app.http.client import UpstreamPool, UpstreamResponse
 from app.http.exchange import ClientConnection, ClientGone, Exchange
 from app.http.relay_hub import READ_SIZE, SWEEP_S, RelayHub
 from app.http.streams import byte_stream
-from app.proxy.relay import Relayed, relay
-from tests.fakes import read_request
+from app.proxy.relay import Passage
+from tests.fakes import read_request, relay
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
@@ -101,7 +101,7 @@ async def read_answer(client: trio.SocketStream) -> tuple[int, bytes]:
             return status, b"".join(body)
 
 
-async def relay_into(result: list[Relayed], w: Wired, hub: RelayHub, idle: float = 30) -> None:
+async def relay_into(result: list[Passage], w: Wired, hub: RelayHub, idle: float = 30) -> None:
     """Relay `w`'s answer through `hub`; what `relay` returned goes into `result`."""
     result.append(await relay(w.response, w.exchange, [], idle=idle, hub=hub))
 
@@ -118,7 +118,7 @@ async def running_hub() -> AsyncIterator[tuple[RelayHub, trio.Nursery]]:
 async def test_events_arrive_whole_and_the_stream_leaves_when_the_body_ends() -> None:
     events = [event(i) for i in range(20)]
     async with running_hub() as (hub, nursery), wired(nursery) as w:
-        result: list[Relayed] = []
+        result: list[Passage] = []
 
         nursery.start_soon(relay_into, result, w, hub)
         await trio.testing.wait_all_tasks_blocked()
@@ -128,7 +128,7 @@ async def test_events_arrive_whole_and_the_stream_leaves_when_the_body_ends() ->
         await w.backend.send_all(b"0\r\n\r\n")
         assert await read_answer(w.client) == (200, b"".join(events))
         await trio.testing.wait_all_tasks_blocked()
-        assert len(hub) == 0 and result[0].broken is None
+        assert len(hub) == 0 and result[0].broken_by is None
         assert result[0].tail.endswith(events[-1])
 
 
@@ -198,7 +198,7 @@ async def test_a_client_that_is_gone_ends_the_relay_with_client_gone() -> None:
 
 async def test_a_backend_that_breaks_off_gets_the_client_an_error_event() -> None:
     async with running_hub() as (hub, nursery), wired(nursery) as w:
-        result: list[Relayed] = []
+        result: list[Passage] = []
 
         nursery.start_soon(relay_into, result, w, hub)
         await w.backend.send_all(chunk(event(1)))
@@ -207,14 +207,14 @@ async def test_a_backend_that_breaks_off_gets_the_client_an_error_event() -> Non
         assert status == 200 and body.startswith(event(1))
         assert b"backend_stream_broken" in body and body.endswith(b"data: [DONE]\n\n")
         await trio.testing.wait_all_tasks_blocked()
-        assert result[0].broken is not None and "last chunk" in result[0].broken
+        assert result[0].broken_by is not None and "last chunk" in result[0].broken_by
 
 
 async def test_a_silent_backend_is_ended_within_a_sweep_of_its_idle_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with running_hub() as (hub, nursery), wired(nursery) as w:
-        result: list[Relayed] = []
+        result: list[Passage] = []
 
         nursery.start_soon(relay_into, result, w, hub, 3)
         await w.backend.send_all(chunk(event(1)))
@@ -225,7 +225,7 @@ async def test_a_silent_backend_is_ended_within_a_sweep_of_its_idle_timeout(
         assert 3 <= silent <= 3 + SWEEP_S
         assert status == 200 and b"no data from the backend for 3s" in body
         await trio.testing.wait_all_tasks_blocked()
-        assert result[0].broken == "no data from the backend for 3s"
+        assert result[0].broken_by == "no data from the backend for 3s"
 
 
 async def test_a_cancelled_request_takes_its_stream_out() -> None:
@@ -242,7 +242,7 @@ async def test_a_cancelled_request_takes_its_stream_out() -> None:
 
 
 async def test_the_hubs_end_ends_the_streams_in_it() -> None:
-    result: list[Relayed] = []
+    result: list[Passage] = []
     async with trio.open_nursery() as outer, wired(outer) as w:
         hub = RelayHub()
         async with trio.open_nursery() as hub_nursery:
@@ -255,4 +255,4 @@ async def test_the_hubs_end_ends_the_streams_in_it() -> None:
         status, body = await read_answer(w.client)
         assert status == 200 and b"the proxy is shutting down" in body
         outer.cancel_scope.cancel()
-    assert result[0].broken == "the proxy is shutting down"
+    assert result[0].broken_by == "the proxy is shutting down"

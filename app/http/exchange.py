@@ -1,13 +1,14 @@
 """One request on a client connection and the answer to it: what a handler sees.
 
 The request line and headers; `read_body` (bounded, with `Expect: 100-continue` answered and
-a read timeout); and one of two ways to answer: `respond` (a whole body) or `start` / `write`
-/ `end` (a body sent as it is made: chunked to HTTP/1.1 clients, with `Content-Length` when
-the handler gives one, until close to HTTP/1.0 clients). A body relayed from a backend goes
-through the relay hub between `start` and `end` (`relay_sink`). Whether the connection may
-carry another request after this answer is the connection's to say (connection.py): the
-exchange reports what the answer implies (`Connection: close`, a body framed until close, a
-request body left unread).
+a read timeout); and the answer: `send` writes a `Reply` (reply.py) in one call, its body
+whole or relayed by the relay hub as it arrives from its source; `respond`, `start` / `write`
+/ `end` are its parts (a body sent as it is made: chunked to HTTP/1.1 clients, with
+`Content-Length` when the handler gives one, until close to HTTP/1.0 clients). `at_end`, if
+the handler sets it, is called once the server is done with the exchange, however it ended.
+Whether the connection may carry another request after this answer is the connection's to
+say (connection.py): the exchange reports what the answer implies (`Connection: close`, a
+body framed until close, a request body left unread).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from app.http.connection import CLOSE, ClientConnection, response_head
 from app.http.errors import ClientError, ErrorAnswer, error_body
 from app.http.fields import Headers, field, first_values
 from app.http.framing import LAST_CHUNK, FramingError, chunk
+from app.http.relay_hub import HubStream
+from app.http.reply import Reply
 from app.http.request_head import RequestHead
 from app.http.streams import ByteStream
 
@@ -45,6 +48,7 @@ class Exchange:
         "_connection",
         "_first_values",
         "_framing",
+        "at_end",
         "complete",
         "first_byte_at",
         "headers",
@@ -67,6 +71,7 @@ class Exchange:
         self.status: int | None = None  # once the answer's head went out
         self.first_byte_at: float | None = None  # perf_counter at the first body byte
         self.complete = False  # the answer's last byte went out
+        self.at_end: Callable[[Exchange], None] | None = None
 
     def header(self, name: bytes) -> bytes | None:
         return self._first_values.get(name)
@@ -165,6 +170,39 @@ class Exchange:
         """The one writer of error answers: OpenAI's shape (errors.py)."""
         await self.respond_json(status, error_body(message, type_, param, code), headers)
 
+    async def send(self, reply: Reply) -> None:
+        """Answer with `reply`: whole, or its head and first bytes in one write and the rest
+        relayed by its source's hub as it arrives. A body that breaks off ends as the source
+        says, or not at all (the connection then closes: `complete` stays False)."""
+        source = reply.source
+        await self.start(reply.status, reply.headers, reply.body, complete=source is None)
+        if source is None:
+            return
+        first_write = self.mark_first_byte
+        if reply.body:
+            source.started()
+        else:
+            first_write = _both(self.mark_first_byte, source.started)
+        sink = self.relay_sink()
+        if sink is None:  # an answer to HEAD: no body goes out, so none is read
+            await source.release()
+            await self.end()
+            return
+        client, frame = sink
+        stream = HubStream(
+            source.stream, client, source.take, source.complete, frame, source.idle, first_write
+        )
+        ended = await source.hub.relay(stream)
+        if ended.client_gone:
+            raise ClientGone
+        if ended.broken is not None:
+            ending = source.broken(ended.broken)
+            if ending is not None:
+                await self.end(ending)
+            return
+        await source.release()
+        await self.end(source.last(ended.last))
+
     async def respond_client_error(self, error: ErrorAnswer) -> None:
         await self.respond_json(error.status, error.body(), error.headers)
 
@@ -231,6 +269,14 @@ class Exchange:
             await self._connection.stream.send(payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise ClientGone from None
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
 
 
 def _as_is(data: bytes) -> bytes:

@@ -169,4 +169,6 @@ class HttpServer:
             self.answering -= 1
             if not self.answering:
                 self._idle.set()
+            if exchange.at_end is not None:
+                exchange.at_end(exchange)
         connection.answered(exchange.complete)

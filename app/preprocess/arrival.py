@@ -43,6 +43,7 @@ _READ = frozenset(
 
 @dataclass(slots=True)
 class Arrival:
+    headers: Headers  # all of them, as they came
     credential: bytes | None = None  # an `Authorization` value
     traceparent: bytes | None = None
     request_id: bytes | None = None
@@ -60,6 +61,7 @@ def arrival(headers: Headers) -> Arrival:
     if timeout is None:
         timeout = _seconds(found.get(CLIENT_TIMEOUT_HEADERS[1]))
     return Arrival(
+        headers,
         credential(found.get(b"authorization"), found.get(b"x-api-key")),
         found.get(b"traceparent"),
         found.get(b"x-request-id"),

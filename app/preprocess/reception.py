@@ -91,9 +91,10 @@ class Reception:
         grant: KeyGrant | None,
         kind: Kind,
         body: bytes,
-    ) -> Prepared:
+    ) -> tuple[Prepared, bytes]:
         """Preprocess the body (a `ClientError` for a bad one, an unknown model, a model not
-        the key's) and set the request's facts for the decision."""
+        the key's) and set the request's facts for the decision: the preprocessed request,
+        and the body its backend gets (the client's, or rewritten: an alias's model)."""
         context.timing.read_at = time.perf_counter()
         directory = self.catalog.directory(self.pool.backends)
         prepared = await self.preprocessor.prepare(
@@ -120,7 +121,7 @@ class Reception:
             context.arrived_at,
             self.settings.admission_timeout,
         )
-        return prepared
+        return prepared, prepared.forward_body or body
 
     def depart(
         self,

@@ -1,23 +1,21 @@
-"""The proxy's handler: arrive -> preprocess -> decide -> forward, plus the small GET endpoints.
+"""The proxy's handler: it dispatches each request, and answers the small GET endpoints.
 
 It answers each `Exchange` the proxy's server (app/http/server.py) hands it: a request costs one
 dict lookup to dispatch (app/preprocess/endpoints.py names every inference endpoint and how
-its body is read); the `Reception` it shares with the endpoint picker reads its head, checks
-its key, preprocesses it and books it; forwarding.py asks the decision and takes it to a
-backend and back. Every error leaves as OpenAI-shaped JSON. With `--api-keys` an inference
-request or a model list needs a listed key; each request's model is resolved while it is
-preprocessed (404 for a model that is not served, or not the key's), and it goes only to
-that model's pool. A stored response, and a Responses request continuing
-one, go to the engine that holds it (response_ids.py). With `--forward tokens` chat and
-completion requests reach the backend as Sluice's token ids (token_forwarding.py), only
-backends whose tokenizer was verified take traffic (app/fleet/tokenizer_check.py), and chat
-answers are reshaped back.
+its body is read). An inference request is read into its context by the `Reception` it
+shares with the endpoint picker (its head, its key, its record and trace), and handed to
+inference.py, which reads its body, has it preprocessed, decided and forwarded
+(forwarding.py), and sends the reply; the Reception books it once the server is done with
+it, however it ended (`Exchange.at_end`). Every error leaves as OpenAI-shaped JSON. With
+`--api-keys` an inference request or a model list needs a listed key. A stored response's
+own paths go to the engine that holds it (response_ids.py). With `--forward tokens` only
+backends whose tokenizer was verified take traffic (app/fleet/tokenizer_check.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+from functools import partial
 from typing import Any
 
 import trio
@@ -26,17 +24,14 @@ from app.config import Settings
 from app.fleet.tokenizer_check import build_probe
 from app.http.errors import ClientError
 from app.http.exchange import Exchange
-from app.http.fields import Headers
-from app.observe.tracing import with_traceparent
+from app.http.reply import error_reply
 from app.preprocess.arrival import Arrival, arrival
-from app.preprocess.endpoints import ENDPOINTS, RESPONSES, STORED, STORED_RESPONSES, Endpoint
-from app.preprocess.pipeline import Prepared
+from app.preprocess.endpoints import ENDPOINTS, STORED, STORED_RESPONSES, Endpoint
 from app.preprocess.reception import Reception
 from app.proxy import errors
-from app.proxy.forward import upstream_headers
-from app.proxy.forwarding import Attempt, Forwarder, Outgoing
+from app.proxy.forwarding import Attempt, Forwarder, Opened
+from app.proxy.inference import Inference
 from app.proxy.response_ids import IdTagger, untag
-from app.proxy.token_forwarding import plan_forward
 from app.routing import refusal
 from app.routing.decider import RequestContext
 
@@ -66,18 +61,11 @@ class ProxyApp:
         self.router = forwarder.router
         self.metrics = forwarder.metrics
         self.active_requests = 0  # what --max-connections bounds
-        # Request ids this process makes: a random prefix and a count, unique without a
-        # system call for 16 random bytes on every request.
-        self._id_prefix = os.urandom(8).hex().encode()
-        self._ids_made = 0
+        self.inference = Inference(settings, reception, forwarder, self.pool)
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
             probe = build_probe(self.preprocessor.encode_plain, self.preprocessor.special_tokens())
             self.pool.require_tokenizer_match(probe)
-
-    def _new_request_id(self) -> bytes:
-        self._ids_made += 1
-        return b"%b%016x" % (self._id_prefix, self._ids_made)
 
     async def __call__(self, exchange: Exchange) -> None:
         path = exchange.path
@@ -162,6 +150,22 @@ class ProxyApp:
             await exchange.respond_client_error(errors.method_not_allowed(b", ".join(allowed)))
             return
         context, head = self.reception.arrive(exchange.headers, STORED.name)
+        exchange.at_end = partial(self._depart, STORED, context)
+        opened = await self._stored(exchange, tagged, action, method, context, head)
+        try:
+            await exchange.send(opened.reply)
+        finally:
+            await self.forwarder.close(opened)
+
+    async def _stored(
+        self,
+        exchange: Exchange,
+        tagged: str,
+        action: str,
+        method: bytes,
+        context: RequestContext,
+        head: Arrival,
+    ) -> Opened:
         try:
             self.reception.grant(head)
             owner = untag(tagged)
@@ -170,107 +174,25 @@ class ProxyApp:
                 raise errors.response_not_found(tagged)
             body = await exchange.read_body(self.settings.max_body_bytes)
         except ClientError as exc:
-            await exchange.respond_client_error(exc)
-            self._depart(exchange, STORED, context)
-            return
+            return Opened(error_reply(exc))
         engine_id = owner[0]
         target = STORED_RESPONSES + engine_id + action
         query = exchange.target.partition(b"?")[2]
         if query:
             target += "?" + query.decode("latin-1")
-        headers = self._upstream_headers(exchange, head, context)
-        attempt = Attempt(
-            method, target, body, headers, [], STORED, IdTagger(backend.id, (engine_id,))
-        )
-        try:
-            await self.forwarder.direct(exchange, backend, attempt, context.timing)
-        finally:
-            self._depart(exchange, STORED, context)
+        context.request_id = head.request_id or self.inference.new_request_id()
+        headers = self.inference.upstream_headers(head, context)
+        tagger = IdTagger(backend.id, (engine_id,))
+        attempt = Attempt(method, target, body, headers, [], STORED, tagger)
+        return await self.forwarder.direct(backend, attempt, context.timing)
 
     async def infer(self, exchange: Exchange, path: str, endpoint: Endpoint) -> None:
         context, head = self.reception.arrive(exchange.headers, endpoint.name)
-        try:
-            await self._infer(exchange, path, endpoint, context, head)
-        finally:
-            self._depart(exchange, endpoint, context)
+        exchange.at_end = partial(self._depart, endpoint, context)
+        await self.inference.answer(exchange, path, endpoint, context, head)
 
-    async def _infer(
-        self,
-        exchange: Exchange,
-        path: str,
-        endpoint: Endpoint,
-        context: RequestContext,
-        head: Arrival,
-    ) -> None:
-        kind = endpoint.kind
-        try:
-            grant = self.reception.grant(head)
-            body = await exchange.read_body(self.settings.max_body_bytes)
-            prepared = await self.reception.prepare(context, head, grant, kind, body)
-            body = prepared.forward_body or body
-            known_ids: tuple[str, ...] = ()
-            if endpoint is RESPONSES:
-                body, known_ids = self._follow_up(prepared, body, context)
-        except ClientError as exc:
-            await exchange.respond_client_error(exc)
-            return
-        headers = self._upstream_headers(exchange, head, context)
-        extra_headers = [(b"x-sluice-prompt-tokens", _prompt_tokens_header(prepared))]
-        as_chat = False
-        if self.forward_tokens and kind in ("chat", "completion"):
-            plan = plan_forward(kind, path, body, prepared)
-            path, body, as_chat = plan.path, plan.body, plan.answer_as_chat
-            extra_headers.append((b"x-sluice-forward", plan.label.encode()))
-        outgoing = Outgoing(
-            endpoint=endpoint,
-            path=path,
-            body=body,
-            headers=headers,
-            extra_headers=extra_headers,
-            answer_as_chat=as_chat,
-            known_ids=known_ids,
-        )
-        await self.forwarder.forward(exchange, outgoing, context)
-
-    def _upstream_headers(
-        self, exchange: Exchange, head: Arrival, context: RequestContext
-    ) -> Headers:
-        """The headers the engine gets, with the request's id: the client's x-request-id,
-        or one made here (the context's from now on)."""
-        context.request_id = head.request_id or self._new_request_id()
-        headers = upstream_headers(exchange.headers, context.request_id)
-        return headers if context.span is None else with_traceparent(headers, context.span)
-
-    def _depart(self, exchange: Exchange, endpoint: Endpoint, context: RequestContext) -> None:
+    def _depart(self, endpoint: Endpoint, context: RequestContext, exchange: Exchange) -> None:
+        """Once the server is done with the exchange, however it ended: the request booked."""
         route = exchange.path if endpoint is not STORED else STORED_ROUTE
-        self.reception.depart(
-            context, exchange, exchange.method, exchange.path, route, endpoint.name
-        )
-
-    def _follow_up(
-        self, prepared: Prepared, body: bytes, context: RequestContext
-    ) -> tuple[bytes, tuple[str, ...]]:
-        """A Responses request continuing a stored one (`previous_response_id`) goes to the
-        engine that stores it, asked by the engine's own id: the body, and that id."""
-        previous = prepared.fields.get("previous_response_id")
-        owner = untag(previous) if isinstance(previous, str) else None
-        if owner is None or not isinstance(previous, str):
-            return body, ()
-        engine_id, backend_id = owner
-        backend = self.pool.find(backend_id)
-        if backend is None:
-            raise errors.response_not_found(previous, "previous_response_id")
-        assert context.facts is not None
-        context.facts.route.only = frozenset((backend,))
-        quoted = b'"%b"' % previous.encode()
-        return body.replace(quoted, b'"%b"' % engine_id.encode(), 1), (engine_id,)
-
-
-def _prompt_tokens_header(prepared: Prepared) -> bytes:
-    """The prompt's token count, `estimated` when tokenization was skipped (bail-out), or
-    `engine` when Sluice has no prompt of its own to count (embeddings, uploads, ...)."""
-    if prepared.tokenize_path == "none":
-        return b"engine"
-    if prepared.token_ids is None:
-        return b"estimated"
-    return str(len(prepared.token_ids)).encode()
+        method, path = exchange.method, exchange.path
+        self.reception.depart(context, exchange, method, path, route, endpoint.name)

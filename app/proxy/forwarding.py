@@ -1,11 +1,13 @@
-"""A routed request's way to a backend and back: route, open, relay, retry once, release.
+"""A decided request's way to a backend: open its answer, retry once, and close the books.
 
-`Forwarder.forward` asks the router for a backend (held at its pool's gate while every engine
-is saturated), sends the request (forward.py), relays the answer (relay.py) and, when the
-backend failed before answering, tries one other backend. Whatever happens, the router's
-reservation is released with the usage the answer reported, and the backend's breaker hears
-of the outcome. `Forwarder.direct` is the way of a request that belongs to one backend and
-is no inference (a stored response's GET, DELETE or cancel): no routing, no retry.
+`Forwarder.open` asks the decision for a backend (held at its pool's gate while every engine
+is saturated), sends the request (upstream.py) and turns the backend's answer into the
+client's `Reply` (relay.py); when the backend failed before answering, the decision's first
+fallback is tried. A refusal or a failure is a reply of Sluice's own. Nothing here writes to
+the client: the exchange sends the reply, then `close` counts how it went (the backend's
+breaker, its status) and tells the decision the request ended, with the usage its answer
+reported. `Forwarder.direct` is the way of a request that belongs to one backend and is no
+inference (a stored response's GET, DELETE or cancel): no routing, no retry.
 """
 
 from __future__ import annotations
@@ -21,16 +23,16 @@ import trio
 from app.config import Settings
 from app.fleet.backends import ANY_MODEL, Backend, BackendPool
 from app.http.client import UpstreamPool
-from app.http.exchange import Exchange
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
+from app.http.reply import Reply, error_reply
 from app.observe.metrics import Metrics
 from app.observe.timing import Timing
 from app.preprocess.endpoints import Endpoint
 from app.proxy import errors
-from app.proxy.forward import StreamBroken, UpstreamFailure, open_upstream
-from app.proxy.relay import Converter, Relayed, relay, relay_as_chat
+from app.proxy.relay import Converter, Passage, chat_reply_from, reply_from
 from app.proxy.response_ids import IdTagger
+from app.proxy.upstream import UpstreamFailure, open_upstream
 from app.routing.decider import Decider, RequestContext
 from app.routing.decision import Decision
 from app.routing.refusal import Refused
@@ -49,7 +51,7 @@ class Outgoing:
     retried); what was decided about it is in its `RequestContext`.
 
     Not frozen, like every value a request hands along its path (RequestHead, Prepared,
-    RouteRequest, Decision, ResponseHead, Relayed, Usage): nothing changes them once made,
+    RouteRequest, Decision, ResponseHead, Reply, Usage): nothing changes them once made,
     and a frozen dataclass's __init__ sets each field through object.__setattr__, which
     cost ~60,000 of the proxy's ~1,155,000 instructions a request (callgrind)."""
 
@@ -76,6 +78,18 @@ class Attempt:
     as_chat: bool = False  # a completion answered to a chat request (--forward tokens)
 
 
+@dataclass(slots=True)
+class Opened:
+    """The client's reply, and where it comes from: a backend's answer on its way (its
+    passage, the backend and the status it answered), or none for a reply of Sluice's own."""
+
+    reply: Reply
+    passage: Passage | None = None
+    backend: Backend | None = None
+    code: str = "error"
+    endpoint: str = ""  # its endpoint's name (what its metrics are labelled by)
+
+
 @dataclass(eq=False)
 class Forwarder:
     """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
@@ -88,113 +102,83 @@ class Forwarder:
     upstream: UpstreamPool
     relay_hub: RelayHub
 
-    async def forward(
-        self, exchange: Exchange, outgoing: Outgoing, context: RequestContext
-    ) -> None:
-        """Decide, then try the chosen backend, and on a failure before it answered, the
-        decision's first fallback; the decision hears how it ended (`complete`)."""
+    async def open(self, outgoing: Outgoing, context: RequestContext) -> Opened:
+        """Decide, then open the chosen backend's answer, or on a failure before it
+        answered, the decision's first fallback's."""
         assert context.facts is not None
         timing = context.timing
         route_started = timing.routing_at = time.perf_counter()
         verdict = await self.decider.decide(context.facts)
         if isinstance(verdict, Refused):
-            await exchange.respond_client_error(verdict)
-            return
+            return Opened(error_reply(verdict))
         decision = context.decision = verdict
         timing.queue = decision.waited
         timing.routed_at = time.perf_counter()
         timing.route = timing.routed_at - route_started - decision.waited
-        try:
-            for retried in (False, True):
-                try:
-                    await self._exchange(exchange, decision, outgoing, context)
-                    return
-                except UpstreamFailure as exc:
-                    log.warning("backend %s failed before answering: %s", decision.backend.url, exc)
-                    if retried or not decision.fallbacks:
-                        await exchange.respond_client_error(errors.upstream_failure(exc))
-                        return
-                    decision = self.decider.served_by(decision, decision.fallbacks[0])
-                    context.decision = decision
-                except StreamBroken as exc:
-                    # The client has part of an answer that cannot be finished: the server
-                    # closes its connection, which is how HTTP says the answer is incomplete.
-                    log.warning("backend %s broke off its answer: %s", decision.backend.url, exc)
-                    return
-        finally:
-            self.decider.complete(context)
+        for retried in (False, True):
+            try:
+                return await self._open(decision, outgoing, context)
+            except UpstreamFailure as exc:
+                log.warning("backend %s failed before answering: %s", decision.backend.url, exc)
+                if retried or not decision.fallbacks:
+                    return Opened(error_reply(errors.upstream_failure(exc)))
+                decision = self.decider.served_by(decision, decision.fallbacks[0])
+                context.decision = decision
+        raise AssertionError("unreachable: the second try returns")
 
-    async def _exchange(
-        self,
-        exchange: Exchange,
-        decision: Decision,
-        outgoing: Outgoing,
-        context: RequestContext,
-    ) -> None:
+    async def _open(
+        self, decision: Decision, outgoing: Outgoing, context: RequestContext
+    ) -> Opened:
         """One try on the decision's backend. Raises `UpstreamFailure` while a retry is still
-        possible; the usage its answer reported is the context's."""
+        possible (the backend's breaker hears of it)."""
         backend = decision.backend
         self.metrics.route_decisions.labels(self.router.policy.name, decision.reason).inc()
-        relayed: Relayed | None = None
-        outcome = _Outcome()
-        try:
-            timing = context.timing
-            self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
-            route = f"{self.router.policy.name}:{decision.reason}"
-            context.trace.routed(backend.url, route, context.request_id)
-            extra = [
-                (b"x-request-id", context.request_id),
-                (b"x-sluice-backend", backend.url.encode()),
-                (b"x-sluice-route", route.encode()),
-                (b"server-timing", timing.header()),
-                *outgoing.extra_headers,
-            ]
-            converter = (
-                IdTagger(backend.id, outgoing.known_ids)
-                if outgoing.endpoint.tags_response_ids
-                else None
-            )
-            attempt = Attempt(
-                b"POST",
-                outgoing.path,
-                outgoing.body,
-                outgoing.headers,
-                extra,
-                outgoing.endpoint,
-                converter,
-                outgoing.answer_as_chat,
-            )
-            started = partial(self.decider.started, decision)
-            relayed = await self._try(exchange, backend, attempt, outcome, timing, started)
-        finally:
-            context.usage = usage_from_tail(relayed.tail) if relayed is not None else None
-            self._count(backend, outcome, decision.model or ANY_MODEL)
+        timing = context.timing
+        self.metrics.proxy_overhead_seconds.observe(time.perf_counter() - timing.started)
+        route = f"{self.router.policy.name}:{decision.reason}"
+        context.trace.routed(backend.url, route, context.request_id)
+        extra = [
+            (b"x-request-id", context.request_id),
+            (b"x-sluice-backend", backend.url.encode()),
+            (b"x-sluice-route", route.encode()),
+            (b"server-timing", timing.header()),
+            *outgoing.extra_headers,
+        ]
+        converter = (
+            IdTagger(backend.id, outgoing.known_ids)
+            if outgoing.endpoint.tags_response_ids
+            else None
+        )
+        attempt = Attempt(
+            b"POST",
+            outgoing.path,
+            outgoing.body,
+            outgoing.headers,
+            extra,
+            outgoing.endpoint,
+            converter,
+            outgoing.answer_as_chat,
+        )
+        started = partial(self.decider.started, decision)
+        return await self._try(backend, attempt, timing, decision.model or ANY_MODEL, started)
 
-    async def direct(
-        self, exchange: Exchange, backend: Backend, attempt: Attempt, timing: Timing
-    ) -> None:
-        """Send one request to `backend` itself and relay its answer (502/504 on failure)."""
+    async def direct(self, backend: Backend, attempt: Attempt, timing: Timing) -> Opened:
+        """One request to `backend` itself (502/504 on failure)."""
         timing.routed_at = time.perf_counter()
-        outcome = _Outcome()
         attempt.extra.append((b"x-sluice-backend", backend.url.encode()))
         try:
-            await self._try(exchange, backend, attempt, outcome, timing)
+            return await self._try(backend, attempt, timing, ANY_MODEL)
         except UpstreamFailure as exc:
-            await exchange.respond_client_error(errors.upstream_failure(exc))
-        except StreamBroken as exc:
-            log.warning("backend %s broke off its answer: %s", backend.url, exc)
-        finally:
-            self._count(backend, outcome, ANY_MODEL)
+            return Opened(error_reply(errors.upstream_failure(exc)))
 
     async def _try(
         self,
-        exchange: Exchange,
         backend: Backend,
         attempt: Attempt,
-        outcome: _Outcome,
         timing: Timing,
+        model: str,
         started: Callable[[], None] = lambda: None,
-    ) -> Relayed:
+    ) -> Opened:
         """`started()` when the answer's body begins: the engine runs the request."""
         try:
             response = await open_upstream(
@@ -206,48 +190,54 @@ class Forwarder:
                 attempt.method,
             )
         except UpstreamFailure as exc:
-            outcome.broken = str(exc)
+            self._count(backend, "error", str(exc), model)
             raise
         timing.sent_at, timing.answered_at = response.sent_at, time.perf_counter()
         timing.connected = not response.reused
-        outcome.code = str(response.status_code)
-        if response.status_code in BACKEND_FAULT_STATUSES:
-            outcome.broken = f"answered {response.status_code}"
         idle, hub, extra = self.settings.idle_timeout, self.relay_hub, attempt.extra
         try:
             if attempt.as_chat:
-                relayed = await relay_as_chat(response, exchange, extra, idle, hub, started=started)
+                reply, passage = await chat_reply_from(response, extra, idle, hub, started=started)
             else:
-                relayed = await relay(
-                    response,
-                    exchange,
-                    extra,
-                    idle,
-                    hub,
-                    attempt.converter,
-                    attempt.endpoint,
-                    started=started,
+                reply, passage = await reply_from(
+                    response, extra, idle, hub, attempt.converter, attempt.endpoint, started=started
                 )
-        except (StreamBroken, UpstreamFailure) as exc:
-            outcome.broken = str(exc)
-            raise
-        finally:
+        except UpstreamFailure as exc:
+            self._count(backend, str(response.status_code), str(exc), model)
             await response.release()
-        if relayed.broken is not None:
-            outcome.broken = relayed.broken
-        if relayed.untidy:
-            self.metrics.untidy_streams.labels(endpoint=attempt.endpoint.name).inc()
-        return relayed
+            raise
+        except BaseException:  # cancelled: the client left while its answer was read
+            await response.release()
+            raise
+        return Opened(reply, passage, backend, str(response.status_code), attempt.endpoint.name)
 
-    def _count(self, backend: Backend, outcome: _Outcome, model: str) -> None:
-        self.metrics.backend_requests.labels(backend=backend.url, code=outcome.code).inc()
-        if outcome.broken is None:
+    async def close(self, opened: Opened | None, context: RequestContext | None = None) -> None:
+        """After the reply went out, however it went (`opened` None: it was given up before
+        one was made): the backend's connection given back (or closed), its breaker told,
+        and the decision told the request ended."""
+        try:
+            if opened is not None and opened.passage is not None and opened.backend is not None:
+                passage, backend = opened.passage, opened.backend
+                if passage.untidy:
+                    self.metrics.untidy_streams.labels(endpoint=opened.endpoint).inc()
+                broken = passage.broken_by
+                code = opened.code
+                if broken is None and int(code) in BACKEND_FAULT_STATUSES:
+                    broken = f"answered {code}"
+                model = ANY_MODEL
+                if context is not None and context.decision is not None:
+                    model = context.decision.model or ANY_MODEL
+                self._count(backend, code, broken, model)
+                if context is not None:
+                    context.usage = usage_from_tail(passage.tail)
+                await passage.release()  # closed, if the answer did not end cleanly
+        finally:
+            if context is not None:
+                self.decider.complete(context)
+
+    def _count(self, backend: Backend, code: str, broken: str | None, model: str) -> None:
+        self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
+        if broken is None:
             self.pool.request_succeeded(backend, model)
         else:
-            self.pool.request_failed(backend, trio.current_time(), outcome.broken, model)
-
-
-@dataclass(slots=True)
-class _Outcome:
-    code: str = "error"  # the backend's status, once it answered
-    broken: str | None = None  # what went wrong on the backend's side, if anything
+            self.pool.request_failed(backend, trio.current_time(), broken, model)

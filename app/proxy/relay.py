@@ -1,44 +1,42 @@
-"""Relaying a backend's answer to the client as it arrives: the proxy's per-token hot path.
+"""A backend's answer as the client's `Reply`, relayed as it arrives: the per-token hot path.
 
-The request's task sends the head and whatever body came with it, then hands the body's rest
-to the relay hub (app/http/relay_hub.py), one task for every stream, and parks until it has
-ended. The hub calls `_Passage.take` once per read of the backend (decode the framing, convert
-for `--forward tokens`, keep the tail) and writes what one read brought in one frame and one
-write: whatever arrived between two reads goes out together, so a busy proxy coalesces tokens
-and an idle one adds no delay. A backend silent for `idle` seconds ends the stream (the
-hub's sweep); a client slow to take the answer is back-pressure, not a silent backend.
+`reply_from` turns the backend's response head (and what came with it) into a `Reply` whose
+`Passage` is the body's source: the exchange sends the head and first bytes, then hands the
+rest to the relay hub (app/http/relay_hub.py), one task for every stream, and parks until it
+has ended. The hub calls `Passage.take` once per read of the backend (decode the framing,
+convert for `--forward tokens`, keep the tail) and writes what one read brought in one frame
+and one write: whatever arrived between two reads goes out together, so a busy proxy
+coalesces tokens and an idle one adds no delay. A backend silent for `idle` seconds ends the
+stream (the hub's sweep); a client slow to take the answer is back-pressure, not a silent
+backend.
 Nothing else runs per token: usage, `cached_tokens` and the finish reason are read from the
 tail once the answer has ended (routing/usage.py), the request's trace reads the exchange's
 first-byte time once, and there is no per-chunk metric.
 
 On a failure mid-answer an event stream the engine had finished (its API's end marker is in
 the tail: endpoints.py) ends cleanly, counted as untidy; one cut before its end gets its API's
-error event and a clean end; any other body raises `StreamBroken`, so the server drops the
+error event and a clean end; any other body ends without its end, so the server drops the
 connection rather than let a truncated JSON document look complete. A `Converter` may rewrite
-what passes (a stored response's id, the chat shape for `--forward tokens`). `relay_as_chat`
-is the relay for `--forward tokens` chat requests: the backend answered a completion, the
-client gets a chat completion (chat_conversion.py).
+what passes (a stored response's id, the chat shape for `--forward tokens`). `chat_reply_from`
+is for `--forward tokens` chat requests: the backend answered a completion, the client gets a
+chat completion (chat_conversion.py). The passage keeps what the request's bookkeeping reads
+once the answer has ended: its tail (usage), and whether it broke.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from app.http.client import UpstreamError, UpstreamResponse
-from app.http.exchange import ClientGone, Exchange
+from app.http.errors import error_body
 from app.http.fields import Headers
-from app.http.relay_hub import HubStream, RelayHub
+from app.http.relay_hub import RelayHub
+from app.http.reply import Reply, json_reply, whole
 from app.preprocess.endpoints import CHAT, Endpoint
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.forward import (
-    StreamBroken,
-    UpstreamFailure,
-    downstream_headers,
-    is_event_stream,
-)
+from app.proxy.upstream import UpstreamFailure, downstream_headers, is_event_stream
 from app.routing.usage import TAIL_BYTES
 
 log = logging.getLogger("sluice.forward")
@@ -52,22 +50,42 @@ class Converter(Protocol):
     def finish(self) -> bytes: ...
 
 
-@dataclass(slots=True)
-class Relayed:
-    broken: str | None  # None when the answer ended well, else what broke it
-    tail: bytes  # the answer's last TAIL_BYTES, where its usage is
-    untidy: bool = False  # cut after its engine had finished it: ended cleanly all the same
+class Passage:
+    """An answer's body on its way (the reply's `BodySource`): each read decoded (and
+    converted), its tail kept, how it ended noted."""
 
+    __slots__ = (
+        "_converter",
+        "_endpoint",
+        "_response",
+        "_started",
+        "broken_by",
+        "hub",
+        "idle",
+        "stream",
+        "tail",
+        "untidy",
+    )
 
-class _Passage:
-    """An answer's body on its way: each read decoded (and converted), its tail kept."""
-
-    __slots__ = ("_converter", "_response", "tail")
-
-    def __init__(self, response: UpstreamResponse, converter: Converter | None) -> None:
+    def __init__(
+        self,
+        response: UpstreamResponse,
+        converter: Converter | None,
+        endpoint: Endpoint,
+        hub: RelayHub,
+        idle: float,
+        started: Callable[[], None],
+    ) -> None:
         self._response = response
         self._converter = converter
-        self.tail = b""
+        self._endpoint = endpoint
+        self._started = started
+        self.stream = response.stream
+        self.hub = hub
+        self.idle = idle
+        self.tail = b""  # the answer's last TAIL_BYTES, where its usage is
+        self.broken_by: str | None = None  # None while the answer goes well
+        self.untidy = False  # cut after its engine had finished it: ended cleanly all the same
 
     def take(self, raw: bytes) -> bytes:
         """The content of one read of the backend's socket."""
@@ -96,10 +114,29 @@ class _Passage:
             self.tail = (self.tail + held)[-TAIL_BYTES:]
         return data + held
 
+    def started(self) -> None:
+        self._started()
 
-async def relay(
+    def broken(self, detail: str) -> bytes | None:
+        rest = self.last(b"")
+        if not is_event_stream(self._response):
+            log.warning("backend broke off its answer: %s", detail)
+            self.broken_by = detail
+            return None
+        if self._endpoint.finished_in(self.tail):
+            log.info("stream cut after its end (%s): ended cleanly", detail)
+            self.untidy = True
+            return rest
+        log.warning("stream broke: %s", detail)
+        self.broken_by = detail
+        return rest + self._endpoint.broken(f"The backend stream broke: {detail}")
+
+    async def release(self) -> None:
+        await self._response.release()
+
+
+async def reply_from(
     response: UpstreamResponse,
-    exchange: Exchange,
     extra_headers: Headers,
     idle: float,
     hub: RelayHub,
@@ -107,120 +144,63 @@ async def relay(
     endpoint: Endpoint = CHAT,
     *,
     started: Callable[[], None] = lambda: None,
-) -> Relayed:
-    """Relay the response (through `converter` if given), its body's middle by `hub`;
-    `started()` when its body's first bytes come (the engine runs the request).
+) -> tuple[Reply, Passage]:
+    """The client's reply to `response` (through `converter` if given), and its passage;
+    `started()` when its body's first bytes go out (the engine runs the request).
     `UpstreamFailure` if the body is broken before anything was sent."""
     headers = downstream_headers(response, extra_headers)
     if converter is not None:  # it changes the body's length: chunked, unless all is here
         headers = [(name, value) for name, value in headers if name != b"content-length"]
-    passage = _Passage(response, converter)
+    passage = Passage(response, converter, endpoint, hub, idle, started)
     try:
         first = passage.take_arrived()
     except UpstreamError as exc:
         raise UpstreamFailure("protocol", str(exc)) from None
-    if response.complete:
-        await response.release()
-        body = passage.last(first)
-        if converter is not None:
-            headers.append((b"content-length", b"%d" % len(body)))
-        await exchange.start(response.status_code, headers, body, complete=True)
-        return Relayed(None, passage.tail)
-    await exchange.start(response.status_code, headers, first, complete=False)
-    first_write = exchange.mark_first_byte
-    if first:
-        started()
-    else:
-        first_write = _then(exchange.mark_first_byte, started)
-    sink = exchange.relay_sink()
-    if sink is None:  # an answer to HEAD: no body goes out, so none is read
-        await response.release()
-        await exchange.end()
-        return Relayed(None, passage.tail)
-    client, frame = sink
-    stream = HubStream(
-        response.stream,
-        client,
-        passage.take,
-        passage.complete,
-        frame,
-        idle,
-        first_write,
-    )
-    ended = await hub.relay(stream)
-    if ended.client_gone:
-        raise ClientGone
-    if ended.broken is not None:
-        return await _broken_off(response, exchange, ended.broken, passage, endpoint)
+    if not response.complete:
+        return Reply(response.status_code, headers, first, passage), passage
     await response.release()
-    await exchange.end(passage.last(ended.last))
-    return Relayed(None, passage.tail)
+    body = passage.last(first)
+    if converter is not None:
+        headers.append((b"content-length", b"%d" % len(body)))
+    return Reply(response.status_code, headers, body), passage
 
 
-def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        second()
-
-    return both
-
-
-async def _broken_off(
+async def chat_reply_from(
     response: UpstreamResponse,
-    exchange: Exchange,
-    detail: str,
-    passage: _Passage,
-    endpoint: Endpoint,
-) -> Relayed:
-    if not is_event_stream(response):
-        raise StreamBroken(detail)
-    rest = passage.last(b"")
-    if endpoint.finished_in(passage.tail):
-        log.info("stream cut after its end (%s): ended cleanly", detail)
-        await exchange.end(rest)
-        return Relayed(None, passage.tail, untidy=True)
-    log.warning("stream broke: %s", detail)
-    await exchange.end(rest + endpoint.broken(f"The backend stream broke: {detail}"))
-    return Relayed(detail, passage.tail)
-
-
-async def relay_as_chat(
-    response: UpstreamResponse,
-    exchange: Exchange,
     extra_headers: Headers,
     idle: float,
     hub: RelayHub,
     *,
     started: Callable[[], None] = lambda: None,
-) -> Relayed:
-    """Relay a backend's completion as a chat completion; errors (4xx/5xx) pass unchanged.
+) -> tuple[Reply, Passage]:
+    """A backend's completion as a chat completion; errors (4xx/5xx) pass unchanged.
 
     A whole answer is read before anything is sent (it is small, and its length changes), so
     a failure while reading it raises `UpstreamFailure`: the client has nothing yet and the
     request can still be retried elsewhere.
     """
     if response.status_code != 200:
-        return await relay(response, exchange, extra_headers, idle, hub, started=started)
+        return await reply_from(response, extra_headers, idle, hub, started=started)
     if is_event_stream(response):
         converter = ChatStreamConverter()
-        return await relay(response, exchange, extra_headers, idle, hub, converter, started=started)
+        return await reply_from(response, extra_headers, idle, hub, converter, started=started)
     try:
         body = await response.read_rest(idle)
     except UpstreamError as exc:
         if exc.timeout:
             raise UpstreamFailure("timeout", str(exc)) from None
         raise UpstreamFailure("protocol", f"the answer broke off: {exc}") from None
+    passage = Passage(response, None, CHAT, hub, idle, started)
     await response.release()
     try:
         converted = completion_to_chat(body)
     except ValueError as exc:
         detail = f"the backend's completion cannot be returned as a chat completion: {exc}"
-        await exchange.respond_error(
-            502, detail, "upstream_error", None, "backend_bad_response", extra_headers
-        )
-        return Relayed(detail, b"")
+        passage.broken_by = detail
+        error = error_body(detail, "upstream_error", None, "backend_bad_response")
+        return json_reply(502, error, extra_headers), passage
     headers = [
         (k, v) for k, v in downstream_headers(response, extra_headers) if k != b"content-length"
     ]
-    await exchange.respond(200, headers, converted)
-    return Relayed(None, converted[-TAIL_BYTES:])
+    passage.tail = converted[-TAIL_BYTES:]
+    return whole(200, headers, converted), passage

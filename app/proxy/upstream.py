@@ -36,10 +36,6 @@ class UpstreamFailure(Exception):
         self.detail = detail
 
 
-class StreamBroken(Exception):
-    """The backend failed after the response started; the connection must be dropped."""
-
-
 def upstream_headers(client_headers: Headers, request_id: bytes) -> Headers:
     """The client's headers minus hop-by-hop ones, with the request id the proxy settled on."""
     kept = [
