@@ -192,6 +192,8 @@ class Settings(ServerSettings):
     # The dashboard's socket (the proxy's: ServerSettings).
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8001
+    # The endpoint picker's gRPC port (Envoy ext_proc, h2c) on --host; None: no such door.
+    epp_port: int | None = None
 
     # Backends and routing. `backends` serve the models their /v1/models lists; `models`
     # (the fleet's tables) name their own backends.
@@ -297,6 +299,10 @@ class Settings(ServerSettings):
             raise ValueError(
                 f"--dashboard-port {self.dashboard_port}: expected a port from 0 to 65535"
             )
+        if self.epp_port is not None and self.epp_port not in PORTS:
+            raise ValueError(f"--epp-port {self.epp_port}: expected a port from 0 to 65535")
+        if self.epp_port is not None and self.workers > 1:
+            raise ValueError("--epp-port is served by one process: it does not take --workers")
         for names, holds, rule in NUMERIC_RANGES:
             for name in names:
                 if not holds(getattr(self, name)):

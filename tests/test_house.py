@@ -4,6 +4,8 @@
   folders below it (`LAYERS`, lowest first), so data flows one way and nothing imports up;
 - `app/http` stands alone: it imports nothing else of `app`, so the proxy and the simulator
   both build on it;
+- the decision (`app/routing`) imports nothing of HTTP or gRPC, and the two doors that ask
+  it (`app/proxy`, `app/epp`) nothing of each other;
 - no two modules import each other, however indirectly;
 - no file of `app/` or `load/` is over 500 lines.
 """
@@ -27,6 +29,7 @@ LAYERS = (
     "kv_events",
     "preprocess",
     "proxy",
+    "epp",
     "sim",
     "dashboard",
     "cli",
@@ -85,6 +88,15 @@ def test_http_stands_alone_and_the_simulator_does_not_lean_on_the_proxy() -> Non
             assert {room(target) for target in targets} <= {"http"}, module
         if room(module) == "sim":
             assert "proxy" not in {room(target) for target in targets}, module
+
+
+def test_the_decision_knows_no_protocol_and_the_doors_not_each_other() -> None:
+    for module, targets in graph().items():
+        rooms = {room(target) for target in targets}
+        if room(module) == "routing":
+            assert not rooms & {"http", "epp", "proxy"}, module
+        if room(module) in ("proxy", "epp"):
+            assert not rooms & ({"proxy", "epp"} - {room(module)}), module
 
 
 def test_no_module_imports_itself_through_others() -> None:

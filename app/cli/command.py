@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.cli.config_file import read_config
+from app.cli.envoy import EnvoyCommand, add_envoy_parser, envoy_command, run_envoy
 from app.config import ConfigError, Settings
 from app.sim.settings import SimSettings
 
@@ -71,6 +72,8 @@ HELP: dict[str, str] = {
     "access_log": "json: one JSON line per finished request on stderr",
     "demo_burst_interval": "seconds between two bursts of large unique prompts (0: none)",
     "tokenize_threads": "tokenizer worker threads (default: one fewer than the CPU count, min 1)",
+    "epp_port": "also serve as the endpoint picker (EPP) of a Gateway API Inference Extension "
+    "gateway: Envoy's ext_proc over gRPC (h2c) on this port, on --host, beside the proxy port",
     "backlog": "connections the kernel may queue before they are accepted",
     "max_connections": "inference requests in flight; more get a fast 503 with Retry-After",
     "render_workers": "worker processes that parse and render large requests, started as "
@@ -256,11 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
     sim.add_argument("--model", dest="models", action="append", metavar="NAME", help=HELP["model"])
     _add_dataclass_flags(sim, SimSettings)
+    add_envoy_parser(sub)
     return parser
 
 
-def parse(argv: Sequence[str] | None = None) -> tuple[str, Settings | SimSettings]:
+def parse(
+    argv: Sequence[str] | None = None,
+) -> tuple[str, Settings | SimSettings | EnvoyCommand]:
     args = build_parser().parse_args(argv)
+    if args.command == "envoy":
+        try:
+            return args.command, envoy_command(args)
+        except ValueError as exc:
+            raise ConfigExit(str(exc)) from None
     if args.command == "sim-backend":
         return args.command, _resolve(SimSettings, args, {}, {"models": tuple(args.models or ())})
     try:
@@ -314,7 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 130
 
 
-def _run(command: str, settings: Settings | SimSettings) -> int:
+def _run(command: str, settings: Settings | SimSettings | EnvoyCommand) -> int:
+    if isinstance(settings, EnvoyCommand):
+        return run_envoy(settings)
     # Imported here so that `--help` and argument errors answer without loading the stack.
     from app.cli.serve import run_serve, run_sim_backend
 

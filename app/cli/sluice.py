@@ -22,6 +22,8 @@ from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.serving import serve_dashboard
+from app.epp.door import serve_epp
+from app.epp.processor import EndpointPicker
 from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
 from app.fleet.health import HealthChecker
@@ -123,6 +125,7 @@ class Sluice:
         # `sluice demo` sets this: the dashboard's "send a burst" button calls it.
         self.request_burst: Callable[[], bool] | None = None
         self.dashboard_feed: DashboardFeed | None = None  # once running
+        self.epp_port: int | None = None  # the endpoint picker's, once it listens
 
     def set_saturation(self, policy: Saturation) -> None:
         log.info("saturation policy is now %s", policy)
@@ -269,6 +272,19 @@ class Sluice:
                 proxy_url = await servers.start(
                     server.serve, settings.host, settings.port, settings.backlog
                 )
+                if settings.epp_port is not None:
+                    picker = EndpointPicker(
+                        self.reception,
+                        self.decider,
+                        self.pool,
+                        self.metrics,
+                        settings.max_body_bytes,
+                    )
+                    self.epp_port = await servers.start(
+                        serve_epp, picker, self.pool, settings.host, settings.epp_port
+                    )
+                    # Printed as the URLs are: what a script (and `python -m load`) reads back.
+                    print(f"Sluice endpoint picker: {settings.host}:{self.epp_port}", flush=True)
                 # Everything loaded so far (modules, the tokenizer's tables, the template) lives
                 # as long as the process: out of the collector's sight, a full collection no
                 # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).

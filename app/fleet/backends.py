@@ -40,6 +40,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.room import EngineRoom, Seen
@@ -79,6 +80,14 @@ STALE_REPORT_S = 2.0
 def backend_id(url: str) -> str:
     """A short stable name for a backend URL (the same in every replica and every run)."""
     return "b-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
+
+
+def endpoint_of(url: str) -> str:
+    """`host:port` of a backend URL (the scheme's port when it names none)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +149,7 @@ class Backend:
     breakers: dict[str, Breaker] = field(default_factory=dict)  # by model, once one failed
     models_version: int = 0  # counts `set_models` calls: whoever derived from them can tell
     id: str = field(init=False)
+    endpoint: str = field(init=False)  # `host:port`, as a gateway names it (app/epp/)
     served: frozenset[str] = field(init=False)  # the models whose pools it is in
     # Its first model: configured first, or first in its list (vLLM lists its base model
     # before its LoRA adapters). The one its engine's KV events are about.
@@ -147,6 +157,7 @@ class Backend:
 
     def __post_init__(self) -> None:
         self.id = backend_id(self.url)
+        self.endpoint = endpoint_of(self.url)
         self.served = frozenset(self.configured or ())
         self.primary = self.configured[0] if self.configured else None
 

@@ -30,6 +30,8 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# The decision alone: tens of microseconds to a few milliseconds.
+DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 # Label values as given: positionally, or by name (in the order the call named them).
@@ -298,6 +300,13 @@ class Metrics:
             "sluice_proxy_overhead_seconds",
             "Time the proxy adds before the request is handed to a backend",
             buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.epp_decision_seconds = Histogram(
+            "sluice_epp_decision_seconds",
+            "The endpoint picker's own time for a request: its body's last byte in to its "
+            "endpoints out, less rendering, tokenizing and the time it was held for room",
+            buckets=DECISION_BUCKETS,
             registry=r,
         )
 

@@ -1,0 +1,300 @@
+"""One HTTP/2 connection of the gRPC server, without I/O: bytes in, call events out.
+
+`h2` keeps the HTTP/2 state (frames, HPACK, stream states, flow-control windows); this
+class turns its events into gRPC calls, the way h11 turns bytes into HTTP events: the
+caller feeds what the socket read (`receive_data`), acts on the events, and writes
+`data_to_send()`. grpc_server.py is that caller, on Trio streams; tests drive this alone.
+
+What it decides, and why:
+- a request that is not a call we serve is answered here, never reaching a handler:
+  unknown path -> UNIMPLEMENTED, not POST -> HTTP 405, not application/grpc -> HTTP 415,
+  compressed or malformed framing -> INTERNAL/UNIMPLEMENTED, a message over the cap ->
+  RESOURCE_EXHAUSTED; a stream error ends that call, an HTTP/2 protocol error the connection
+  (GOAWAY), nothing more;
+- memory stays bounded. Received bytes are acknowledged (WINDOW_UPDATE) at once while the
+  call's complete-but-unread messages stay under `max_unread_bytes`; past that we hold the
+  acknowledgement until the handler reads, so a slow handler stops its peer instead of
+  growing a queue. A call holds at most one partial message (<= `max_message_bytes`),
+  `max_unread_bytes` of unread ones, and what the peer sent unacknowledged (<= the windows
+  we granted); a connection at most `max_concurrent_streams` calls, which we advertise.
+- sending respects the peer's windows: `send_some` queues what fits and says how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections import deque
+from collections.abc import Container
+from typing import Literal
+
+from h2.config import H2Configuration
+from h2.connection import ConnectionState, H2Connection
+from h2.errors import ErrorCodes
+from h2.events import (
+    ConnectionTerminated,
+    DataReceived,
+    RemoteSettingsChanged,
+    RequestReceived,
+    StreamEnded,
+    StreamReset,
+    WindowUpdated,
+)
+from h2.exceptions import ProtocolError
+from h2.settings import SettingCodes, Settings
+
+from app.epp.grpc_wire import (
+    DEFAULT_LIMITS,
+    RESPONSE_HEADERS,
+    GrpcError,
+    Headers,
+    Limits,
+    MessageReader,
+    StatusCode,
+    read_call_head,
+    trailers,
+    trailers_only,
+)
+
+# The window every HTTP/2 connection starts with (RFC 9113 6.9.2), before we widen it.
+_INITIAL_CONNECTION_WINDOW = 65_535
+
+
+# The events `receive_data` returns.
+@dataclasses.dataclass(slots=True)
+class CallStarted:
+    stream_id: int
+    path: str
+    metadata: Headers
+    timeout: float | None  # seconds, from grpc-timeout
+
+
+@dataclasses.dataclass(slots=True)
+class CallReadable:  # a message, or the end of the peer's messages, is there to read
+    stream_id: int
+
+
+@dataclasses.dataclass(slots=True)
+class CallClosed:  # over before its handler finished (peer reset, bad framing answered here)
+    stream_id: int
+
+
+@dataclasses.dataclass(slots=True)
+class WindowOpened:  # the peer widened a flow-control window: blocked senders may go on
+    pass
+
+
+@dataclasses.dataclass(slots=True)
+class ConnectionEnded:  # no more frames either way: write `data_to_send()` (GOAWAY), close
+    error: bool  # ours after the peer's protocol error, rather than the peer's GOAWAY
+
+
+Event = CallStarted | CallReadable | CallClosed | WindowOpened | ConnectionEnded
+
+
+class Wait(enum.Enum):
+    """`next_message` has nothing yet. (Not b"": an empty protobuf message is b"".)"""
+
+    WAIT = "wait"
+
+
+class _Call:
+    __slots__ = ("half_closed", "headers_sent", "inbox", "reader", "unacked", "unread")
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.reader = MessageReader(max_message_bytes)
+        self.inbox: deque[bytes] = deque()
+        self.unread = 0  # bytes of the messages in `inbox`
+        self.unacked = 0  # flow-controlled bytes received and not yet acknowledged
+        self.half_closed = False
+        self.headers_sent = False
+
+
+class GrpcConnection:
+    def __init__(self, paths: Container[str], limits: Limits = DEFAULT_LIMITS) -> None:
+        self.paths = paths
+        self.limits = limits
+        self.ended = False
+        self._calls: dict[int, _Call] = {}
+        config = H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            # What we send is built here from constants; checking it again costs CPU only.
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        self._h2 = h2 = H2Connection(config)
+        # Enforced at once while the peer has not yet seen our SETTINGS: effectively none,
+        # so a burst of streams sent before our SETTINGS arrive is not a protocol error.
+        # The real cap follows in a second SETTINGS frame, enforced once acknowledged.
+        h2.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: 2**31 - 1,
+                SettingCodes.INITIAL_WINDOW_SIZE: limits.stream_window,
+                SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_bytes,
+            },
+        )
+        h2.initiate_connection()
+        h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
+        if limits.connection_window > _INITIAL_CONNECTION_WINDOW:
+            h2.increment_flow_control_window(limits.connection_window - _INITIAL_CONNECTION_WINDOW)
+
+    def data_to_send(self) -> bytes:
+        return self._h2.data_to_send()
+
+    def receive_data(self, data: bytes) -> list[Event]:
+        """What the peer's bytes mean, in order. Frames the protocol answers by itself
+        (SETTINGS, PING) queue their answers in `data_to_send()`."""
+        if self.ended:
+            return []
+        try:
+            h2_events = self._h2.receive_data(data)
+        except ProtocolError:
+            # h2 has queued a GOAWAY with the error's code, unless the bytes were not even
+            # HTTP/2's preface: then we say it.
+            if self._h2.state_machine.state is not ConnectionState.CLOSED:
+                self._h2.close_connection(ErrorCodes.PROTOCOL_ERROR)
+            self.ended = True
+            return [ConnectionEnded(error=True)]
+        events: list[Event] = []
+        window_opened = False
+        for event in h2_events:
+            if isinstance(event, DataReceived):
+                self._receive_message_bytes(event, events)
+            elif isinstance(event, RequestReceived):
+                self._start(event, events)
+            elif isinstance(event, StreamEnded):
+                self._half_close(event.stream_id, events)
+            elif isinstance(event, StreamReset):
+                if self._calls.pop(event.stream_id, None) is not None:
+                    events.append(CallClosed(event.stream_id))
+            elif isinstance(event, WindowUpdated | RemoteSettingsChanged):
+                window_opened = True
+            elif isinstance(event, ConnectionTerminated):
+                # h2 sends nothing after the peer's GOAWAY, not even on open streams.
+                self.ended = True
+                events.append(ConnectionEnded(error=False))
+                return events
+        if window_opened:
+            events.append(WindowOpened())
+        return events
+
+    def _start(self, event: RequestReceived, events: list[Event]) -> None:
+        stream_id = event.stream_id
+        assert stream_id is not None
+        headers: Headers = list(event.headers or ())
+        try:
+            head = read_call_head(headers)
+            if head.path not in self.paths:
+                raise GrpcError(StatusCode.UNIMPLEMENTED, f"unknown method {head.path}")
+        except GrpcError as error:
+            if self._still_open(stream_id):
+                answer = trailers_only(error.code, error.message, error.http_status)
+                self._h2.send_headers(stream_id, answer, end_stream=True)
+                self._stop_request(stream_id)
+            return
+        # A request that ends here also comes as StreamEnded, which half-closes the call.
+        self._calls[stream_id] = _Call(self.limits.max_message_bytes)
+        events.append(CallStarted(stream_id, head.path, headers, head.timeout))
+
+    def _receive_message_bytes(self, event: DataReceived, events: list[Event]) -> None:
+        stream_id, size = event.stream_id, event.flow_controlled_length or 0
+        assert stream_id is not None
+        call = self._calls.get(stream_id)
+        if call is None:
+            # A call we already ended: its bytes still count against the connection window.
+            self._h2.acknowledge_received_data(size, stream_id)
+            return
+        try:
+            messages = call.reader.feed(event.data or b"")
+        except GrpcError as error:
+            self._h2.acknowledge_received_data(size, stream_id)
+            self._end(stream_id, call, error.code, error.message)
+            events.append(CallClosed(stream_id))
+            return
+        call.unacked += size
+        if messages:
+            call.inbox.extend(messages)
+            call.unread += sum(map(len, messages))
+            events.append(CallReadable(stream_id))
+        if call.unread <= self.limits.max_unread_bytes:
+            self._acknowledge(stream_id, call)
+
+    def _acknowledge(self, stream_id: int, call: _Call) -> None:
+        if call.unacked:
+            self._h2.acknowledge_received_data(call.unacked, stream_id)
+            call.unacked = 0
+
+    def _half_close(self, stream_id: int, events: list[Event]) -> None:
+        call = self._calls.get(stream_id)
+        if call is None:
+            return
+        try:
+            call.reader.finish()
+        except GrpcError as error:
+            self._end(stream_id, call, error.code, error.message)
+            events.append(CallClosed(stream_id))
+            return
+        call.half_closed = True
+        events.append(CallReadable(stream_id))
+
+    def next_message(self, stream_id: int) -> bytes | Literal[Wait.WAIT] | None:
+        """The call's next request message; None once the peer has half-closed and every
+        message was read (or the call is over); Wait.WAIT when there is nothing yet."""
+        call = self._calls.get(stream_id)
+        if call is None:
+            return None
+        if call.inbox:
+            message = call.inbox.popleft()
+            call.unread -= len(message)
+            if call.unacked and call.unread <= self.limits.max_unread_bytes:
+                self._acknowledge(stream_id, call)
+            return message
+        return None if call.half_closed else Wait.WAIT
+
+    def is_open(self, stream_id: int) -> bool:
+        return stream_id in self._calls
+
+    def send_some(self, stream_id: int, data: bytes | memoryview) -> int:
+        """Queue as much of `data` (framed messages) as the windows allow; how much. Sends
+        the response headers first if it has not yet. 0 when the call is closed."""
+        call = self._calls.get(stream_id)
+        if call is None or self.ended:
+            return 0
+        h2 = self._h2
+        if not call.headers_sent:
+            h2.send_headers(stream_id, RESPONSE_HEADERS)
+            call.headers_sent = True
+        size = min(len(data), h2.local_flow_control_window(stream_id))
+        frame_size = h2.max_outbound_frame_size
+        for start in range(0, size, frame_size):
+            h2.send_data(stream_id, bytes(data[start : min(start + frame_size, size)]))
+        return size
+
+    def end_call(self, stream_id: int, code: StatusCode, message: str = "") -> None:
+        """The handler is done: the status goes out (nothing if the call is already over)."""
+        call = self._calls.pop(stream_id, None)
+        if call is not None and not self.ended:
+            self._end(stream_id, call, code, message)
+
+    def _end(self, stream_id: int, call: _Call, code: StatusCode, message: str) -> None:
+        self._calls.pop(stream_id, None)
+        if not self._still_open(stream_id):
+            return
+        fields = trailers(code, message) if call.headers_sent else trailers_only(code, message)
+        self._h2.send_headers(stream_id, fields, end_stream=True)
+        self._stop_request(stream_id)
+
+    def _still_open(self, stream_id: int) -> bool:
+        """Whether h2 may still send on the stream. Asked of h2, not of our calls: while we
+        read the events of some bytes, h2 has already read them all, and an END_STREAM or a
+        RST_STREAM later in the same bytes has already changed the stream's state."""
+        stream = self._h2.streams.get(stream_id)
+        return stream is not None and not stream.closed
+
+    def _stop_request(self, stream_id: int) -> None:
+        """After a complete answer, RFC 9113 8.1 lets a server tell the client, with
+        NO_ERROR, to stop sending the rest of its request (if it has not ended it)."""
+        if self._still_open(stream_id):
+            self._h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)
