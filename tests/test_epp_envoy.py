@@ -62,11 +62,16 @@ def without_ids(stream: str) -> str:
     return re.sub(r'"(id|created)":\s*("[^"]*"|\d+)', '"\\1":0', stream)
 
 
+@pytest.mark.parametrize("body_mode", ["full-duplex", "buffered"])
 async def test_a_chat_and_a_stream_are_answered_as_directly(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient, tmp_path: Path
+    start_sim: StartSim,
+    start_sluice: StartSluice,
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+    body_mode: str,
 ) -> None:
     sims, running = await fleet(start_sim, start_sluice)
-    async with envoy_running(spec(sims, running), tmp_path) as envoy:
+    async with envoy_running(spec(sims, running, body_mode=body_mode), tmp_path) as envoy:
         answer = await client.post(envoy.url + CHAT, json=chat(max_tokens=5))
         assert answer.status_code == 200, answer.text
         served = answer.headers["x-sluice-backend"]

@@ -31,7 +31,6 @@ from app.epp.messages import FULL_DUPLEX_STREAMED, ProcessingRequest
 from app.fleet.backends import ANY_MODEL, Backend, BackendPool
 from app.http.errors import ClientError, ErrorAnswer
 from app.observe.metrics import Metrics
-from app.observe.spans import TraceContext
 from app.preprocess.endpoints import ENDPOINTS, Endpoint
 from app.preprocess.reception import Reception
 from app.routing.decider import Decider, RequestContext, RequestFacts
@@ -150,11 +149,7 @@ class EndpointPicker:
             return
         decision = context.decision = verdict
         self._count_decision(context, decision, started)
-        await self._route(stream, state, decision, phase, body, context.span)
-        timing = context.timing
-        self.metrics.epp_decision_seconds.observe(
-            time.perf_counter() - body_at - timing.template - timing.tokenize - decision.waited
-        )
+        await self._route(stream, state, decision, phase, body, context, body_at)
         await self._follow_answer(stream, state, context)
 
     async def _read_body(self, stream: MessageStream, state: _Stream) -> ClientError | None:
@@ -228,22 +223,33 @@ class EndpointPicker:
         decision: Decision,
         phase: str,
         body: bytes,
-        span: TraceContext | None,
+        context: RequestContext,
+        body_at: float,
     ) -> None:
+        """The endpoints out; the picker's own time measured as they leave (the body's
+        last byte in to here, less rendering, tokenizing and the time held for room)."""
+        span = context.span
         endpoints = [decision.backend.endpoint, *(b.endpoint for b in decision.fallbacks)]
         extra = [("x-sluice-route", decision.reason.encode())]
         if span is not None:  # the engine continues the request's trace
             extra.append(("traceparent", span.upstream_traceparent()))
         if not state.duplex:
             await stream.send(ext_proc.picked(endpoints, extra, phase=phase))
+            self._decided(context, decision, body_at)
             if state.trailers:
                 await stream.send(ext_proc.proceed("request_trailers"))
             return
         await stream.send(ext_proc.picked(endpoints, extra, phase="request_headers"))
+        self._decided(context, decision, body_at)
         if phase == "request_body":
             await stream.send(ext_proc.streamed("request_body", body, not state.trailers))
         if state.trailers:
             await stream.send(ext_proc.proceed("request_trailers"))
+
+    def _decided(self, context: RequestContext, decision: Decision, body_at: float) -> None:
+        timing = context.timing
+        own = time.perf_counter() - body_at - timing.template - timing.tokenize - decision.waited
+        self.metrics.epp_decision_seconds.observe(own)
 
     async def _follow_answer(
         self, stream: MessageStream, state: _Stream, context: RequestContext
