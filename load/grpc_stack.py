@@ -29,13 +29,14 @@ warm-up. Measured: the processor process's CPU (user+sys, all threads, /proc) pe
 and requests/s through Envoy (on 2 shared cores that also holds Envoy's, the backend's and
 the client's CPU: compare ratios from one run).
 
-Measured 2026-11-27, 2 shared cores, 2,000 requests at concurrency 16, 5 rounds (medians,
-range), per request through Envoy: 6 messages in, 5 out on each ext_proc stream.
-| candidate   | processor CPU µs     | of it, loop thread | requests/s | Envoy CPU µs |
-| ----------- | -------------------- | ------------------ | ---------- | ------------ |
-| h2          | 540 (535-590)        | 545                | 1,084      | 305          |
-| grpcio      | 2,655 (2,430-2,950)  | 545                | 368        | 680          |
-| grpcio-sync | 2,405 (2,365-2,750)  | 390                | 403        | 655          |
+Measured 2026-11-27, 2 shared cores, 2,000 requests at concurrency 16, 5 rounds; two runs,
+"first / second" medians, (range of their 10 rounds); per request through Envoy, whose
+ext_proc stream carried 6 messages in and 5 out:
+| candidate   | processor CPU µs              | loop thread's | requests/s    | Envoy CPU µs |
+| ----------- | ----------------------------- | ------------- | ------------- | ------------ |
+| h2          | 540 / 555 (495-600)           | 545 / 555     | 1,084 / 1,130 | 305 / 300    |
+| grpcio      | 2,655 / 2,685 (2,430-2,950)   | 545 / 530     | 368 / 346     | 680 / 715    |
+| grpcio-sync | 2,405 / 2,485 (2,365-2,830)   | 390 / 390     | 403 / 390     | 655 / 660    |
 grpcio's loop thread alone (the hops: a task spawned per message) costs what h2's whole
 process does; its C-core and pool threads add ~2 ms, and Envoy spends twice the CPU talking
 to it (more, smaller frames than h2's one write per burst).

@@ -27,6 +27,7 @@ NAMES = (
     "fairness",
     "admission",
     "longprompts",
+    "epp",
 )
 
 
