@@ -497,3 +497,20 @@ def test_the_stream_cap_is_advertised_and_early_streams_are_let_in() -> None:
     with pytest.raises(TooManyStreamsError):
         client.start()
     assert not any(isinstance(e, ConnectionTerminated) for e in client.events)
+
+
+def test_acknowledgements_come_in_batches_and_a_call_gives_back_what_it_held() -> None:
+    # A batch of 8,191 bytes a call; the connection's window (65,535) is not widened.
+    limits = Limits(stream_window=65_535, connection_window=65_535, max_concurrent_streams=4)
+    assert limits.ack_batch == 8_191
+    client, server = connected(limits)
+    # 20 calls of 4,000 bytes each, all read and ended: more than the connection's window,
+    # crossing only because each ended call gives its unacknowledged bytes back.
+    for _ in range(20):
+        stream_id = client.start()
+        client.send(stream_id, b"c" * 4_000)
+        exchange(client, server)
+        assert server.next_message(stream_id) == b"c" * 4_000
+        server.end_call(stream_id, StatusCode.OK)
+        exchange(client, server)
+    assert client.h2.outbound_flow_control_window >= 65_535 // 2

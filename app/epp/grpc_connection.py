@@ -11,19 +11,18 @@ What it decides, and why:
   compressed or malformed framing -> INTERNAL/UNIMPLEMENTED, a message over the cap ->
   RESOURCE_EXHAUSTED; a stream error ends that call, an HTTP/2 protocol error the connection
   (GOAWAY), nothing more;
-- memory stays bounded. Received bytes are acknowledged (WINDOW_UPDATE) at once while the
-  call's complete-but-unread messages stay under `max_unread_bytes`; past that we hold the
-  acknowledgement until the handler reads, so a slow handler stops its peer instead of
-  growing a queue. A call holds at most one partial message (<= `max_message_bytes`),
-  `max_unread_bytes` of unread ones, and what the peer sent unacknowledged (<= the windows
-  we granted); a connection at most `max_concurrent_streams` calls, which we advertise.
+- memory stays bounded. Received bytes are acknowledged (WINDOW_UPDATE) as they come, a
+  `Limits.ack_batch` at a time, while the call's unread messages stay under
+  `max_unread_bytes`; past that we hold the acknowledgement until the handler reads, so a
+  slow handler stops its peer instead of growing a queue. A call holds at most one partial
+  message (<= `max_message_bytes`), `max_unread_bytes` of unread ones, and what the peer
+  sent unacknowledged (<= the windows we granted); a connection at most
+  `max_concurrent_streams` calls, which we advertise.
 - sending respects the peer's windows: `send_some` queues what fits and says how much.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections import deque
 from collections.abc import Container
 from typing import Literal
@@ -43,6 +42,15 @@ from h2.events import (
 from h2.exceptions import ProtocolError
 from h2.settings import SettingCodes, Settings
 
+from app.epp.grpc_events import (
+    CallClosed,
+    CallReadable,
+    CallStarted,
+    ConnectionEnded,
+    Event,
+    Wait,
+    WindowOpened,
+)
 from app.epp.grpc_wire import (
     DEFAULT_LIMITS,
     RESPONSE_HEADERS,
@@ -58,44 +66,6 @@ from app.epp.grpc_wire import (
 
 # The window every HTTP/2 connection starts with (RFC 9113 6.9.2), before we widen it.
 _INITIAL_CONNECTION_WINDOW = 65_535
-
-
-# The events `receive_data` returns.
-@dataclasses.dataclass(slots=True)
-class CallStarted:
-    stream_id: int
-    path: str
-    metadata: Headers
-    timeout: float | None  # seconds, from grpc-timeout
-
-
-@dataclasses.dataclass(slots=True)
-class CallReadable:  # a message, or the end of the peer's messages, is there to read
-    stream_id: int
-
-
-@dataclasses.dataclass(slots=True)
-class CallClosed:  # over before its handler finished (peer reset, bad framing answered here)
-    stream_id: int
-
-
-@dataclasses.dataclass(slots=True)
-class WindowOpened:  # the peer widened a flow-control window: blocked senders may go on
-    pass
-
-
-@dataclasses.dataclass(slots=True)
-class ConnectionEnded:  # no more frames either way: write `data_to_send()` (GOAWAY), close
-    error: bool  # ours after the peer's protocol error, rather than the peer's GOAWAY
-
-
-Event = CallStarted | CallReadable | CallClosed | WindowOpened | ConnectionEnded
-
-
-class Wait(enum.Enum):
-    """`next_message` has nothing yet. (Not b"": an empty protobuf message is b"".)"""
-
-    WAIT = "wait"
 
 
 class _Call:
@@ -167,7 +137,7 @@ class GrpcConnection:
             elif isinstance(event, StreamEnded):
                 self._half_close(event.stream_id, events)
             elif isinstance(event, StreamReset):
-                if self._calls.pop(event.stream_id, None) is not None:
+                if self._forget(event.stream_id) is not None:
                     events.append(CallClosed(event.stream_id))
             elif isinstance(event, WindowUpdated | RemoteSettingsChanged):
                 window_opened = True
@@ -222,7 +192,7 @@ class GrpcConnection:
             self._acknowledge(stream_id, call)
 
     def _acknowledge(self, stream_id: int, call: _Call) -> None:
-        if call.unacked:
+        if call.unacked >= self.limits.ack_batch:
             self._h2.acknowledge_received_data(call.unacked, stream_id)
             call.unacked = 0
 
@@ -274,12 +244,20 @@ class GrpcConnection:
 
     def end_call(self, stream_id: int, code: StatusCode, message: str = "") -> None:
         """The handler is done: the status goes out (nothing if the call is already over)."""
-        call = self._calls.pop(stream_id, None)
+        call = self._forget(stream_id)
         if call is not None and not self.ended:
             self._end(stream_id, call, code, message)
 
+    def _forget(self, stream_id: int) -> _Call | None:
+        """The call, no more ours; its unacknowledged bytes given back to the connection."""
+        call = self._calls.pop(stream_id, None)
+        if call is not None and call.unacked and not self.ended:
+            self._h2.acknowledge_received_data(call.unacked, stream_id)
+            call.unacked = 0
+        return call
+
     def _end(self, stream_id: int, call: _Call, code: StatusCode, message: str) -> None:
-        self._calls.pop(stream_id, None)
+        self._forget(stream_id)
         if not self._still_open(stream_id):
             return
         fields = trailers(code, message) if call.headers_sent else trailers_only(code, message)

@@ -26,14 +26,8 @@ from typing import NoReturn, Protocol
 
 import trio
 
-from app.epp.grpc_connection import (
-    CallClosed,
-    CallReadable,
-    CallStarted,
-    GrpcConnection,
-    Wait,
-    WindowOpened,
-)
+from app.epp.grpc_connection import GrpcConnection
+from app.epp.grpc_events import CallClosed, CallReadable, CallStarted, Wait, WindowOpened
 from app.epp.grpc_wire import (
     DEFAULT_LIMITS,
     GrpcError,
@@ -42,6 +36,7 @@ from app.epp.grpc_wire import (
     StatusCode,
     frame_message,
 )
+from app.epp.wakeup import Wakeup
 
 log = logging.getLogger("sluice.epp.grpc")
 
@@ -75,7 +70,7 @@ Handler = Callable[[MessageStream], Awaitable[None]]
 class _Call:
     """A call's MessageStream, and what its task needs to stop it."""
 
-    __slots__ = ("_io", "_lot", "_metadata", "closed", "path", "scope", "stream_id")
+    __slots__ = ("_io", "_metadata", "_wakeup", "closed", "path", "scope", "stream_id")
 
     def __init__(self, io: _Connection, event: CallStarted) -> None:
         self._io = io
@@ -85,7 +80,7 @@ class _Call:
         self.scope = trio.CancelScope()
         if event.timeout is not None:
             self.scope.deadline = trio.current_time() + event.timeout
-        self._lot = trio.lowlevel.ParkingLot()
+        self._wakeup = Wakeup()
         self.closed = False  # over from the peer's side: send nothing more
 
     @property
@@ -93,14 +88,14 @@ class _Call:
         return self._metadata
 
     def wake(self) -> None:
-        self._lot.unpark_all()
+        self._wakeup.wake()
 
     async def receive(self) -> bytes | None:
         # No checkpoint when a message is already there: a handler that answers every
         # message of a burst before it parks gets its answers written in one go.
         connection = self._io.connection
         while (message := connection.next_message(self.stream_id)) is Wait.WAIT:
-            await self._lot.park()
+            await self._wakeup.wait()
         if self.closed:
             await self._gone()
         # Reading may have freed window: its WINDOW_UPDATE goes out with the next write.
@@ -156,7 +151,7 @@ class _Connection:
         self.window_opened = trio.lowlevel.ParkingLot()
         self._outbound = bytearray()
         self._writing = 0  # bytes handed to the stream, not yet accepted by it
-        self._write_wanted = trio.lowlevel.ParkingLot()
+        self._write_wanted = Wakeup()
         self._written = trio.lowlevel.ParkingLot()
         self._writer_gone = False
 
@@ -165,7 +160,7 @@ class _Connection:
         data = self.connection.data_to_send()
         if data:
             self._outbound += data
-            self._write_wanted.unpark_all()
+            self._write_wanted.wake()
 
     async def wait_writable(self, high_water: int = OUTBOUND_HIGH_WATER) -> None:
         """Returns at once unless more than `high_water` bytes wait for a slow peer."""
@@ -176,7 +171,7 @@ class _Connection:
         try:
             while True:
                 while not self._outbound:
-                    await self._write_wanted.park()
+                    await self._write_wanted.wait()
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 self.queue_output()
                 data, self._outbound = self._outbound, bytearray()
