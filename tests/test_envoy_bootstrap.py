@@ -15,7 +15,7 @@ import json
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,6 @@ import grpc
 import httpx
 import pytest
 import trio
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from app.cli import envoy as envoy_cli
 from app.cli.command import ConfigExit, parse
@@ -36,13 +31,19 @@ from app.epp.envoy_bootstrap import (
     DESTINATION,
     DESTINATION_SERVED,
     EPP_CLUSTER,
-    EPP_HEALTH_SERVICE,
     LB_NAMESPACE,
     MAX_RETRIES,
     BodyMode,
     EnvoySpec,
     bootstrap_json,
     render_bootstrap,
+)
+from app.epp.ext_proc import picked, proceed, streamed
+from app.epp.messages import (
+    SERVING,
+    HealthCheckRequest,
+    HealthCheckResponse,
+    ProcessingRequest,
 )
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
@@ -197,14 +198,15 @@ async def test_cli_becomes_envoy_with_its_bootstrap() -> None:
 # --- a throwaway endpoint picker ----------------------------------------------------------
 
 
-class PickByHeader(ext_proc_grpc.ExternalProcessorServicer):
+class PickByHeader:
     """Answers Envoy as a GIE endpoint picker does, picking what `x-test-pick` lists.
 
     Full duplex: the picked endpoints go out with the request headers' answer once the
     whole body arrived, then the body itself (Envoy forwards only what comes back); every
     answer chunk is sent back as it comes. Buffered: the pick goes with the body's answer.
     The response phase's `envoy.lb` metadata is kept in `served`, and any
-    `x-gateway-destination-endpoint` a request arrived with in `arrived_with_destination`."""
+    `x-gateway-destination-endpoint` a request arrived with in `arrived_with_destination`.
+    Messages are app/epp's (parsed by its classes, answered by ext_proc.py's builders)."""
 
     def __init__(self, duplex: bool) -> None:
         self.duplex = duplex
@@ -212,9 +214,7 @@ class PickByHeader(ext_proc_grpc.ExternalProcessorServicer):
         self.arrived_with_destination: list[str] = []
         self._lock = threading.Lock()
 
-    def Process(  # gRPC's name for the method
-        self, requests: Iterator[ext_proc.ProcessingRequest], context: grpc.ServicerContext
-    ) -> Iterator[ext_proc.ProcessingResponse]:
+    def process(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[bytes]:
         pick, body = "", b""
         for request in requests:
             phase = request.WhichOneof("request")
@@ -224,68 +224,61 @@ class PickByHeader(ext_proc_grpc.ExternalProcessorServicer):
                     with self._lock:
                         self.arrived_with_destination.append(destination)
                 if request.request_headers.end_of_stream:
-                    yield _picked(pick, "request_headers")
+                    yield picked([pick], [], phase="request_headers")
                 elif not self.duplex:
-                    yield ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())
+                    yield proceed("request_headers")
             elif phase == "request_body" and self.duplex:
                 body += request.request_body.body
                 if request.request_body.end_of_stream:
-                    yield _picked(pick, "request_headers")
-                    yield _streamed("request_body", body, end=True)
+                    yield picked([pick], [], phase="request_headers")
+                    yield streamed("request_body", body, True)
             elif phase == "request_body":
-                yield _picked(pick, "request_body")
+                yield picked([pick], [], phase="request_body")
             elif phase == "response_headers":
                 lb = request.metadata_context.filter_metadata[LB_NAMESPACE]
                 with self._lock:
                     self.served.append(lb.fields[DESTINATION_SERVED].string_value)
-                yield ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())
+                yield proceed("response_headers")
             elif phase == "response_body" and self.duplex:
                 chunk = request.response_body
-                yield _streamed("response_body", chunk.body, end=chunk.end_of_stream)
+                yield streamed("response_body", chunk.body, chunk.end_of_stream)
             elif phase == "response_body":
-                yield ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())
+                yield proceed("response_body")
             elif phase in ("request_trailers", "response_trailers"):
-                yield ext_proc.ProcessingResponse(**{phase: ext_proc.TrailersResponse()})
+                yield proceed(phase)
 
 
-def _header(headers: ext_proc.HttpHeaders, name: str) -> str:
+def _header(headers: Any, name: str) -> str:
     for header in headers.headers.headers:
         if header.key == name:
-            return header.raw_value.decode() or header.value
+            return str(header.raw_value.decode())
     return ""
 
 
-def _picked(pick: str, phase: str) -> ext_proc.ProcessingResponse:
-    """GIE's answer: the endpoints as a header and as `envoy.lb` dynamic metadata."""
-    header = base_pb2.HeaderValue(key=DESTINATION, raw_value=pick.encode())
-    mutation = ext_proc.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(header=header)])
-    metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: pick}})
-    common = ext_proc.CommonResponse(header_mutation=mutation)
-    answer = (ext_proc.HeadersResponse if phase == "request_headers" else ext_proc.BodyResponse)(
-        response=common
-    )
-    return ext_proc.ProcessingResponse(**{phase: answer}, dynamic_metadata=metadata)
-
-
-def _streamed(phase: str, data: bytes, *, end: bool) -> ext_proc.ProcessingResponse:
-    streamed = ext_proc.StreamedBodyResponse(body=data, end_of_stream=end)
-    mutation = ext_proc.BodyMutation(streamed_response=streamed)
-    answer = ext_proc.BodyResponse(response=ext_proc.CommonResponse(body_mutation=mutation))
-    return ext_proc.ProcessingResponse(**{phase: answer})
+def _serving(request: Any, context: grpc.ServicerContext) -> bytes:
+    return bytes(HealthCheckResponse(status=SERVING).SerializeToString())
 
 
 class Picker:
-    """The picker's gRPC server on a free loopback port, with the health service Envoy
-    checks (SERVING, as a ready GIE EPP answers)."""
+    """The picker's gRPC server (grpcio's, threads) on a free loopback port, with the
+    health service Envoy checks (SERVING, as a ready GIE EPP answers)."""
 
     def __init__(self, duplex: bool) -> None:
         self.servicer = PickByHeader(duplex)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self._server)
-        health_servicer = health.HealthServicer()
-        health_servicer.set(EPP_HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        as_is: Callable[[bytes], bytes] = bytes
+        process = grpc.stream_stream_rpc_method_handler(
+            self.servicer.process, ProcessingRequest.FromString, as_is
+        )
+        check = grpc.unary_unary_rpc_method_handler(_serving, HealthCheckRequest.FromString, as_is)
+        self._server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "envoy.service.ext_proc.v3.ExternalProcessor", {"Process": process}
+                ),
+                grpc.method_handlers_generic_handler("grpc.health.v1.Health", {"Check": check}),
+            )
+        )
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self._server.start()
 
