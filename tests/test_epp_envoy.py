@@ -75,6 +75,8 @@ async def test_a_chat_and_a_stream_are_answered_as_directly(
         answer = await client.post(envoy.url + CHAT, json=chat(max_tokens=5))
         assert answer.status_code == 200, answer.text
         served = answer.headers["x-sluice-backend"]
+        assert "tokenize;dur=" in answer.headers["server-timing"]
+        assert answer.headers["x-sluice-route"].startswith("cache_aware:")
         assert served in {s.url for s in sims}
         body = chat("Tell me a story.", max_tokens=12, stream=True)
         through = await client.post(envoy.url + CHAT, json=body)

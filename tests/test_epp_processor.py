@@ -155,7 +155,11 @@ async def test_a_chat_is_routed_primary_first_and_its_body_given_back_whole(
     # The answer, as Envoy passes it on: followed, given back, and its usage counted.
     await stream.put(response_headers(200, served=endpoints[0]))
     headers = (await stream.answer()).response_headers.response.header_mutation.set_headers
-    assert {h.header.key for h in headers} >= {"x-sluice-backend"}
+    assert {h.header.key for h in headers} >= {
+        "x-sluice-backend",
+        "x-sluice-route",
+        "server-timing",
+    }
     usage = b'{"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}'
     await stream.put(response_body(usage, end=True))
     chunk = (await stream.answer()).response_body.response.body_mutation.streamed_response

@@ -107,6 +107,7 @@ class EndpointPicker:
         method = (_header(state.headers, b":method") or b"GET").decode("latin-1")
         endpoint = ENDPOINTS.get(path) if method == "POST" else None
         context, head = self.reception.arrive(state.headers, (endpoint or OTHER).name)
+        context.request_id = head.request_id or b""  # the client's, or the one Envoy made
         try:
             await self._request(stream, first, state, endpoint, context, head)
         except _StreamEnded:
@@ -230,7 +231,8 @@ class EndpointPicker:
         last byte in to here, less rendering, tokenizing and the time held for room)."""
         span = context.span
         endpoints = [decision.backend.endpoint, *(b.endpoint for b in decision.fallbacks)]
-        extra = [("x-sluice-route", decision.reason.encode())]
+        route = f"{self.decider.router.policy.name}:{decision.reason}"
+        extra = [("x-sluice-route", route.encode())]
         if span is not None:  # the engine continues the request's trace
             extra.append(("traceparent", span.upstream_traceparent()))
         if not state.duplex:
@@ -273,7 +275,15 @@ class EndpointPicker:
                     answered = True
                     if status in BACKEND_FAULT_STATUSES:
                         failure = f"answered {status}"
-                    extra = [("x-sluice-backend", decision.backend.url.encode())]
+                    # What the proxy's answers carry too (the design's contract).
+                    route = f"{self.decider.router.policy.name}:{decision.reason}"
+                    extra = [
+                        ("x-sluice-backend", decision.backend.url.encode()),
+                        ("x-sluice-route", route.encode()),
+                        ("server-timing", context.timing.header()),
+                    ]
+                    if context.request_id:
+                        extra.append(("x-request-id", context.request_id))
                     if state.test_selection:
                         extra.append((ext_proc.TEST_SERVED, decision.backend.endpoint.encode()))
                     await stream.send(ext_proc.proceed("response_headers", extra))
