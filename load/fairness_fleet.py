@@ -8,7 +8,8 @@ request is dispatched at its send time plus its `server-timing` queue time; a ke
 share of the dispatches is max-min by weight over what each key asked (`fair_shares`, the
 proxy's own). C: B's requests, held (queue time > 0) or not, and a prefix hit (the GPU's
 `cached_tokens` > 0) or not. Every request must be answered 200, or 429 with Retry-After:
-anything else is lost.
+anything else is lost. A variant's name may end in its door (`sluice:epp`, load/doors.py);
+through Envoy no server-timing comes back, so there B reads Sluice's own count alone.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from app.observe.admission_stats import fair_shares
 from app.preprocess.accounting import fingerprint
 from load import arrivals, client, drive, harness
 from load.client import CHAT, Pool
+from load.doors import open_door, split
 from load.drive import Record
 from load.harness import Bench
-from load.processes import Stack, tree_cpu
+from load.processes import Stack
 from load.stats import percentile
 from load.workloads import Corpus, Request, Workload
 
@@ -87,6 +89,11 @@ def merge(counts: Sequence[dict[str, int]]) -> dict[str, int]:
     return dict(total)
 
 
+def cpu_shares(before: Sequence[float], after: Sequence[float], seconds: float) -> list[float]:
+    """Each process's CPU over `seconds` of wall time (`Door.cpu` read before and after)."""
+    return [round((a - b) / seconds, 4) for b, a in zip(before, after, strict=True)]
+
+
 async def answering(url: str) -> None:
     if not await harness.answers(url, {}, {"model": "sim", "messages": STORY, "max_tokens": 1}):
         raise RuntimeError(f"the proxy at {url} never answered")  # harness.answers waits 60 s
@@ -117,16 +124,16 @@ def plan(key: str, phases: Sequence[float], seed: int) -> list[tuple[float, Requ
     ]
 
 
-async def part_b(
-    bench: Bench, variant: str, round_: int, phases: Sequence[float]
-) -> dict[str, Any]:
+async def part_b(bench: Bench, name: str, round_: int, phases: Sequence[float]) -> dict[str, Any]:
+    variant, door_name = split(name)
     flags, keyed = VARIANTS[variant]
     seed = bench.args.seed * 1000 + round_
     plans = {key: plan(key, phases, seed) for key in KEYS}
     async with Stack(bench.args.proxy_arg) as stack:
-        url = await stack.proxy(await stack.sims(FLEET, *SIM_FLAGS), *flags)
+        door = await open_door(stack, door_name, await stack.sims(FLEET, *SIM_FLAGS), *flags)
+        url = door.url
         await answering(url)
-        pid, dashboard = stack.pids[url], stack.dashboard(url)
+        dashboard = stack.dashboard(door.sluice)
         runs: dict[str, drive.Run] = {}
         start = time.perf_counter()
 
@@ -139,20 +146,24 @@ async def part_b(
             for key in KEYS:
                 nursery.start_soon(send, key)
             await trio.sleep(phases[0])
-            cpu0 = tree_cpu(pid)
+            cpu0 = door.cpu()
             await trio.sleep(phases[1])
-            cpu = tree_cpu(pid) - cpu0
+            cpu = cpu_shares(cpu0, door.cpu(), phases[1])
             snapshot = (await client.call(dashboard + "/api/snapshot")).json()
     shares = snapshot["admission"]["models"].get("sim", {}).get("keys", {})
     by_label = {fingerprint(token.encode()): key for key, token in KEYS.items()}
+    every = [r for run in runs.values() for r in run.records]
     return {
         # The 2x phase but its first quarter: a queue in its steady state at both ends (sent
         # before, dispatched in it ~ sent in it, dispatched after).
         **dispatches(runs, phases[0] + phases[1] / 4, phases[0] + phases[1]),
-        **prefix_hits([r for run in runs.values() for r in run.records], phases[0] / 2),
+        **prefix_hits(every, phases[0] / 2),
         "snapshot": {by_label[k]: v for k, v in shares.items() if k in by_label},
-        "cpu_share": cpu / phases[1],
-        "answers": outcomes([r for run in runs.values() for r in run.records]),
+        "cpu_share": sum(cpu),
+        "cpu_parts": cpu,  # Sluice's, and through the EPP Envoy's
+        # When a request left the queue is known from its server-timing header (the proxy's).
+        "timed": any(r.server_timing for r in every if r.ok),
+        "answers": outcomes(every),
         "answers_by_key": {key: outcomes(run.records) for key, run in runs.items()},
     }
 
@@ -199,19 +210,24 @@ def summary_b(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         snap = [r["snapshot"]["light"] for r in mine if "light" in r["snapshot"]]
         snap_left, snap_fair = (sum(s[k] for s in snap) for k in ("left", "fair_left"))
         hits = {k: [sum(r["hits"][k][i] for r in mine) for i in range(3)] for k in mine[0]["hits"]}
+        timed = all(r.get("timed", True) for r in mine)
+        busiest = max(mine, key=lambda r: r["cpu_share"])
+        nan = float("nan")
         out[variant] = {
             "asked": asked,
-            "left": left,
+            "left": left if timed else None,
+            "timed": timed,
             "offered_per_s": sum(asked.values()) / seconds,
-            "capacity_per_s": sum(left.values()) / seconds,
+            "capacity_per_s": sum(left.values()) / seconds if timed else nan,
             "light_fair": fair["light"],
-            "light_of_fair": left["light"] / fair["light"] if fair["light"] else float("nan"),
+            "light_of_fair": left["light"] / fair["light"] if fair["light"] and timed else nan,
             "snapshot_of_fair": snap_left / snap_fair if snap_fair else None,
             "light_ttft_p50_ms": percentile(ttft, 50),
             "light_ttft_p99_ms": percentile(ttft, 99),
-            "cpu_share": max(r["cpu_share"] for r in mine),
+            "cpu_share": busiest["cpu_share"],
+            "cpu_parts": busiest.get("cpu_parts", [busiest["cpu_share"]]),
             "answers": merge([r["answers"] for r in mine]),
             "refused": {k: sum(r["answers_by_key"][k]["refused"] for r in mine) for k in KEYS},
-            "hits": hits,
+            "hits": hits if timed else {k: [0, 0, 0] for k in hits},
         }  # fmt: skip
     return out

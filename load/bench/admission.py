@@ -8,7 +8,9 @@ run, and Sluice with default flags. A run: 32 closed-loop clients send 1-token c
 - `direct`: burst and streams straight to the engine (the reference of both cases);
 - `sluice:through`: burst and streams through Sluice;
 - `sluice:beside`, `smg:beside`: the burst straight to the engine (another sender: another
-  gateway, another team's client), then the streams through Sluice, or SMG where installed.
+  gateway, another team's client), then the streams through Sluice, or SMG where installed;
+- `epp:through`, `epp:beside`: the same through Sluice's other door, Envoy with Sluice as
+  its endpoint picker (load/doors.py; `--door proxy|epp|both` picks Sluice's runs).
 Each Sluice also says how long it held requests while its engine reported room (its
 `sluice_admission_held_with_room_seconds_total`), how many it held at all, and its judged
 room of the engine at the end.
@@ -16,6 +18,7 @@ room of the engine at the end.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from pathlib import Path
 from statistics import median
@@ -23,6 +26,7 @@ from typing import Any
 
 from load import client, drive, harness
 from load.client import CHAT, ONE_TOKEN_REQUEST, Pool
+from load.doors import doors, open_door, side_by_side
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bars
 from load.processes import Stack
@@ -38,7 +42,9 @@ STREAM = Request(
      "max_tokens": STREAM_TOKENS, "stream": True},
     "stream",
 )  # fmt: skip
-RUNS = ("direct", "sluice:through", "sluice:beside", "smg:beside")
+RUNS = ("direct", "sluice:through", "epp:through", "sluice:beside", "epp:beside", "smg:beside")
+DOOR = {"sluice": "proxy", "epp": "epp"}  # a run's target: Sluice through which door
+SLUICES = tuple(DOOR)
 TARGETS = "issue 40's"
 
 
@@ -47,9 +53,10 @@ async def one_run(bench: Bench, run: str, round_: int, seconds: dict[str, float]
     target, _, case = run.partition(":")
     async with Stack(bench.args.proxy_arg) as stack:
         sim = await stack.sim()
-        url = sim
-        if target == "sluice":
-            url = await stack.proxy(sim)
+        url = sluice = sim
+        if target in DOOR:
+            door = await open_door(stack, DOOR[target], sim)
+            url, sluice = door.url, door.sluice
         elif target == "smg":
             found = await stack.smg([sim], "round_robin")
             if found is None:
@@ -72,8 +79,8 @@ async def one_run(bench: Bench, run: str, round_: int, seconds: dict[str, float]
             "ttft_ms": [round(r.ttft * 1e3, 2) for r in streams.records if r.ok and r.ttft],
             "errors": streams.errors,
         }
-        if target == "sluice":
-            row |= await sluice_figures(url, stack.dashboard(url))
+        if target in DOOR:
+            row |= await sluice_figures(sluice, stack.dashboard(sluice))
     return row
 
 
@@ -97,7 +104,10 @@ async def measure(bench: Bench) -> dict[str, Any]:
     async def one(run: str, round_: int) -> dict[str, Any]:
         return await one_run(bench, run, round_, seconds)
 
-    rows = await bench.alternate(rounds, list(RUNS), one)
+    chosen = doors(bench.args.door)
+    targets_ = [run.partition(":")[0] for run in RUNS]
+    runs = [r for r, t in zip(RUNS, targets_, strict=True) if t not in DOOR or DOOR[t] in chosen]
+    rows = await bench.alternate(rounds, runs, one)
     rows = [row for row in rows if not row.get("skipped")]
     result: dict[str, Any] = {"rounds": rounds, "seconds": seconds, "runs": rows}
     result["targets"] = targets(rows)
@@ -122,28 +132,30 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"{'PASS' if ok else 'FAIL'} {label}")
 
     rounds = by_round(rows)
-    for case in ("through", "beside"):
-        fifties, tails = [], []
-        for runs in rounds.values():
-            direct, sluice = runs["direct"], runs[f"sluice:{case}"]
-            d50, d99, s50, s99 = p(direct, 50), p(direct, 99), p(sluice, 50), p(sluice, 99)
-            fifties.append(s50 <= max(1.5 * d50, d50 + 10))
-            tails.append(s99 <= max(2 * d99, d99 + 50))
-        check(f"{case}: TTFT p50 <= max(1.5x direct, direct + 10 ms) in {sum(fifties)}/"
-              f"{len(fifties)} runs", all(fifties))  # fmt: skip
-        check(f"{case}: TTFT p99 <= max(2x direct, direct + 50 ms) in {sum(tails)}/"
-              f"{len(tails)} runs", all(tails))  # fmt: skip
-    smg = [
-        (runs["sluice:beside"], runs["smg:beside"])
-        for runs in rounds.values()
-        if "smg:beside" in runs
-    ]
-    if smg:
-        within = [p(s, 50) <= p(g, 50) + 2 for s, g in smg]
-        check(f"beside: TTFT p50 within 2 ms of SMG's in {sum(within)}/{len(within)} rounds",
-              all(within))  # fmt: skip
-    held = sum(r.get("held_with_room_s", 0.0) for r in rows)
-    check(f"held while the engine reported room: {held:g} s", held == 0)
+    for target in SLUICES:  # each door of Sluice's, checked alike
+        if not any(run.startswith(f"{target}:") for runs in rounds.values() for run in runs):
+            continue
+        for case in ("through", "beside"):
+            fifties, tails = [], []
+            for runs in rounds.values():
+                direct, sluice = runs["direct"], runs[f"{target}:{case}"]
+                d50, d99, s50, s99 = p(direct, 50), p(direct, 99), p(sluice, 50), p(sluice, 99)
+                fifties.append(s50 <= max(1.5 * d50, d50 + 10))
+                tails.append(s99 <= max(2 * d99, d99 + 50))
+            check(f"{target}:{case}: TTFT p50 <= max(1.5x direct, direct + 10 ms) in "
+                  f"{sum(fifties)}/{len(fifties)} runs", all(fifties))  # fmt: skip
+            check(f"{target}:{case}: TTFT p99 <= max(2x direct, direct + 50 ms) in "
+                  f"{sum(tails)}/{len(tails)} runs", all(tails))  # fmt: skip
+        smg = [
+            (r[f"{target}:beside"], r["smg:beside"]) for r in rounds.values() if "smg:beside" in r
+        ]
+        if smg:
+            within = [p(s, 50) <= p(g, 50) + 2 for s, g in smg]
+            check(f"{target}:beside: TTFT p50 within 2 ms of SMG's in {sum(within)}/"
+                  f"{len(within)} rounds", all(within))  # fmt: skip
+        mine = [r for r in rows if r["variant"].startswith(f"{target}:")]
+        held = sum(r.get("held_with_room_s", 0.0) for r in mine)
+        check(f"{target}: held while the engine reported room: {held:g} s", held == 0)
     errors = sum(r["errors"] for r in rows)
     check(f"every stream answered: {errors} errors", errors == 0)
     return lines
@@ -151,23 +163,35 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
 
 def summary(result: dict[str, Any]) -> list[list[Any]]:
     """Per run, over the rounds: TTFT p50 and p99 (medians), the worst of each over the
-    round's direct run, and Sluice's holding."""
+    round's direct run, and Sluice's holding; a Sluice run's doors side by side."""
     rounds = by_round(result["runs"])
-    rows = []
+    rows: list[tuple[str, str, list[Any]]] = []
     for name in RUNS:
         runs = [(r[name], r["direct"]) for r in rounds.values() if name in r]
         if not runs:
             continue
         rooms = sorted({room for row, _ in runs if (room := _room(row.get("room")))})
+        target, _, case = name.partition(":")
+        door = DOOR.get(target, "proxy")
+        beside_proxy = door == "epp" and any(f"sluice:{case}" in r for r in rounds.values())
         rows.append(
-            [name, len(runs), median([p(row, 50) for row, _ in runs]),
+            (f"sluice:{case}" if beside_proxy else name, door, [len(runs),
+             median([p(row, 50) for row, _ in runs]),
              median([p(row, 99) for row, _ in runs]),
              max(p(row, 50) - p(direct, 50) for row, direct in runs),
              max(p(row, 99) - p(direct, 99) for row, direct in runs),
              _total(runs, "held"), _total(runs, "held_with_room_s"), ", ".join(rooms) or None,
-             sum(row["errors"] for row, _ in runs)]
+             sum(row["errors"] for row, _ in runs)])
         )  # fmt: skip
-    return rows
+    return side_by_side(rows, 1)
+
+
+def _doors_note(rows: list[dict[str, Any]]) -> str:
+    """What `a | b` in a cell means, when Sluice's runs went through both doors."""
+    targets = {row["variant"].partition(":")[0] for row in rows}
+    if not set(SLUICES) <= targets:
+        return "epp: Envoy with Sluice as its endpoint picker; " if "epp" in targets else ""
+    return "sluice's a | b: through its proxy | through Envoy with it as endpoint picker (epp); "
 
 
 def _room(room: dict[str, Any] | None) -> str | None:
@@ -188,6 +212,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
         "median; worst - direct: the worst round's over its direct run; through: the burst "
         "through the target too, beside: straight to the engine; held: requests Sluice held, "
         "with room: seconds held while the engine reported room; "
+        + _doors_note(result["runs"])
         + harness.targets_met(result["targets"], TARGETS)
     )
     headers = ["run", "rounds", "TTFT p50", "TTFT p99", "worst p50 - direct",
@@ -220,6 +245,15 @@ def plot(result: dict[str, Any], png: Path) -> None:
     plot_bars("Streams' TTFT after a burst (first round)", ["p50", "p99"], values, "ms", png)
 
 
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--door",
+        choices=("proxy", "epp", "both"),
+        default="both",
+        help="Sluice's runs through its proxy, Envoy with Sluice as its endpoint picker, or both",
+    )
+
+
 SCENARIO = Scenario(
     name="admission",
     reproduces="issue 40",
@@ -234,4 +268,5 @@ SCENARIO = Scenario(
     measure=measure,
     tables=tables,
     plot=plot,
+    options=options,
 )

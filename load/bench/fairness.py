@@ -18,6 +18,10 @@ and proxies of their own (4 sequences, the simulated engine's own prefill), with
 metrics). B and C, on a fleet of 4 GPUs at 2x its capacity, are
 load/fairness_fleet.py's. Every request must be answered 200, or 429 with Retry-After:
 anything else is lost.
+
+Each part runs through both doors (`--door proxy|epp|both`, load/doors.py): Sluice's proxy,
+and Envoy with the same Sluice flags as its endpoint picker (`sluice:epp`, `fcfs:epp`: a GPU
+and a door of their own); the targets are checked door by door.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import trio
 
 from load import client, drive, harness
 from load.client import Pool, Prepared
+from load.doors import Door, doors, label, open_door, side_by_side, split
 from load.fairness_fleet import (
     FLEET,
     GIVE_UP_S,
@@ -48,6 +53,7 @@ from load.fairness_fleet import (
     TOKENS,
     VARIANTS,
     answering,
+    cpu_shares,
     merge,
     ms,
     outcomes,
@@ -59,7 +65,6 @@ from load.fairness_fleet import (
 )
 from load.harness import Bench, Scenario, Table
 from load.plots import plot_bar_panels
-from load.processes import tree_cpu
 from load.stats import percentile
 
 # -- part A: one GPU, a light client beside 32 heavy ones -----------------------------------
@@ -82,8 +87,7 @@ def stories(sender: Pool, key: str, round_: int, tokens: tuple[int, int]) -> Ite
 
 
 async def part_a(
-    url: str,
-    pid: int,
+    door: Door,
     dashboard: str,
     keyed: bool,
     round_: int,
@@ -91,6 +95,7 @@ async def part_a(
     tokens: tuple[int, int] = TOKENS,
 ) -> dict[str, Any]:
     runs: dict[str, drive.Run] = {}
+    url = door.url
     async with pool(url, "light", keyed) as light, pool(url, "heavy", keyed) as heavy:
         heavy_item = stories(heavy, "heavy", round_, tokens)
         light_item = stories(light, "light", round_, tokens)
@@ -104,16 +109,17 @@ async def part_a(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(flood)
             await trio.sleep(seconds["warm"])
-            cpu0, began = tree_cpu(pid), time.perf_counter()
+            cpu0, began = door.cpu(), time.perf_counter()
             light_item = stories(light, "light", round_, tokens)  # the same lengths: paired
             beside = await drive.closed_loop(light, 1, light_item, seconds=seconds["beside"])
-            cpu, elapsed = tree_cpu(pid) - cpu0, time.perf_counter() - began
+            cpu = cpu_shares(cpu0, door.cpu(), time.perf_counter() - began)
     snapshot = (await client.call(dashboard + "/api/snapshot")).json()
     every = alone.records + beside.records + runs["heavy"].records
     return {
         **{phase: _light(run) for phase, run in (("alone", alone), ("beside", beside))},
         "heavy_per_s": runs["heavy"].ok / runs["heavy"].seconds,
-        "cpu_share": cpu / elapsed,
+        "cpu_share": sum(cpu),
+        "cpu_parts": cpu,  # Sluice's, and through the EPP Envoy's
         "answers": outcomes(every),
         "room": [b["room"] for b in snapshot["backends"]],  # what Sluice judged
     }
@@ -147,7 +153,9 @@ def summary_a(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         paired = [(a[: len(b)], b[: len(a)]) for a, b in paired]  # the same lengths
         entry["beside"]["x_alone"] = sum(sum(a) for a, _ in paired) / sum(sum(b) for _, b in paired)
         entry["heavy_per_s"] = sum(r["heavy_per_s"] for r in mine) / len(mine)
-        entry["cpu_share"] = max(r["cpu_share"] for r in mine)
+        busiest = max(mine, key=lambda r: r["cpu_share"])
+        entry["cpu_share"] = busiest["cpu_share"]
+        entry["cpu_parts"] = busiest.get("cpu_parts", [busiest["cpu_share"]])
         entry["answers"] = merge([r["answers"] for r in mine])
         out[variant] = entry
     return out
@@ -177,6 +185,8 @@ async def measure(bench: Bench) -> dict[str, Any]:
     variants = bench.args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"fairness: unknown variant(s) {', '.join(sorted(unknown))}")
+    # Each variant through each door, side by side: sluice, sluice:epp, fcfs, fcfs:epp.
+    variants = [label(v, door) for v in variants for door in doors(bench.args.door)]
     rounds = bench.rounds(1, 2)
     seconds_a = {"alone": bench.pick(3.0, 10.0), "warm": 3.0, "beside": bench.pick(5.0, 20.0)}
     phases = (bench.pick(3.0, 10.0), bench.pick(6.0, 20.0))
@@ -185,11 +195,11 @@ async def measure(bench: Bench) -> dict[str, Any]:
     proxies = await primed(bench, variants, SIM_FLAGS)
     short_proxies = await primed(bench, variants, SHORT_SIM_FLAGS)
 
-    async def one_a(variant: str, number: int, short: bool = False) -> dict[str, Any]:
-        url = (short_proxies if short else proxies)[variant]
-        pid, dashboard = bench.stack.pids[url], bench.stack.dashboard(url)
-        keyed, tokens = VARIANTS[variant][1], SHORT if short else TOKENS
-        return await part_a(url, pid, dashboard, keyed, number, seconds_a, tokens)
+    async def one_a(name: str, number: int, short: bool = False) -> dict[str, Any]:
+        door = (short_proxies if short else proxies)[name]
+        dashboard = bench.stack.dashboard(door.sluice)
+        keyed, tokens = VARIANTS[split(name)[0]][1], SHORT if short else TOKENS
+        return await part_a(door, dashboard, keyed, number, seconds_a, tokens)
 
     rows_a = await bench.alternate(rounds, variants, one_a, " A")
     rows_s = await bench.alternate(rounds, variants, partial(one_a, short=True), " S")
@@ -203,19 +213,21 @@ async def measure(bench: Bench) -> dict[str, Any]:
     return result
 
 
-async def primed(bench: Bench, variants: list[str], sim_flags: tuple[str, ...]) -> dict[str, str]:
-    """A GPU with `sim_flags` and a primed proxy before it, for each variant: their URLs."""
-    sims = await bench.stack.sims(len(variants), *sim_flags)
-    proxies: dict[str, str] = {}
+async def primed(bench: Bench, names: list[str], sim_flags: tuple[str, ...]) -> dict[str, Door]:
+    """A GPU with `sim_flags` and a primed Sluice before it, through its door, for each
+    variant (`label(variant, door)`): the doors."""
+    sims = await bench.stack.sims(len(names), *sim_flags)
+    proxies: dict[str, Door] = {}
 
-    async def ready(variant: str, sim: str) -> None:
-        proxies[variant] = await bench.stack.proxy(sim, *VARIANTS[variant][0])
-        await answering(proxies[variant])
-        await prime(proxies[variant])
+    async def ready(name: str, sim: str) -> None:
+        variant, door = split(name)
+        proxies[name] = await open_door(bench.stack, door, sim, *VARIANTS[variant][0])
+        await answering(proxies[name].url)
+        await prime(proxies[name].url)
 
     async with trio.open_nursery() as nursery:
-        for variant, sim in zip(variants, sims, strict=True):
-            nursery.start_soon(ready, variant, sim)
+        for name, sim in zip(names, sims, strict=True):
+            nursery.start_soon(ready, name, sim)
     return proxies
 
 
@@ -225,35 +237,61 @@ def targets(
     short: dict[str, dict[str, Any]],
     b: dict[str, dict[str, Any]],
 ) -> list[str]:
+    """Issue 32's (and 40's) targets, door by door (`A (epp): ...`)."""
     lines: list[str] = []
 
     def check(label: str, ok: bool) -> None:
         lines.append(f"{'PASS' if ok else 'FAIL'} {label}")
 
-    for part, summary, bound, bound_text in (
-        ("A", a, stream, f"one stream {stream:,.0f} ms"),
-        ("S", short, SHORT_P99_MS, f"{SHORT_P99_MS} ms"),
-    ):
-        if "sluice" in summary:
-            p99, x = (summary["sluice"]["beside"][k] for k in ("ttft_p99_ms", "x_alone"))
-            check(f"{part}: light TTFT p99 {p99:,.0f} ms <= {bound_text}", p99 <= bound)
-            check(f"{part}: light req/s beside heavy {x:.3f}x alone >= 0.7x", x >= 0.7)
-    if "sluice" in b:
-        share = b["sluice"]["light_of_fair"]
-        check(f"B: light {share:.0%} of its fair share >= 90%", share >= 0.9)
-        held, unheld = (b["sluice"]["hits"][k] for k in ("held", "unheld"))
-        h, u = (t[1] / t[0] if t[0] else float("nan") for t in (held, unheld))
-        check(f"C: held requests' hit rate {h:.3f} >= unheld ones' {u:.3f}", not h < u)
-    lost = sum(v["answers"]["lost"] for part in (a, short, b) for v in part.values())
-    check(f"every request answered 200 or 429 with Retry-After: {lost} lost", lost == 0)
+    for door in dict.fromkeys(split(name)[1] for part in (a, short, b) for name in part):
+        sluice = label("sluice", door)
+        for part, summary, bound, bound_text in (
+            ("A", a, stream, f"one stream {stream:,.0f} ms"),
+            ("S", short, SHORT_P99_MS, f"{SHORT_P99_MS} ms"),
+        ):
+            if sluice in summary:
+                p99, x = (summary[sluice]["beside"][k] for k in ("ttft_p99_ms", "x_alone"))
+                where = f"{part} ({door}): light"
+                check(f"{where} TTFT p99 {p99:,.0f} ms <= {bound_text}", p99 <= bound)
+                check(f"{where} req/s beside heavy {x:.3f}x alone >= 0.7x", x >= 0.7)
+        if sluice in b:
+            lines += _targets_b(door, b[sluice])
+        lost = sum(v["answers"]["lost"] for part in (a, short, b) for n, v in part.items()
+                   if split(n)[1] == door)  # fmt: skip
+        check(f"({door}) every request answered 200 or 429 with Retry-After: {lost} lost",
+              lost == 0)  # fmt: skip
     return lines
 
 
-HEADERS_A = ["variant", "requests", "TTFT p50", "TTFT p99", "e2e p50", "req/s", "alone req/s",
-             "x alone", "heavy req/s", "proxy CPU %", "200/429/lost"]  # fmt: skip
-HEADERS_B = ["variant", "offered/s", "dispatched/s", "asked", "dispatched", "light of fair",
-             "snapshot", "light TTFT p50", "light TTFT p99", "C: hit held / unheld", "429",
-             "proxy CPU %", "200/429/lost"]  # fmt: skip
+def _targets_b(door: str, entry: dict[str, Any]) -> list[str]:
+    """B and C for one door. Without server-timing (Envoy passes none from the picker) when
+    a request left the queue is unknown: B reads Sluice's own count, C cannot be told."""
+    if entry.get("timed", True):
+        share = entry["light_of_fair"]
+        held, unheld = (entry["hits"][k] for k in ("held", "unheld"))
+        h, u = (t[1] / t[0] if t[0] else float("nan") for t in (held, unheld))
+        return [
+            f"{_verdict(share >= 0.9)} B ({door}): light {share:.0%} of its fair share >= 90%",
+            f"{_verdict(not h < u)} C ({door}): held requests' hit rate {h:.3f} >= unheld "
+            f"ones' {u:.3f}",
+        ]
+    share = entry["snapshot_of_fair"] or float("nan")
+    return [
+        f"{_verdict(share >= 0.9)} B ({door}): light {share:.0%} of its fair share >= 90% by "
+        "Sluice's own count (no server-timing through Envoy)",
+        f"n/a C ({door}): no server-timing through Envoy: held or not unknown",
+    ]
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+HEADERS_A = ["variant", "requests", "TTFT p50", "TTFT p99", "e2e p50", "req/s",
+             "alone req/s", "x alone", "heavy req/s", "CPU %", "200/429/lost"]  # fmt: skip
+HEADERS_B = ["variant", "offered/s", "dispatched/s", "asked", "dispatched",
+             "light of fair", "snapshot", "light TTFT p50", "light TTFT p99",
+             "C: hit held / unheld", "429", "CPU %", "200/429/lost"]  # fmt: skip
 
 
 def _answers(entry: dict[str, Any]) -> str:
@@ -261,11 +299,11 @@ def _answers(entry: dict[str, Any]) -> str:
 
 
 def _rows_a(a: dict[str, dict[str, Any]]) -> list[list[Any]]:
-    return [
-        [v, p["requests"], *_ms(p["ttft_p50_ms"], p["ttft_p99_ms"], p["e2e_p50_ms"]), p["per_s"],
-         e["alone"]["per_s"], p["x_alone"], e["heavy_per_s"], _cpu(e), _answers(e)]
+    return side_by_side([
+        (*split(v), [p["requests"], *_ms(p["ttft_p50_ms"], p["ttft_p99_ms"], p["e2e_p50_ms"]),
+         p["per_s"], e["alone"]["per_s"], p["x_alone"], e["heavy_per_s"], _cpu(e), _answers(e)])
         for v, e in a.items() for p in [e["beside"]]
-    ]  # fmt: skip
+    ], 2)  # fmt: skip
 
 
 def tables(result: dict[str, Any]) -> list[Table]:
@@ -273,13 +311,13 @@ def tables(result: dict[str, Any]) -> list[Table]:
     sa, (under, over) = result["seconds_a"], result["phases_b"]
     light, heavy = (result["rates_b"][key][1] for key in KEYS)
     rows_a = _rows_a(a)
-    rows_b = [
-        [v, e["offered_per_s"], e["capacity_per_s"], _pair(e["asked"]), _pair(e["left"]),
-         e["light_of_fair"], e["snapshot_of_fair"], *_ms(e["light_ttft_p50_ms"],
+    rows_b = side_by_side([
+        (*split(v), [e["offered_per_s"], e["capacity_per_s"], _pair(e["asked"]),
+         _pair(e["left"]), e["light_of_fair"], e["snapshot_of_fair"], *_ms(e["light_ttft_p50_ms"],
          e["light_ttft_p99_ms"]), " / ".join(_rate(e["hits"][k]) for k in ("held", "unheld")),
-         _pair(e["refused"]), _cpu(e), _answers(e)]
+         _pair(e["refused"]), _cpu(e), _answers(e)])
         for v, e in b.items()
-    ]  # fmt: skip
+    ], 2)  # fmt: skip
     alone = [e["alone"]["ttft_p99_ms"] for e in a.values()]
     return [
         Table(
@@ -289,6 +327,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             f"({sa['alone']:g} s: TTFT p99 {max(alone):.0f} ms; one stream on the idle GPU, "
             f"median: {stream_ms(result['a']):,.0f} ms), {rounds} round(s) pooled; ms; x alone: "
             "req/s over alone's on the same lengths; "
+            + _doors_note(result["a"])
             + harness.targets_met(result["targets"], TARGETS),
             HEADERS_A,
             rows_a,
@@ -303,7 +342,7 @@ def tables(result: dict[str, Any]) -> list[Table]:
             "fair: what it got over its max-min fair share (snapshot: the proxy's own count); "
             "C: the GPU's prefix-hit rate (requests) of the requests held (server-timing queue "
             f"> 0) or not, sent after half the {LOADS[0]:g}x phase (warm caches; the unheld "
-            "mostly from that phase)",
+            "mostly from that phase)" + _untimed(b),
             HEADERS_B,
             rows_b,
             digits=2,
@@ -332,7 +371,25 @@ def _ms(*values: float) -> list[str]:
 
 
 def _cpu(entry: dict[str, Any]) -> str:
-    return f"{entry['cpu_share'] * 100:.1f}"
+    return " + ".join(f"{part * 100:.1f}" for part in entry.get("cpu_parts", [entry["cpu_share"]]))
+
+
+def _doors_note(rows: list[dict[str, Any]]) -> str:
+    """What `a | b` in a cell means, when the run went through both doors."""
+    through = {split(r["variant"])[1] for r in rows}
+    if through == {"epp"}:
+        return "through Envoy with Sluice as its endpoint picker (CPU %: Sluice + Envoy); "
+    if len(through) < 2:
+        return ""
+    return ("a | b: through Sluice's proxy | through Envoy with Sluice as its endpoint picker "
+            "(CPU %: Sluice + Envoy); ")  # fmt: skip
+
+
+def _untimed(b: dict[str, dict[str, Any]]) -> str:
+    if all(entry.get("timed", True) for entry in b.values()):
+        return ""
+    return ("; through the EPP no server-timing comes back through Envoy, so when a request "
+            "left the queue is unknown (dispatched, light of fair, C: n/a)")  # fmt: skip
 
 
 def _rate(tally: list[int]) -> str:
@@ -340,8 +397,8 @@ def _rate(tally: list[int]) -> str:
     return f"{tally[1] / tally[0]:.3f} ({tally[0]})" if tally[0] else "n/a"
 
 
-def _pair(counts: dict[str, int]) -> str:
-    return f"{counts['light']}/{counts['heavy']}"
+def _pair(counts: dict[str, int] | None) -> str:
+    return "n/a" if counts is None else f"{counts['light']}/{counts['heavy']}"
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
@@ -364,6 +421,12 @@ def options(parser: argparse.ArgumentParser) -> None:
         "--variants", default="sluice,fcfs", help=f"comma-separated of {','.join(VARIANTS)}"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--door",
+        choices=("proxy", "epp", "both"),
+        default="both",
+        help="through Sluice's proxy, Envoy with Sluice as its endpoint picker, or both",
+    )
 
 
 SCENARIO = Scenario(
