@@ -28,7 +28,7 @@ from app.epp import ext_proc
 from app.epp.grpc_server import MessageStream
 from app.epp.grpc_wire import GrpcError, StatusCode
 from app.epp.messages import FULL_DUPLEX_STREAMED, ProcessingRequest
-from app.fleet.backends import ANY_MODEL, Backend, BackendPool
+from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
 from app.http.errors import ClientError, ErrorAnswer
 from app.observe.metrics import Metrics
 from app.preprocess.endpoints import ENDPOINTS, Endpoint
@@ -40,8 +40,6 @@ from app.routing.usage import TAIL_BYTES, usage_from_tail
 
 log = logging.getLogger("sluice.epp")
 
-# 5xx answers that mean the backend, not the request, is in trouble.
-BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
 OTHER = Endpoint("other", "model", ())  # a request that is no inference: routed by load
 
 
@@ -140,7 +138,7 @@ class EndpointPicker:
         body_at = time.perf_counter()
         try:
             facts = await self._facts(state, endpoint, context, head, body)
-        except ClientError as exc:
+        except (ClientError, Refused) as exc:  # bad input; a subset with nothing eligible
             await self._refuse(stream, state, exc)
             return
         started = time.perf_counter()
@@ -201,7 +199,7 @@ class EndpointPicker:
         if allowed is not None:
             only = frozenset(b for b in self.pool.backends if b.endpoint in allowed)
             if not only:
-                raise _as_client_error(no_backend(facts.model))
+                raise no_backend(facts.model)
             facts.route.only = only
         return facts
 
@@ -273,7 +271,7 @@ class EndpointPicker:
                     status = int(_header(headers, b":status") or b"0")
                     state.answer.status, code = status, str(status)
                     answered = True
-                    if status in BACKEND_FAULT_STATUSES:
+                    if status in FAULT_STATUSES:
                         failure = f"answered {status}"
                     # What the proxy's answers carry too (the design's contract).
                     route = f"{self.decider.router.policy.name}:{decision.reason}"
@@ -349,16 +347,6 @@ def _find(backends: tuple[Backend, ...], endpoint: str) -> Backend | None:
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return next((value for key, value in headers if key == name), None)
-
-
-def _as_client_error(refusal: Refused) -> ClientError:
-    return ClientError(
-        refusal.message,
-        code=refusal.code,
-        status=refusal.status,
-        type_=refusal.type_,
-        headers=refusal.headers,
-    )
 
 
 async def _receive(stream: MessageStream) -> Any:

@@ -113,6 +113,8 @@ class Breaker:
 BREAKER_SEVERITY = {"closed": 0, "half-open": 1, "open": 2}
 # The breaker of callers that name no model (every model's requests count as one).
 ANY_MODEL = ""
+# 5xx answers that mean the backend, not the request, is in trouble: its breaker hears.
+FAULT_STATUSES = frozenset({500, 502, 503, 504})
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from functools import partial
 import trio
 
 from app.config import Settings
-from app.fleet.backends import ANY_MODEL, Backend, BackendPool
+from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
 from app.http.client import UpstreamPool
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
@@ -40,9 +40,6 @@ from app.routing.router import Router
 from app.routing.usage import usage_from_tail
 
 log = logging.getLogger("sluice.proxy")
-
-# 5xx answers that mean the backend, not the request, is in trouble.
-BACKEND_FAULT_STATUSES = frozenset({500, 502, 503, 504})
 
 
 @dataclass(slots=True, kw_only=True)
@@ -222,7 +219,7 @@ class Forwarder:
                     self.metrics.untidy_streams.labels(endpoint=opened.endpoint).inc()
                 broken = passage.broken_by
                 code = opened.code
-                if broken is None and int(code) in BACKEND_FAULT_STATUSES:
+                if broken is None and int(code) in FAULT_STATUSES:
                     broken = f"answered {code}"
                 model = ANY_MODEL
                 if context is not None and context.decision is not None:
