@@ -46,6 +46,9 @@ class Stream:
     async def send(self, message: bytes) -> None:
         await self._outbox.send(message)
 
+    def send_initial_metadata(self) -> None:
+        """Response headers are the transport's: nothing to prepare here."""
+
     async def put(self, request: Any) -> None:
         await self._to_picker.send(request.SerializeToString())
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.routing.block_index import BLOCK_SIZE, BlockIndex, block_hashes
+from app.routing.router import HASH_SLICE_TOKENS, block_hashes_in_slices
 
 
 def ids(*spec: tuple[int, int]) -> list[int]:
@@ -42,6 +43,12 @@ def test_arrays_lists_and_huge_ids_hash_alike_or_at_least_consistently() -> None
     huge = [2**40 + i for i in range(32)]
     assert block_hashes(huge) == block_hashes(list(huge))
     assert len(block_hashes(huge)) == 2
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1, BLOCK_SIZE, HASH_SLICE_TOKENS + 7])
+async def test_a_long_prompt_hashed_in_slices_hashes_as_whole(extra: int) -> None:
+    tokens = array("I", range(2 * HASH_SLICE_TOKENS + extra))
+    assert await block_hashes_in_slices(tokens) == block_hashes(tokens)
 
 
 # --- the index --------------------------------------------------------------------------------

@@ -233,14 +233,20 @@ class GrpcConnection:
         if call is None or self.ended:
             return 0
         h2 = self._h2
-        if not call.headers_sent:
-            h2.send_headers(stream_id, RESPONSE_HEADERS)
-            call.headers_sent = True
+        self.start_answer(stream_id)
         size = min(len(data), h2.local_flow_control_window(stream_id))
         frame_size = h2.max_outbound_frame_size
         for start in range(0, size, frame_size):
             h2.send_data(stream_id, bytes(data[start : min(start + frame_size, size)]))
         return size
+
+    def start_answer(self, stream_id: int) -> None:
+        """Queue the response headers now, to go out with the next bytes written (encoding
+        them costs more than the message they come before)."""
+        call = self._calls.get(stream_id)
+        if call is not None and not call.headers_sent and not self.ended:
+            self._h2.send_headers(stream_id, RESPONSE_HEADERS)
+            call.headers_sent = True
 
     def end_call(self, stream_id: int, code: StatusCode, message: str = "") -> None:
         """The handler is done: the status goes out (nothing if the call is already over)."""

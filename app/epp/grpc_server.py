@@ -63,6 +63,11 @@ class MessageStream(Protocol):
         """The request's headers as received, pseudo-headers (`:path`...) included."""
         ...
 
+    def send_initial_metadata(self) -> None:
+        """Prepare the response headers now, while waiting, rather than with the first
+        message; they are written with it."""
+        ...
+
 
 Handler = Callable[[MessageStream], Awaitable[None]]
 
@@ -89,6 +94,9 @@ class _Call:
 
     def wake(self) -> None:
         self._wakeup.wake()
+
+    def send_initial_metadata(self) -> None:
+        self._io.connection.start_answer(self.stream_id)
 
     async def receive(self) -> bytes | None:
         # No checkpoint when a message is already there: a handler that answers every

@@ -95,6 +95,7 @@ class EndpointPicker:
             raise GrpcError(
                 StatusCode.INVALID_ARGUMENT, "an ext_proc stream begins with request headers"
             )
+        stream.send_initial_metadata()  # while the body comes: the endpoint goes out sooner
         state = _Stream(
             headers=ext_proc.headers_of(first.request_headers),
             duplex=first.protocol_config.request_body_mode == FULL_DUPLEX_STREAMED,

@@ -28,13 +28,13 @@ model (the one it serves alone, in the usual fleet) is held under the backend's 
 which is where its engine's KV events land (`app/kv_events/index.py`: they carry no model, and
 events of LoRA adapters are not indexed).
 
-A chain of more than `RECORD_SLICE_BLOCKS` blocks (a prompt over 4,096 tokens) is not
+A chain of more than `RECORD_INLINE_BLOCKS` blocks (a prompt over 512 tokens) is not
 recorded while it is routed: it is queued, and `record_pending` records it a slice at a
-time, tail first, as the router's background task calls it between other work. Routing
-stays O(1) in the prompt's length on the loop: a 128k-token prompt's 8,000 blocks took
-~11 ms to record in one piece. Until its head is recorded a new long chain matches nothing,
-and a request for the same prefix in that window is placed the way its first was, by the
-hash of its first blocks.
+time, tail first, as the router's background task calls it between other work, once the
+request's endpoint is out. Routing stays O(1) in the prompt's length on the loop: a
+128k-token prompt's 8,000 blocks took ~11 ms to record in one piece. Until its head is
+recorded a new long chain matches nothing, and a request for the same prefix in that window
+is placed the way its first was, by the hash of its first blocks.
 
 Checked against reality (`feedback`): backends report how many prompt tokens their cache
 served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
@@ -65,6 +65,9 @@ PLACEMENT_BLOCKS = 8
 OUTCOMES = ("hit", "miss", "false-hit", "surprise-hit", "unreported")
 # Blocks recorded in one piece (~0.3 ms): a longer chain is recorded in slices of this many.
 RECORD_SLICE_BLOCKS = 256
+# A chain longer than this (~40 us to record) is recorded behind its request, not before its
+# endpoint goes out: recording a 4k-token prompt's 256 blocks was most of a decision's time.
+RECORD_INLINE_BLOCKS = 32
 
 
 def _backend_id(backend: Backend) -> str:
@@ -178,7 +181,7 @@ class CacheAware:
             reason = "new-prefix"
         holder = index_holder(backend, model)
         stamps = tuple(self.index.stamps(holder, hashes[:blocks]))
-        if len(hashes) <= RECORD_SLICE_BLOCKS:
+        if len(hashes) <= RECORD_INLINE_BLOCKS:
             self.index.record(holder, hashes)
         else:
             self._queue(_Pending(holder, hashes, len(hashes)))
