@@ -1,6 +1,6 @@
 """One HTTP/2 connection of the gRPC server, without I/O: bytes in, call events out.
 
-`h2` keeps the HTTP/2 state (frames, HPACK, stream states, flow-control windows); this
+http2.py keeps the HTTP/2 state (frames, HPACK, stream states, flow-control windows); this
 class turns its events into gRPC calls, the way h11 turns bytes into HTTP events: the
 caller feeds what the socket read (`receive_data`), acts on the events, and writes
 `data_to_send()`. grpc_server.py is that caller, on Trio streams; tests drive this alone.
@@ -27,21 +27,6 @@ from collections import deque
 from collections.abc import Container
 from typing import Literal
 
-from h2.config import H2Configuration
-from h2.connection import ConnectionState, H2Connection
-from h2.errors import ErrorCodes
-from h2.events import (
-    ConnectionTerminated,
-    DataReceived,
-    RemoteSettingsChanged,
-    RequestReceived,
-    StreamEnded,
-    StreamReset,
-    WindowUpdated,
-)
-from h2.exceptions import ProtocolError
-from h2.settings import SettingCodes, Settings
-
 from app.epp.grpc_events import (
     CallClosed,
     CallReadable,
@@ -55,7 +40,6 @@ from app.epp.grpc_wire import (
     DEFAULT_LIMITS,
     RESPONSE_HEADERS,
     GrpcError,
-    Headers,
     Limits,
     MessageReader,
     StatusCode,
@@ -63,9 +47,21 @@ from app.epp.grpc_wire import (
     trailers,
     trailers_only,
 )
+from app.epp.http2 import (
+    ConnectionTerminated,
+    DataReceived,
+    LocalSettings,
+    RequestReceived,
+    ServerConnection,
+    StreamEnded,
+    StreamReset,
+    WindowUpdated,
+)
+from app.epp.http2_frames import ErrorCode, encode_headers
 
-# The window every HTTP/2 connection starts with (RFC 9113 6.9.2), before we widen it.
-_INITIAL_CONNECTION_WINDOW = 65_535
+# Response headers are the same for every call: encoded once (http2_frames.py never indexes).
+_RESPONSE_HEADERS = encode_headers(RESPONSE_HEADERS)
+_OK_TRAILERS = encode_headers(trailers(StatusCode.OK))
 
 
 class _Call:
@@ -86,29 +82,14 @@ class GrpcConnection:
         self.limits = limits
         self.ended = False
         self._calls: dict[int, _Call] = {}
-        config = H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            # What we send is built here from constants; checking it again costs CPU only.
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
+        self._h2 = ServerConnection(
+            LocalSettings(
+                max_concurrent_streams=limits.max_concurrent_streams,
+                stream_window=limits.stream_window,
+                connection_window=limits.connection_window,
+                max_header_list_bytes=limits.max_header_list_bytes,
+            )
         )
-        self._h2 = h2 = H2Connection(config)
-        # Enforced at once while the peer has not yet seen our SETTINGS: effectively none,
-        # so a burst of streams sent before our SETTINGS arrive is not a protocol error.
-        # The real cap follows in a second SETTINGS frame, enforced once acknowledged.
-        h2.local_settings = Settings(
-            client=False,
-            initial_values={
-                SettingCodes.MAX_CONCURRENT_STREAMS: 2**31 - 1,
-                SettingCodes.INITIAL_WINDOW_SIZE: limits.stream_window,
-                SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_bytes,
-            },
-        )
-        h2.initiate_connection()
-        h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
-        if limits.connection_window > _INITIAL_CONNECTION_WINDOW:
-            h2.increment_flow_control_window(limits.connection_window - _INITIAL_CONNECTION_WINDOW)
 
     def data_to_send(self) -> bytes:
         return self._h2.data_to_send()
@@ -118,15 +99,7 @@ class GrpcConnection:
         (SETTINGS, PING) queue their answers in `data_to_send()`."""
         if self.ended:
             return []
-        try:
-            h2_events = self._h2.receive_data(data)
-        except ProtocolError:
-            # h2 has queued a GOAWAY with the error's code, unless the bytes were not even
-            # HTTP/2's preface: then we say it.
-            if self._h2.state_machine.state is not ConnectionState.CLOSED:
-                self._h2.close_connection(ErrorCodes.PROTOCOL_ERROR)
-            self.ended = True
-            return [ConnectionEnded(error=True)]
+        h2_events = self._h2.receive_data(data)
         events: list[Event] = []
         window_opened = False
         for event in h2_events:
@@ -139,21 +112,19 @@ class GrpcConnection:
             elif isinstance(event, StreamReset):
                 if self._forget(event.stream_id) is not None:
                     events.append(CallClosed(event.stream_id))
-            elif isinstance(event, WindowUpdated | RemoteSettingsChanged):
+            elif isinstance(event, WindowUpdated):
                 window_opened = True
             elif isinstance(event, ConnectionTerminated):
-                # h2 sends nothing after the peer's GOAWAY, not even on open streams.
+                # Nothing is sent after a GOAWAY, not even on open streams.
                 self.ended = True
-                events.append(ConnectionEnded(error=False))
+                events.append(ConnectionEnded(error=event.error))
                 return events
         if window_opened:
             events.append(WindowOpened())
         return events
 
     def _start(self, event: RequestReceived, events: list[Event]) -> None:
-        stream_id = event.stream_id
-        assert stream_id is not None
-        headers: Headers = list(event.headers or ())
+        stream_id, headers = event.stream_id, event.headers
         try:
             head = read_call_head(headers)
             if head.path not in self.paths:
@@ -161,7 +132,7 @@ class GrpcConnection:
         except GrpcError as error:
             if self._still_open(stream_id):
                 answer = trailers_only(error.code, error.message, error.http_status)
-                self._h2.send_headers(stream_id, answer, end_stream=True)
+                self._h2.send_headers(stream_id, encode_headers(answer), end_stream=True)
                 self._stop_request(stream_id)
             return
         # A request that ends here also comes as StreamEnded, which half-closes the call.
@@ -169,17 +140,16 @@ class GrpcConnection:
         events.append(CallStarted(stream_id, head.path, headers, head.timeout))
 
     def _receive_message_bytes(self, event: DataReceived, events: list[Event]) -> None:
-        stream_id, size = event.stream_id, event.flow_controlled_length or 0
-        assert stream_id is not None
+        stream_id, size = event.stream_id, event.flow_controlled_length
         call = self._calls.get(stream_id)
         if call is None:
             # A call we already ended: its bytes still count against the connection window.
-            self._h2.acknowledge_received_data(size, stream_id)
+            self._h2.acknowledge(size, stream_id)
             return
         try:
-            messages = call.reader.feed(event.data or b"")
+            messages = call.reader.feed(event.data)
         except GrpcError as error:
-            self._h2.acknowledge_received_data(size, stream_id)
+            self._h2.acknowledge(size, stream_id)
             self._end(stream_id, call, error.code, error.message)
             events.append(CallClosed(stream_id))
             return
@@ -193,7 +163,7 @@ class GrpcConnection:
 
     def _acknowledge(self, stream_id: int, call: _Call) -> None:
         if call.unacked >= self.limits.ack_batch:
-            self._h2.acknowledge_received_data(call.unacked, stream_id)
+            self._h2.acknowledge(call.unacked, stream_id)
             call.unacked = 0
 
     def _half_close(self, stream_id: int, events: list[Event]) -> None:
@@ -232,20 +202,15 @@ class GrpcConnection:
         call = self._calls.get(stream_id)
         if call is None or self.ended:
             return 0
-        h2 = self._h2
         self.start_answer(stream_id)
-        size = min(len(data), h2.local_flow_control_window(stream_id))
-        frame_size = h2.max_outbound_frame_size
-        for start in range(0, size, frame_size):
-            h2.send_data(stream_id, bytes(data[start : min(start + frame_size, size)]))
-        return size
+        return self._h2.send_data(stream_id, data)
 
     def start_answer(self, stream_id: int) -> None:
         """Queue the response headers now, to go out with the next bytes written (encoding
         them costs more than the message they come before)."""
         call = self._calls.get(stream_id)
         if call is not None and not call.headers_sent and not self.ended:
-            self._h2.send_headers(stream_id, RESPONSE_HEADERS)
+            self._h2.send_headers(stream_id, _RESPONSE_HEADERS)
             call.headers_sent = True
 
     def end_call(self, stream_id: int, code: StatusCode, message: str = "") -> None:
@@ -258,7 +223,7 @@ class GrpcConnection:
         """The call, no more ours; its unacknowledged bytes given back to the connection."""
         call = self._calls.pop(stream_id, None)
         if call is not None and call.unacked and not self.ended:
-            self._h2.acknowledge_received_data(call.unacked, stream_id)
+            self._h2.acknowledge(call.unacked, stream_id)
             call.unacked = 0
         return call
 
@@ -266,19 +231,22 @@ class GrpcConnection:
         self._forget(stream_id)
         if not self._still_open(stream_id):
             return
-        fields = trailers(code, message) if call.headers_sent else trailers_only(code, message)
-        self._h2.send_headers(stream_id, fields, end_stream=True)
+        if not call.headers_sent:
+            block = encode_headers(trailers_only(code, message))
+        elif code == StatusCode.OK and not message:
+            block = _OK_TRAILERS
+        else:
+            block = encode_headers(trailers(code, message))
+        self._h2.send_headers(stream_id, block, end_stream=True)
         self._stop_request(stream_id)
 
     def _still_open(self, stream_id: int) -> bool:
-        """Whether h2 may still send on the stream. Asked of h2, not of our calls: while we
-        read the events of some bytes, h2 has already read them all, and an END_STREAM or a
-        RST_STREAM later in the same bytes has already changed the stream's state."""
-        stream = self._h2.streams.get(stream_id)
-        return stream is not None and not stream.closed
+        """Whether we may still send on the stream. Asked of the HTTP/2 state, not of our
+        calls: while we read the events of some bytes, it has already read them all, and a
+        RST_STREAM later in the same bytes has already closed the stream."""
+        return self._h2.may_send(stream_id)
 
     def _stop_request(self, stream_id: int) -> None:
         """After a complete answer, RFC 9113 8.1 lets a server tell the client, with
         NO_ERROR, to stop sending the rest of its request (if it has not ended it)."""
-        if self._still_open(stream_id):
-            self._h2.reset_stream(stream_id, ErrorCodes.NO_ERROR)
+        self._h2.reset(stream_id, ErrorCode.NO_ERROR)
