@@ -6,7 +6,9 @@ equal to the GPU's own after ids), a shared prefix kept on one GPU, bad input re
 proxy refuses it, a held request answered once room comes, and the failure modes: the picker
 gone with `failure_mode_allow` true (answered, balanced plainly) and false (a clean 5xx); a
 GPU killed while it holds a non-streamed request (Envoy retries it on the picker's fallback);
-a stream cut mid-answer (the client sees an incomplete answer, never a clean end).
+a stream cut mid-answer (the client sees an incomplete answer, never a clean end); the
+picker stopping (SIGTERM) while it follows a stream: the stream ends whole, then Envoy
+counts the picker out.
 """
 
 from __future__ import annotations
@@ -219,3 +221,25 @@ async def test_a_stream_cut_mid_answer_does_not_look_finished(
                 async for piece in answer.aiter_text():
                     text += piece
     assert "[DONE]" not in text
+
+
+async def test_a_picker_stopping_finishes_the_streams_it_began(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # Slow enough that the picker is told to stop well before the answer ends.
+    sims = [await start_sim(inter_token_latency=0.02)]
+    running = await start_sluice([sims[0].url], epp_port=0, shutdown_grace=30.0)
+    async with envoy_running(spec(sims, running), tmp_path) as envoy:
+        body = chat("Tell me a story.", max_tokens=40, stream=True)
+        text = ""
+        async with client.stream("POST", envoy.url + CHAT, json=body) as answer:
+            async for piece in answer.aiter_text():
+                if not text:
+                    running.sluice.shutdown.set()  # SIGTERM's doing: GOAWAY, then drain
+                text += piece
+        assert answer.status_code == 200
+        assert text.rstrip().endswith("data: [DONE]")
+        # Then it is gone, and Envoy (failure_mode_allow false) answers a clean 5xx.
+        await wait_until(envoy.epp_is_down, timeout=30)
+        late = await client.post(envoy.url + CHAT, json=chat(max_tokens=2))
+        assert late.status_code >= 500

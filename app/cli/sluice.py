@@ -22,7 +22,7 @@ from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.serving import serve_dashboard
-from app.epp.door import serve_epp
+from app.epp.door import EppDoor
 from app.epp.processor import EndpointPicker
 from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
@@ -272,6 +272,7 @@ class Sluice:
                 proxy_url = await servers.start(
                     server.serve, settings.host, settings.port, settings.backlog
                 )
+                epp: EppDoor | None = None
                 if settings.epp_port is not None:
                     picker = EndpointPicker(
                         self.reception,
@@ -280,9 +281,8 @@ class Sluice:
                         self.metrics,
                         settings.max_body_bytes,
                     )
-                    self.epp_port = await servers.start(
-                        serve_epp, picker, self.pool, settings.host, settings.epp_port
-                    )
+                    epp = EppDoor(picker, self.pool)
+                    self.epp_port = await servers.start(epp.serve, settings.host, settings.epp_port)
                     # Printed as the URLs are: what a script (and `python -m load`) reads back.
                     print(f"Sluice endpoint picker: {settings.host}:{self.epp_port}", flush=True)
                 # Everything loaded so far (modules, the tokenizer's tables, the template) lives
@@ -292,8 +292,12 @@ class Sluice:
                 task_status.started((proxy_url, dashboard_url))
                 await self.shutdown.wait()
                 server.close()
+                if epp is not None:
+                    epp.close()
                 with trio.move_on_after(settings.shutdown_grace):
                     await server.wait_idle()
+                    if epp is not None:
+                        await epp.wait_idle()
                 servers.cancel_scope.cancel()
             await upstream.aclose()
             await client.aclose()

@@ -205,6 +205,10 @@ class GrpcConnection:
         self.start_answer(stream_id)
         return self._h2.send_data(stream_id, data)
 
+    def go_away(self) -> None:
+        """The server is stopping: the calls begun are served, no new one."""
+        self._h2.go_away()
+
     def start_answer(self, stream_id: int) -> None:
         """Queue the response headers now, to go out with the next bytes written (encoding
         them costs more than the message they come before)."""

@@ -162,6 +162,19 @@ class _Connection:
         self._write_wanted = Wakeup()
         self._written = trio.lowlevel.ParkingLot()
         self._writer_gone = False
+        self._reading = trio.CancelScope()
+        self.draining = False
+
+    def drain(self) -> None:
+        """GOAWAY: the calls begun are served to their end; then the connection closes."""
+        self.draining = True
+        self.connection.go_away()
+        self.queue_output()
+        self._close_if_drained()
+
+    def _close_if_drained(self) -> None:
+        if self.draining and not self.calls:
+            self._reading.cancel()
 
     def queue_output(self) -> None:
         """Take what h2 queued into our buffer, and have the writer write it."""
@@ -200,7 +213,8 @@ class _Connection:
         async with trio.open_nursery() as nursery:
             self.nursery = nursery
             nursery.start_soon(self._write)
-            await self._read()
+            with self._reading:
+                await self._read()
             # A GOAWAY we owe the peer goes out if it can within CLOSE_GRACE.
             self.queue_output()
             with trio.move_on_after(CLOSE_GRACE):
@@ -228,6 +242,7 @@ class _Connection:
                         call.closed = True
                         call.scope.cancel()
                         call.wake()
+                        self._close_if_drained()
                 elif isinstance(event, WindowOpened):
                     self.window_opened.unpark_all()
                 # ConnectionEnded: `connection.ended` ends this loop.
@@ -254,6 +269,7 @@ class _Connection:
         self.calls.pop(call.stream_id, None)
         self.connection.end_call(call.stream_id, code, message)
         self.queue_output()
+        self._close_if_drained()
 
 
 async def serve_connection(
@@ -261,13 +277,63 @@ async def serve_connection(
 ) -> None:
     """Serve one HTTP/2 connection until the peer leaves, breaks the protocol or says
     GOAWAY; then close `stream`. Calls still running are cancelled."""
-    try:
-        await _Connection(stream, handlers, limits).serve()
-    except Exception:
-        # A bug of ours, not the peer's: it costs this connection only.
-        log.exception("gRPC connection failed")
-    finally:
-        await trio.aclose_forcefully(stream)
+    await GrpcServer(handlers, limits).serve_stream(stream)
+
+
+class GrpcServer:
+    """The connections of one listener, and their graceful end: `close` stops accepting
+    and sends every connection GOAWAY (its calls run on), `wait_idle` waits for the last."""
+
+    def __init__(self, handlers: Mapping[str, Handler], limits: Limits = DEFAULT_LIMITS) -> None:
+        self.handlers = handlers
+        self.limits = limits
+        self.closing = False
+        self._connections: set[_Connection] = set()
+        self._listening = trio.CancelScope()
+        self._idle = trio.lowlevel.ParkingLot()
+
+    async def serve(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on `host`:`port` (0: a free port), report the port bound, serve each
+        connection in its own task until cancelled, or until closed and idle."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        if port == 0:
+            # Each address would get a port of its own: keep the first, so there is one port.
+            for extra in listeners[1:]:
+                await extra.aclose()
+            listeners = listeners[:1]
+        bound: int = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            task_status.started(bound)
+            with self._listening:
+                await trio.serve_listeners(self.serve_stream, listeners, handler_nursery=nursery)
+
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        connection = _Connection(stream, self.handlers, self.limits)
+        self._connections.add(connection)
+        if self.closing:
+            connection.drain()
+        try:
+            await connection.serve()
+        except Exception:
+            # A bug of ours, not the peer's: it costs this connection only.
+            log.exception("gRPC connection failed")
+        finally:
+            self._connections.discard(connection)
+            if not self._connections:
+                self._idle.unpark_all()
+            await trio.aclose_forcefully(stream)
+
+    def close(self) -> None:
+        self.closing = True
+        self._listening.cancel()
+        for connection in self._connections:
+            connection.drain()
+
+    async def wait_idle(self) -> None:
+        while self._connections:
+            await self._idle.park()
 
 
 async def serve_grpc(
@@ -278,19 +344,5 @@ async def serve_grpc(
     limits: Limits = DEFAULT_LIMITS,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Listen on `host`:`port` (0: a free port), report the port bound, serve each
-    connection in its own task until cancelled. `handlers`: method path -> handler."""
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    if port == 0:
-        # Each address would get a port of its own: keep the first, so there is one port.
-        for extra in listeners[1:]:
-            await extra.aclose()
-        listeners = listeners[:1]
-    bound: int = listeners[0].socket.getsockname()[1]
-
-    async def serve_one(stream: trio.SocketStream) -> None:
-        await serve_connection(stream, handlers, limits)
-
-    async with trio.open_nursery() as nursery:
-        task_status.started(bound)
-        await trio.serve_listeners(serve_one, listeners, handler_nursery=nursery)
+    """`GrpcServer(handlers, limits).serve(host, port)`, for a server never closed."""
+    await GrpcServer(handlers, limits).serve(host, port, task_status=task_status)

@@ -23,7 +23,8 @@ Design rules:
    the connection here, since nobody reads them. Outbound: `send_data` sends what both
    the peer's windows allow and says how much; `WindowUpdated` says when more may fit.
 5. The stream cap we advertise is enforced once the peer has acknowledged our SETTINGS:
-   streams it opened before it knew the cap are let in.
+   streams it opened before it knew the cap are let in. After our GOAWAY (`go_away`, a
+   server stopping) every new stream is refused.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class ServerConnection:
         self._preface_read = False
         self._peer_settings_read = False  # the peer's preface ends with its SETTINGS
         self._settings_acked = False
+        self._going_away = False
         self._decoder = Decoder(max_header_list_size=local.max_header_list_bytes)
         self._block: _HeaderBlock | None = None
         self._inbound_window = local.connection_window
@@ -306,7 +308,8 @@ class ServerConnection:
         if stream_id % 2 == 0:
             raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a client opens odd streams")
         self._last_stream_id = stream_id
-        if self._settings_acked and len(self._streams) >= self.local.max_concurrent_streams:
+        full = self._settings_acked and len(self._streams) >= self.local.max_concurrent_streams
+        if full or self._going_away:
             self._outbound += rst_stream(stream_id, ErrorCode.REFUSED_STREAM)
             return
         stream = _Stream(self.local.stream_window, self._peer_stream_window)
@@ -465,6 +468,13 @@ class ServerConnection:
     def reset(self, stream_id: int, code: ErrorCode) -> None:
         if self._streams.pop(stream_id, None) is not None and not self.closed:
             self._outbound += rst_stream(stream_id, code)
+
+    def go_away(self) -> None:
+        """GOAWAY without an error: the streams opened so far are served to their end,
+        newer ones refused (the peer sends them on another connection)."""
+        if not self.closed and not self._going_away:
+            self._outbound += goaway(self._last_stream_id, ErrorCode.NO_ERROR)
+            self._going_away = True
 
     def close(self, code: ErrorCode = ErrorCode.NO_ERROR) -> None:
         """GOAWAY: no stream after the last we read will be served."""
