@@ -17,7 +17,8 @@ HEAVY_X times `light`'s share of the steady traffic, the bursts and the connecti
 `light` the rest of the steady traffic, the long streams and the conversations. Past the
 GPUs' capacity Sluice holds requests and sheds some with 429 and Retry-After: an answer, not
 a loss (issue 32: "nothing lost"). `--sim-arg` passes flags to the simulated backends (a
-small `--max-num-seqs` makes a capacity the machine's CPUs can offer twice over).
+small `--max-num-seqs` makes a capacity the machine's CPUs can offer twice over). `--door
+epp` sends it all through a real Envoy asking Sluice as its endpoint picker (load/doors.py).
 
 `/health` is polled every 5 ms. Every minute a line: requests, errors by kind (expected
 ones, 429s with Retry-After, 4xx for bad input, 502/503 while a backend was down, fast 503s
@@ -45,11 +46,13 @@ from app.cli import command
 from app.sim.settings import SimSettings
 from load import drive, processes
 from load.client import FAILURES, Pool, Prepared, call, encode
+from load.doors import DOORS, open_door
 from load.drive import Record, send
+from load.envoy_stack import epp_address
 from load.harness import label_values, metric, parse_metrics
 from load.processes import Stack
 from load.soak_inputs import BadInput, catalog
-from load.soak_report import Minute, print_minute, verdict
+from load.soak_report import Minute, Windows, excuse, print_minute, verdict
 from load.workloads import Request, Workload, completion, workload
 
 DOWN_GRACE_S = 10.0  # after a restart: health check interval (3 s) + breaker cooldown slack
@@ -70,27 +73,6 @@ HEALTH_EVERY_S = 0.005
 REQUEST_TIMEOUT_S = 120.0
 STALLS = "sluice_event_loop_stalls_total"
 CACHES = "sluice_tokenizer_cache"
-EXPECTED_WHEN_DOWN = {"http_502", "http_503", "http_504", "stream_broken", "no_done"}
-Windows = list[list[float]]  # [start, end] times, s from the soak's start
-
-
-def excuse(record: Record, down: Windows, shedding: Windows) -> str | None:
-    """Why a failed request is not lost to Sluice (a refusal that says when to come back, a
-    backend that was down, a connection burst over --max-connections), or None: it was."""
-    kind = record.error or "unknown"
-    end = record.start + (record.e2e or 0.0)
-    told_when = record.retry_after is not None
-    if kind == "http_429" and told_when:
-        return "429_retry_after"
-    if kind in EXPECTED_WHEN_DOWN and _within(down, record.start, end):
-        return f"backend_down:{kind}"
-    if kind == "http_503" and told_when and _within(shedding, record.start, end):
-        return "shed_503"
-    return None
-
-
-def _within(windows: Windows, start: float, end: float) -> bool:
-    return any(start <= w[1] and end >= w[0] for w in windows)
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -114,7 +96,9 @@ class Soak:
         sim_flags: list[str],
         rate: float,
         load: float | None,
+        door: str = "proxy",
     ) -> None:
+        self.door = door
         self.proxy_flags = proxy_flags
         self.sim_flags = [*SIM_FLAGS, *sim_flags]
         self.seqs = sim_settings(self.sim_flags).max_num_seqs
@@ -126,7 +110,8 @@ class Soak:
         self.stack = Stack()
         self.backends: list[str] = []
         self.backend_procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.proxy_url = ""
+        self.proxy_url = ""  # Sluice's own: /metrics, /health
+        self.door_url = ""  # where the clients send: Sluice's proxy, or Envoy asking Sluice
         self.proxy: subprocess.Popen[bytes] | None = None
         self.proxy_args: list[str] = []
         self.crashes: list[str] = []
@@ -189,10 +174,14 @@ class Soak:
             url = await self.stack.sim(*self.sim_flags)
             self.backends.append(url)
             self.backend_procs[url] = self.stack.processes[-1]
-        self.proxy_url = await self.stack.proxy(self.backends, *self.proxy_flags)
-        self.proxy = self.stack.processes[-1]
+        door = await open_door(self.stack, self.door, self.backends, *self.proxy_flags)
+        self.door_url, self.proxy_url = door.url, door.sluice
+        self.proxy = next(p for p in self.stack.processes if p.pid == door.pids[0])
         port = self.proxy_url.rsplit(":", 1)[1]
         self.proxy_args = [*self.proxy_flags, "--port", port]
+        if self.door == "epp":  # restarted, the picker is where Envoy looks for it
+            picker = await epp_address(self.stack, self.proxy_url)
+            self.proxy_args += ["--epp-port", picker.rsplit(":", 1)[1]]
 
     async def watch_proxy(self) -> None:
         """A dead proxy is a crash: keep its log, restart it on its port."""
@@ -343,7 +332,7 @@ class Soak:
             window = [self.now(), float("inf")]
             self.shedding.append(window)
             heavy = bearer("heavy")
-            async with Pool(self.proxy_url, heavy, timeout=REQUEST_TIMEOUT_S) as burst:
+            async with Pool(self.door_url, heavy, timeout=REQUEST_TIMEOUT_S) as burst:
                 await self.at_once(burst, "heavy", [request] * CONNECTION_BURST, True)
             window[1] = self.now()
             await trio.sleep(CONNECTION_BURST_EVERY_S)
@@ -351,7 +340,7 @@ class Soak:
     async def malformed(self) -> None:
         inputs = catalog()
         index = 0
-        async with Pool(self.proxy_url, timeout=REQUEST_TIMEOUT_S) as pool:
+        async with Pool(self.door_url, timeout=REQUEST_TIMEOUT_S) as pool:
             while True:
                 await trio.sleep(MALFORMED_EVERY_S)
                 bad = inputs[index % len(inputs)]
@@ -425,15 +414,15 @@ class Soak:
     async def run(self) -> None:
         async with self.stack:
             await self.start_stack()
-            print(f"proxy {self.proxy_url}, backends {', '.join(self.backends)}", flush=True)
+            print(f"{self.door} {self.door_url}, backends {', '.join(self.backends)}", flush=True)
             await self.set_rate()
             self.start = time.perf_counter()
             self.trio_start = trio.current_time()
             # No limit on requests in flight: they wait at the proxy (held, or refused), not
             # in the client, so what Sluice holds and sheds is all the clients sent.
             async with (
-                Pool(self.proxy_url, bearer("heavy"), timeout=REQUEST_TIMEOUT_S) as heavy,
-                Pool(self.proxy_url, bearer("light"), timeout=REQUEST_TIMEOUT_S) as light,
+                Pool(self.door_url, bearer("heavy"), timeout=REQUEST_TIMEOUT_S) as heavy,
+                Pool(self.door_url, bearer("light"), timeout=REQUEST_TIMEOUT_S) as light,
                 trio.open_nursery() as nursery,
             ):
                 self.pools = {"heavy": heavy, "light": light}
@@ -458,6 +447,9 @@ class Soak:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--door", choices=DOORS, default="proxy", help="proxy, or Envoy asking Sluice (epp)"
+    )
     parser.add_argument(
         "--proxy-arg", action="append", default=[], help="extra flag for `sluice serve`"
     )
@@ -484,6 +476,8 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("soak: --minutes must be at least 1")
     if args.rate <= 0 or (args.load is not None and args.load <= 0):
         raise SystemExit("soak: --rate and --load must be above 0")
-    soak = Soak(args.minutes, args.seed, args.proxy_arg, args.sim_arg, args.rate, args.load)
+    soak = Soak(
+        args.minutes, args.seed, args.proxy_arg, args.sim_arg, args.rate, args.load, args.door
+    )
     trio.run(soak.run)
     raise SystemExit(0 if verdict(soak.done, soak.crashes, soak.lost_examples) else 1)

@@ -1,9 +1,34 @@
-"""The soak's report: what one minute counted, its line, and the verdict at the end."""
+"""The soak's report: which failures are not Sluice's, what one minute counted, its line,
+and the verdict at the end."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+from load.drive import Record
+
+EXPECTED_WHEN_DOWN = {"http_502", "http_503", "http_504", "stream_broken", "no_done"}
+Windows = list[list[float]]  # [start, end] times, s from the soak's start
+
+
+def excuse(record: Record, down: Windows, shedding: Windows) -> str | None:
+    """Why a failed request is not lost to Sluice (a refusal that says when to come back, a
+    backend that was down, a connection burst over --max-connections), or None: it was."""
+    kind = record.error or "unknown"
+    end = record.start + (record.e2e or 0.0)
+    told_when = record.retry_after is not None
+    if kind == "http_429" and told_when:
+        return "429_retry_after"
+    if kind in EXPECTED_WHEN_DOWN and _within(down, record.start, end):
+        return f"backend_down:{kind}"
+    if kind == "http_503" and told_when and _within(shedding, record.start, end):
+        return "shed_503"
+    return None
+
+
+def _within(windows: Windows, start: float, end: float) -> bool:
+    return any(start <= w[1] and end >= w[0] for w in windows)
 
 
 @dataclass
