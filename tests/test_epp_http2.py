@@ -140,6 +140,19 @@ def test_sends_stop_at_the_peer_window_and_frames_keep_its_size() -> None:
     assert server.send_data(1, b"y" * 50) == 50
 
 
+def test_a_new_header_table_size_is_answered_with_a_size_update() -> None:
+    peer = client(HEADER_TABLE_SIZE=256)
+    server = ServerConnection(LOCAL)
+    carry(peer, server)
+    peer.send_headers(1, REQUEST)
+    carry(peer, server)
+    server.send_headers(1, encode_headers([(b":status", b"200")]))
+    out = server.data_to_send()
+    assert out[9:10] == b"\x20"  # the block opens with the update
+    (response,) = peer.receive_data(out)
+    assert dict(response.headers)[b":status"] == b"200"
+
+
 def test_a_long_header_block_is_cut_into_continuations() -> None:
     peer, server = opened()
     peer.send_headers(1, REQUEST)

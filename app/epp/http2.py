@@ -41,6 +41,7 @@ from app.epp.http2_frames import (
     LARGEST_MAX_FRAME,
     LARGEST_WINDOW,
     PREFACE,
+    TABLE_SIZE_ZERO,
     ConnectionError_,
     ErrorCode,
     Flag,
@@ -138,6 +139,7 @@ class ServerConnection:
         self._peer_settings_read = False  # the peer's preface ends with its SETTINGS
         self._settings_acked = False
         self._going_away = False
+        self._table_size_owed = False  # the peer set HEADER_TABLE_SIZE: say ours is 0
         self._decoder = Decoder(max_header_list_size=local.max_header_list_bytes)
         self._block: _HeaderBlock | None = None
         self._inbound_window = local.connection_window
@@ -382,6 +384,8 @@ class ServerConnection:
                 if not DEFAULT_MAX_FRAME <= value <= LARGEST_MAX_FRAME:
                     raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a bad MAX_FRAME_SIZE")
                 self._peer_max_frame = value
+            elif key == Setting.HEADER_TABLE_SIZE:
+                self._table_size_owed = True
             elif key == Setting.ENABLE_PUSH and value > 1:
                 raise ConnectionError_(ErrorCode.PROTOCOL_ERROR, "a bad ENABLE_PUSH")
         self._outbound += frame(FrameType.SETTINGS, Flag.ACK, 0, b"")
@@ -438,6 +442,11 @@ class ServerConnection:
         """An encoded header block (http2_frames.encode_headers), cut to the peer's frame
         size; with `end_stream` our side of the stream is over."""
         stream = self._streams[stream_id]
+        if self._table_size_owed:
+            # RFC 7541 4.2: a block after the peer's new HEADER_TABLE_SIZE begins with a
+            # table size update; ours is 0 whatever the peer allows, since we never index.
+            block = TABLE_SIZE_ZERO + block
+            self._table_size_owed = False
         step = self._peer_max_frame
         flags = Flag.END_STREAM if end_stream else 0
         kind = FrameType.HEADERS

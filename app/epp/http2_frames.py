@@ -20,6 +20,7 @@ DEFAULT_MAX_FRAME = 16_384  # what either side may send until told otherwise
 LARGEST_MAX_FRAME = (1 << 24) - 1
 LARGEST_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65_535  # a stream's and the connection's window until widened
+TABLE_SIZE_ZERO = b"\x20"  # HPACK's dynamic table size update to 0 (RFC 7541 6.3)
 
 
 class FrameType(enum.IntEnum):
