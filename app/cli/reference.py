@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,6 +32,7 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from app.budgets.shared import SharedBudgets
 from app.budgets.sync import BudgetCollector, BudgetSync
@@ -193,17 +194,14 @@ def commands_help() -> dict[str, str]:
 # --- metrics -------------------------------------------------------------------------------
 
 
-class _Families:
-    """Metric families already made (the supervisor's, parsed from its merged text)."""
+class _Parsed(Collector):
+    """Metric families read from an exposition's text (the supervisor's merged one)."""
 
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
+    def __init__(self, text: str) -> None:
+        self.families = list(text_string_to_metric_families(text))
 
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._families
+    def collect(self) -> Iterable[Metric]:
+        return self.families
 
 
 def exported_registry() -> CollectorRegistry:
@@ -214,8 +212,7 @@ def exported_registry() -> CollectorRegistry:
     registry.register(BudgetCollector(BudgetSync(SharedBudgets(0), "redis://127.0.0.1")))
     registry.register(KvEventCollector(dict))
     registry.register(ExportCollector(dict, dict))
-    merged = merge_worker_metrics({}, {0: True}, {0: 0}).decode()
-    registry.register(_Families(list(text_string_to_metric_families(merged))))
+    registry.register(_Parsed(merge_worker_metrics({}, {0: True}, {0: 0}).decode()))
     return registry
 
 
