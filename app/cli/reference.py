@@ -118,10 +118,14 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 # --- flags ---------------------------------------------------------------------------------
 
 
-def subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = build_parser()
-    (choices,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(choices.choices)
+def subcommands() -> dict[str, tuple[str, argparse.ArgumentParser]]:
+    """Every `sluice` subcommand: what it does, in a line, and its parser."""
+    (action,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    said = {choice.dest: str(choice.help) for choice in action._choices_actions}
+    return {
+        name: ((parser.description or said[name]).rstrip("."), parser)
+        for name, parser in action.choices.items()
+    }
 
 
 def invocation(action: argparse.Action) -> str:
@@ -154,8 +158,8 @@ def meaning(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     text = action.help or ""
     if "%(" in text:
         text = text % dict(vars(action), prog=parser.prog)
-    if isinstance(action, argparse._AppendAction):
-        text += " (repeatable)" if "repeatable" not in text else ""
+    if isinstance(action, argparse._AppendAction) and "repeatable" not in text:
+        text += " (repeatable)"
     return text
 
 
@@ -165,11 +169,10 @@ def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def flags_reference() -> str:
     commands = subcommands()
-    serve_flags = {a.dest for a in options(commands["serve"])}
+    serve_flags = {a.dest for a in options(commands["serve"][1])}
     parts = []
-    for command, parser in commands.items():
+    for command, (summary, parser) in commands.items():
         actions = options(parser)
-        summary = (parser.description or commands_help()[command]).rstrip(".")
         lines = [f"`sluice {command}`: {summary}."]
         if command == "demo":
             flags = {a.dest for a in actions}
@@ -183,12 +186,6 @@ def flags_reference() -> str:
         lines.append(markdown_table(("flag", "default", "meaning"), rows))
         parts.append("\n\n".join(lines))
     return "\n\n".join(parts)
-
-
-def commands_help() -> dict[str, str]:
-    parser = build_parser()
-    (choices,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {action.dest: str(action.help) for action in choices._choices_actions}
 
 
 # --- metrics -------------------------------------------------------------------------------
