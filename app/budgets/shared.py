@@ -7,31 +7,21 @@ nothing here touches Redis, a clock or Trio). A request is never held up by Redi
 admitted or refused from what this process knows now.
 
 The budget is a sliding minute: what a key used in the current minute (by the wall clock, the
-same windows on every replica) plus the previous minute's share that the sliding window still
-covers, `cur + prev * (1 - elapsed/60)`, must stay within its tokens per minute. Admission:
-
+same windows on every replica) plus the previous minute's share that the window still covers,
+`cur + prev * (1 - elapsed/60)`, must stay within its tokens per minute. Admission needs both:
 - the global view: the total read at the last sync, plus what this process used since, plus
-  the request, within the budget (what a single process enforces, with others' usage seen at
-  most one sync late);
+  the request, within the budget;
 - this process's share of what was left at the last sync: at most `headroom / replicas` may
-  be admitted here before the next sync (one request always may, if the global view allows
-  it), so that replicas admitting at once cannot together grant much beyond the budget.
-  What others admitted since their last sync is seen one sync late, so the overshoot is
-  bounded by what the fleet admits in about one sync interval (simulated, 4 replicas at 40
-  requests a second: within 1.1x; a flood asking 3x the minute's budget each second: within
-  one interval's asks), and completion tokens (charged when the answer reports them) come on
-  top, as they do in a single process.
+  be admitted here before the next sync (one request always may, if the global view allows),
+  so the fleet's overshoot is bounded by what it admits in about one sync interval.
+  Completion tokens (charged when the answer reports them) come on top, as in one process.
 
 When Redis cannot be reached (no successful sync for `stale_after` seconds), each process
 falls back to its own share: the budget divided by the replicas last seen in Redis (at least
-the workers of this host). That keeps the fleet's total within the budget while Redis is down
-as long as traffic is spread (a Kubernetes Service spreads connections); a key whose traffic
-all lands on one replica gets less than its budget meanwhile, which is the safe side for a
-limit that protects capacity. A request is refused by a budget, never failed by Redis. What
-a process used while Redis was away is added once it is back (the current and previous
-minute's only: older usage no longer counts).
-
-Without Redis but with `--workers N`, each worker uses that same local share (1/N).
+the workers of this host), the safe side for a limit that protects capacity. A request is
+refused by a budget, never failed by Redis. What a process used while Redis was away is added
+once it is back (the current and previous minute's only). Without Redis but with
+`--workers N`, each worker uses that same local share (1/N).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ system when it is freed. But each such free also raises that threshold to the fr
 to 32 MiB): after one 12 MB body, every allocation below 12 MB comes from the heap, which only
 returns memory from its top. A proxy that sees a few multi-megabyte bodies then keeps tens of
 megabytes of heap pinned by a few small objects allocated after them. Measured with `python
--m load soak --minutes 20` (its 12-17 MB bodies every 2 s among the small ones) on 2026-11-26:
-the proxy's RSS moved between 193 and 245 MiB with the threshold moving, and between 174 and
-213 MiB with it fixed at 128 KiB (`MALLOC_MMAP_THRESHOLD_=131072`, what `fix_mmap_threshold`
+-m load soak --minutes 20` (its 12-17 MB bodies every 2 s among the small ones): the proxy's
+RSS moved between 193 and 245 MiB with the threshold moving, and between 174 and 213 MiB with
+it fixed at 128 KiB (`MALLOC_MMAP_THRESHOLD_=131072`, what `fix_mmap_threshold`
 sets from inside). The data path's own allocations (64 KiB reads, small JSON) stay below it,
 so the requests of normal size make no more system calls than before.
 """

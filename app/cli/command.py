@@ -90,6 +90,47 @@ HELP: dict[str, str] = {
     "kv_events_endpoint": "publish KV-cache events as vLLM does, on this PUB endpoint "
     "(tcp://HOST:PORT, port 0: any free one)",
     "kv_events_replay_endpoint": "answer replay requests for lost KV events on this endpoint",
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port)",
+    "dashboard_host": "the dashboard's address (a non-loopback one needs --admin-token)",
+    "dashboard_port": "the dashboard's port (0: any free port)",
+    "health_check_interval": "seconds between two probes of a backend (four times that while "
+    "no request is sent)",
+    "health_check_timeout": "seconds a probe may take",
+    "breaker_failures": "consecutive failures that take a backend out of rotation",
+    "breaker_cooldown": "seconds a backend stays out before it is tried again",
+    "connect_timeout": "seconds to connect to a backend",
+    "max_body_bytes": "larger request bodies get 413",
+    "shutdown_grace": "seconds in-flight responses get on SIGINT or SIGTERM",
+    "tokenize_queue": "requests that may wait for a tokenizer thread or render worker before "
+    "the fallback",
+    "l0_max_entries": "entries of the L0 cache (exact prompt text)",
+    "l0_max_text_bytes": "longest prompt text the L0 cache keeps",
+    "l1_max_memory": "bytes of the L1 cache (token prefixes)",
+    "max_model_len": "context window in tokens: serve refuses longer prompts before forwarding "
+    "(default: the backends' own); sim-backend reports it in /v1/models",
+    "stall_threshold_ms": "what counts as an event-loop stall, in milliseconds",
+    "log_level": "debug, info, warning or error",
+    "demo_backends": "simulated backends the demo starts",
+    "demo_rps": "requests per second of the demo's background traffic",
+    "max_num_seqs": "sequences that run at once; the rest wait (vLLM's --max-num-seqs)",
+    "max_num_batched_tokens": "tokens one step computes, decodes and prompt chunks together "
+    "(vLLM's --max-num-batched-tokens)",
+    "prefill_overhead": "seconds each prefill adds to its step",
+    "prefill_per_token": "seconds of prefill per uncached prompt token",
+    "inter_token_latency": "seconds per decode step with one sequence",
+    "time_factor_under_load": "how many times slower a decode step is with a full batch",
+    "preprocess_per_token": "seconds per prompt token of the engine's own templating and "
+    "tokenizing, one request at a time (0: none)",
+    "default_max_tokens": "output tokens when a request does not say",
+    "kv_cache_blocks": "blocks of the prefix KV cache (LRU)",
+    "block_size": "tokens per KV-cache block",
+    "error_rate": "share of inference requests answered 500 (a fault; POST /sim/faults changes "
+    "faults while it runs)",
+    "hang": "read inference requests and never answer them (a fault)",
+    "close_mid_stream": "stop streams before their last token and drop the connection (a fault)",
+    "start_unhealthy": "answer /health with 503 until POST /sim/faults says otherwise (a fault)",
+    "seed": "seed of the generated answers and of the error fault's draws",
 }
 
 

@@ -1,18 +1,10 @@
 """The dashboard: a QuartTrio app on its own port. It reads what the feed publishes and makes
-the two writes an operator has: the saturation policy and, in the demo, a burst.
+the writes an operator has: the saturation policy, backends added and removed
+(backends_api.py) and, in the demo, a burst.
 
-    GET  /                the page (templates/dashboard.html, static/)
-    GET  /api/snapshot    one JSON snapshot (schema in the README); `?records_after=SEQ`
-                          leaves out the request log's records up to that one; `?counters=1`
-                          only what the process counts, without the rates and series
-    GET  /api/events      server-sent events: a snapshot a tick, the same bytes for every page
-    PUT  /api/policy      {"saturation": "wait" | "bail-out"}
-    GET  /metrics         Prometheus text: this process's, or with --workers every worker's
-                          under a `worker` label (the proxy port's /metrics answers from
-                          whichever worker the kernel picked)
-    POST /api/demo/burst  `sluice demo` only: send a burst of large unique prompts now
-
-Every error is OpenAI-shaped JSON. Who may do what: security.py.
+Its routes and what each answers are README.md's endpoint table, generated from this app's URL
+map (`python -m app.cli.reference`). Every error is OpenAI-shaped JSON. Who may do what:
+security.py.
 """
 
 from __future__ import annotations

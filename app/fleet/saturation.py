@@ -1,34 +1,23 @@
 """Whether a backend's engine should start one more of our requests now, and whether it
 reports room. Pure: the caller passes the backend and `now`.
 
-Design rules:
+Design rules (app/README.md, *Admission*, has the measurements behind 3):
 1. What is ours is known, not estimated: the proxy counts its own requests on an engine as
    they are sent, start (their first byte) and end (`Backend.sent/started/ended`). The
    engine's last report adds what it runs and queues for others, as of that report; a report
    older than `STALE_REPORT_S` adds nothing (`Backend.on_engine`).
 2. The room is the engine's own (room.py): stated by it, or seen when it refused to run
    more. Unknown, nothing is held for it: its own queue is the fallback.
-3. Full means `max_queued` of ours wait in the engine's own queue: everyone's requests on
-   it reach its room, and at least `max_queued` of ours beyond the room have not started
-   (`queued_ours`). So at most `max_queued` of ours wait there, and the engine's first come,
-   first served takes them as sequences free up, whoever else fills it; the rest wait at the
-   proxy in fair order. A request that starts lets the next go at once, so a learnt room
-   too small, or others' requests that ended since the report, hold nothing for longer than
-   one start: each start is a probe of more room. While requests of ours are held at the
-   proxy and the engine serves no one else, none of ours waits in its queue
-   (`queue_allowance`): the fair queue, not the engine's arrival order, picks who takes
-   each sequence that frees. Measured (bench fairness, part S: 16-token streams on an engine
-   of 4 beside a 32-client key), one of the heavy key's in the engine's queue ahead of every
-   light request cost the light key a whole stream's turn: 0.51x its rate alone. The cost:
-   a request sent when a sequence frees misses the engine's next step, so a saturated fleet
-   serves a little less (part B, at 2x its capacity: 8.0 requests/s dispatched, FCFS 9.2).
-   Keeping one there while only one key's requests are held gave 8.7, and part S's light
-   key 0.64x. One goes there every `PROBE_EVERY_S` all the same, and while the room is the
-   one from before a restart: the probe of more room that holding would otherwise stop.
+3. Full means everyone's requests on it reach its room and `max_queued` of ours beyond the
+   room have not started (`queued_ours`): at most that many of ours wait in the engine's
+   queue, the rest at the proxy in fair order. A request that starts lets the next go at
+   once, so each start is a probe of more room. While requests of ours are held and the
+   engine serves no one else, none of ours waits in its queue (`queue_allowance`): the fair
+   queue, not the engine's arrival order, picks who takes each sequence that frees; one goes
+   there every `PROBE_EVERY_S` all the same, and while the room is from before a restart.
 4. A report asked for after our last change on the engine, showing free sequences and an
-   empty queue, never holds a request: everyone on the engine is then what it reported
-   (below its room), and none of ours is beyond it (`reports_room` says when that holds;
-   the gate counts any time it held a request meanwhile, which should be none).
+   empty queue, never holds a request (`reports_room` says when that holds; the gate counts
+   any time it held a request meanwhile, which should be none).
 5. A KV cache this full (`max_kv_usage`) takes no more while it queues or we sent since,
    and until one of ours ends: vLLM would preempt a running sequence to fit another.
 6. `--max-inflight-per-backend`, when given, is a ceiling on top: our own requests on it.

@@ -1,32 +1,21 @@
 """The relay's steady state: one task moves every streamed answer's body, backend to client.
 
 Why: a token relayed by its request's own task costs that task a wake-up through Trio's
-scheduler (an epoll re-registration, the task step, the instrument hooks) on top of the two
-system calls that move it, ~30 µs of CPU where the system calls take ~10. 200 streams at 50
-tokens a second each were 0.3-0.9 of a core that way (`python -m load bench streams`).
+scheduler, ~30 µs of CPU where the two system calls that move it take ~10 (app/README.md).
 
-How: once an answer's head and first bytes have gone out, its request task hands the
-stream to the hub and parks. The hub keeps the backend sockets of all streams (each end's
-`SocketBytes` gives its descriptor and moves its bytes without waiting) in an epoll of its
-own (level-triggered, registered once per stream, not once per token) and waits on that
-epoll's descriptor through Trio. Each wake-up reads every ready socket, decodes and frames
-what arrived and writes it to its client, all in one task step: a batch of tokens costs one
-pass through the scheduler. After `BATCH` streams it yields, so a /health request or a new
-request's head never waits behind more than one batch.
+How: once an answer's head and first bytes have gone out, its request task hands the stream
+to the hub and parks. The hub keeps the backend sockets of all streams in an epoll of its own
+(level-triggered, registered once per stream, not once per token) and waits on that epoll's
+descriptor through Trio. Each wake-up reads every ready socket, decodes and frames what
+arrived and writes it to its client, in one task step; after `BATCH` streams it yields, so a
+/health request never waits behind more than one batch.
 
 Back-pressure: a client that does not take a write at once keeps what is left (at most one
-read's worth) and the stream swaps its interest from the backend's socket to the client's
-until the client has taken it; meanwhile the backend is not read, so memory per stream
-stays bounded by one read, and the idle timeout is paused (a slow client is not a silent
-backend).
-
-Idle: each batch stamps the streams it served with one clock read; a sweep every
-`SWEEP_S` ends streams whose backend has been silent for their idle timeout, so a silent
-backend is noticed between `idle` and `idle + SWEEP_S` after its last byte.
-
-Streams that are not sockets (the tests' memory streams) cannot wait in an epoll: the hub
-moves each of those in a task of its own, with the same steps (`_arrived`), the same
-back-pressure and the same idle sweep, so a relay has one path whatever its streams are.
+read's worth), and its stream watches the client's socket instead of the backend's until the
+client has taken it; the idle timeout is paused meanwhile (a slow client is not a silent
+backend). Idle: a sweep every `SWEEP_S` ends streams whose backend has been silent for their
+idle timeout. Streams that are not sockets (the tests' memory streams) are each moved by a
+task of their own, with the same steps (`_arrived`), back-pressure and sweep.
 
 A stream leaves the hub once, and its task wakes once: when the body ended (the read that
 ended it is handed back unwritten, so the end goes out in the same write), when the backend

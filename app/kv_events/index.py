@@ -60,7 +60,7 @@ Source = Literal["events", "predicted"]
 # fewer than 16; `completed`: the Sluice blocks whose last token is in this block. An
 # engine block of 16 tokens that completes one Sluice block, the usual case, is stored as
 # that block's hash alone: a map of ints is nothing the garbage collector walks into, and
-# hundreds of thousands of tuples would lengthen its full collections (DESIGN.md).
+# hundreds of thousands of tuples would lengthen its full collections (app/README.md).
 _Mapped = tuple[int, tuple[int, ...], tuple[int, ...]]
 _Key = EngineHash | tuple[int | None, EngineHash]
 

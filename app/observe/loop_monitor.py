@@ -4,33 +4,25 @@
 - a lag probe sleeps and records how late it woke (`sluice_event_loop_lag_seconds`): the
   delay any request feels. It ticks every `probe_interval_s` while another of our threads
   is on a CPU (only the probe sees the loop wait for the GIL between steps), every
-  QUIET_PROBE_INTERVAL_S while the loop thread works alone (the instrument times every
-  step itself; a lateness sampled less often has the same distribution), and every
-  IDLE_PROBE_INTERVAL_S while nothing runs.
-- an instrument times every task step; a step longer than the threshold is a stall:
-  counted per task and cause, timed, tied to the request phase (`phase`) and, when the
-  alarm of `stack_capture` fired inside that step, to the stack it took. The instrument
-  starts the alarm's countdown each time the loop comes back from waiting for I/O and
-  pauses it when the loop goes to sleep, so the alarm fires, and the loop thread takes its
-  own stack, only when one run of steps outlasts the threshold. With the instrument off,
-  the probe re-arms the alarm at every tick instead.
-- each stall gets a cause, `blocking`, `gil-wait` or `preempted` (stall_causes.py), from
-  the loop thread's clocks (thread_clocks.py) sampled at the probe's ticks and once more
-  when the stall ends. Not after I/O waits: a sample is ~3 µs at rest and many times that
-  under load, and a relaying proxy waits for I/O once per token (15% of its CPU at 200
-  streams, py-spy); a stall's window may then start up to one probe interval before it,
-  a part the cause split leaves out (`unblamed_s`).
-- stalls go into a ring of recent distinct stalls and, a few a minute, to the
-  "sluice.stalls" logger; their seconds are summed by stage (`stall_stage`: the innermost
-  frame of Sluice's code on the stall's stack, else its phase) and cause, since the ring
-  keeps no totals and forgets old stalls: blocking time per stage is read off /metrics.
+  QUIET_PROBE_INTERVAL_S while the loop thread works alone, and every IDLE_PROBE_INTERVAL_S
+  while nothing runs.
+- an instrument times every task step; a step longer than the threshold is a stall: counted
+  per task and cause, tied to the request phase (`phase`) and to the stack `stack_capture`
+  took if its alarm fired inside the step. The instrument starts the alarm's countdown when
+  the loop comes back from waiting for I/O and pauses it when the loop sleeps, so the alarm
+  fires only when one run of steps outlasts the threshold (instrument off: the probe re-arms
+  it at every tick).
+- each stall gets a cause (stall_causes.py) from the loop thread's clocks (thread_clocks.py),
+  sampled at the probe's ticks and when the stall ends, not after I/O waits: a relaying
+  proxy waits for I/O once per token.
+- stalls go into a ring of recent distinct stalls, a few a minute to the "sluice.stalls"
+  logger, and their seconds are summed by stage (`stall_stage`: the innermost frame of
+  Sluice's code on the stall's stack, else its phase) and cause, read off /metrics.
 
-The probe also records stalls the instrument cannot see, with no task (label
-`(unknown)`): with the instrument off (it costs about 0.5 µs per step), every wake-up later
-than the threshold; with it on, a late wake-up that no stalled step explains and whose cause
-is the GIL or the OS — the loop thread waiting for the GIL as it returns from its I/O wait,
-before any step starts, is how a worker thread running `Tokenizer.encode` or a template
-render freezes the loop. Late wake-ups from many short steps are load, and stay lag.
+The probe also records stalls no step explains, with task `(unknown)`: with the instrument
+off, every wake-up later than the threshold; with it on, a late wake-up whose cause is the
+GIL or the OS (the loop waiting for the GIL as it returns from its I/O wait, which is how a
+worker thread's `encode` or render freezes the loop). Many short steps are load, not stalls.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every Prometheus metric Sluice exports; the names are part of the contract (DESIGN.md).
+"""Every Prometheus metric Sluice exports; the names are a contract (README.md lists them).
 
 One `Metrics` object per running proxy, each with its own registry, so that several proxies
 in one process (tests) never share counters.

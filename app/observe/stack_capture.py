@@ -1,32 +1,19 @@
 """The event-loop thread's Python stack, taken while the loop is stalled.
 
-A watchdog written in Python cannot do this: while the loop sits in a C extension that holds
-the GIL, no other Python thread runs until it returns, and one that runs Python code cannot
-walk another thread's frames safely. So the loop thread takes its own stack, at the first
-moment it can: a thread-directed POSIX timer (thread_timer.py) sends SIGALRM to the loop
-thread, and Python runs our SIGALRM handler on that thread between two bytecodes, handing it
-the frame it interrupted. In a stall made of Python code (a render on the loop, a busy loop)
-that is the stall's own frame, within microseconds; in one made of a single C call that
-holds the GIL (`json.loads` of a large body), it is the frame that made the call, as soon
-as the call returns, still inside the stalled step. The timer is a dead-man's switch: the
-loop monitor restarts it each time the loop starts a run of steps and pauses it while the
-loop sleeps (loop_monitor.py); if one run of steps outlasts the timeout, the loop is stalled.
+The loop thread takes its own stack, at the first moment it can: a thread-directed POSIX
+timer (thread_timer.py) sends SIGALRM to the loop thread, and Python runs our handler on that
+thread between two bytecodes, handing it the frame it interrupted: in a stall of Python code,
+the stall's own frame; in one C call that holds the GIL (`json.loads` of a large body), the
+frame that made the call, as soon as it returns, still inside the stalled step. The timer is
+a dead-man's switch: the loop monitor restarts it each time the loop starts a run of steps
+and pauses it while the loop sleeps (loop_monitor.py); a run that outlasts it is a stall.
 
-Why not faulthandler, which dumps a stack from the C signal handler itself, even in the
-middle of a C call: it reads the interpreter's frames at an arbitrary instruction, and
-CPython does not keep them consistent at every instruction. With `all_threads=True` (every
-thread's frames) the proxy died with SIGSEGV within seconds under template renders in worker
-threads; with `all_threads=False` (the receiving thread's own) it died too, rarely: 4 times
-in about a day of benchmarks on 2026-11-25/26, each right after a stall report, each with
-faulthandler's fatal-error traceback missing, which is what its guard against re-entering a
-dump in progress does. A stack read by Python code between bytecodes is always consistent.
-The price: a loop that never comes back from a C call is never captured, and a Python
-handler needs the main thread (where `sluice serve` runs its loop).
-
-Why a thread-directed timer and not `setitimer(ITIMER_REAL)`: its SIGALRM goes to the
-process, which Linux delivers to the main thread only while that thread "wants" it, and a
-system call the loop thread is blocked in (a stall in `time.sleep`) is interrupted only by a
-signal delivered to it (Python retries the call after running the handler, PEP 475).
+Not a watchdog thread (none runs while a C call holds the GIL, and none may walk another
+thread's frames safely), not faulthandler (it reads frames mid-instruction, and crashed the
+proxy with SIGSEGV: app/README.md), not `setitimer(ITIMER_REAL)` (its signal goes to the
+process, and only a signal sent to the loop thread interrupts a system call it is blocked in;
+Python retries the call after the handler, PEP 475). The price: a loop that never returns
+from a C call is never captured, and a Python handler needs the main thread.
 
 One capture per process holds SIGALRM: `claim` returns the reason instead of a capture when
 another capture does, when something else already uses SIGALRM (a Python handler or a

@@ -5,35 +5,23 @@ Three causes, each with a different owner:
   synchronous read): a bug in the task that ran.
 - `gil-wait`: the loop thread was ready but another thread of ours held the GIL (a template
   render, or `Tokenizer.encode`, in a worker thread).
-- `preempted`: the loop thread was runnable but the OS ran something else (CPU starvation by
-  other processes, or by more busy threads than cores): not the task's doing.
+- `preempted`: the loop thread was runnable but the OS ran something else: not the task's.
 
-What is measured, between two samples of the loop thread's clocks (thread_clocks.py): its
-CPU time, its run delay (time spent runnable on a run queue, /proc/thread-self/schedstat),
-how many times it went to sleep (voluntary context switches), the process's CPU time and
-the other threads' run delay. Whatever wall time is neither CPU nor run delay, the loop
-thread slept, and a sleep was a wait for the GIL only as far as the other bounds allow:
-- other threads of ours were active that long: on a CPU (the process's CPU time minus the
-  loop thread's) or runnable (their run delay: a GIL holder starved of CPU keeps the GIL);
-- CPython's `take_gil` waits at most one switch interval (5 ms) at a time before it asks
-  the holder to drop the GIL, so n sleeps cover at most n intervals of GIL waiting. A
-  `time.sleep(0.05)` is one sleep, so it stays `blocking` even while worker threads run; a
-  100 ms `encode` in a thread costs the waiting loop ~20 of them.
-The limit of counting: when worker threads run Python, every GIL hand-off costs the loop a
-sleep or two, and a blocking call made meanwhile can hide behind those sleeps and read as
-`gil-wait`. The tighter the window, the rarer that is (see below).
+Measured between two samples of the loop thread's clocks (thread_clocks.py): its CPU time,
+its run delay (runnable on a run queue), its sleeps (voluntary context switches), the
+process's CPU time and the other threads' run delay. Wall time that is neither CPU nor run
+delay was a sleep, and a sleep was a GIL wait only as far as two bounds allow: other threads
+of ours were active (on a CPU or runnable) that long, and n sleeps cover at most n switch
+intervals (`take_gil` waits one at a time before it asks the holder to drop the GIL).
 
-The label: a stall is the task's (`blocking`) when its own time — CPU plus sleeps that were
-not GIL waits — reaches the stall threshold by itself, so the task would have stalled an idle
-machine too. Otherwise it goes to the larger outside cause, the GIL or the OS. A stall the OS
-caused is then never read as a bug in whatever task happened to be running.
-
-The samples are taken at the lag probe's ticks (every 5 ms while another thread of ours is
-on a CPU, every 25 ms otherwise) and at the end of each stall, not at every task step or
-I/O wait (that would cost more than the proxy's own work per token), so the window between
-two samples may begin before the stall did. That earlier part (`unblamed_s`) is taken off
-the task's own time: it was the previous steps' work or the idle wait for I/O, and erring
-that way never blames a task for time it did not take.
+The label: a stall is the task's (`blocking`) when its own time, CPU plus sleeps that were
+not GIL waits, reaches the threshold by itself, so it would have stalled an idle machine too.
+Otherwise it goes to the larger outside cause, the GIL or the OS: a stall the OS caused is
+never read as a bug in whatever task happened to run. A blocking call made while workers run
+Python can hide behind their GIL hand-offs and read as `gil-wait`; tighter windows make that
+rarer. The window may begin before the stall did (samples come at the probe's ticks and at
+each stall's end): that earlier part (`unblamed_s`) is taken off the task's own time, so a
+task is never blamed for time it did not take.
 """
 
 from __future__ import annotations

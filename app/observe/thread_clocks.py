@@ -4,27 +4,23 @@ A light sample (`ThreadClocks.sample`, ~4 µs) is five readings:
 - wall time (`time.perf_counter_ns`);
 - the loop thread's CPU time (`time.thread_time_ns`: exact, where schedstat's CPU field and
   getrusage's lag by up to a scheduler tick for a running thread);
-- its run delay, ns spent runnable on a run queue (preempted): the second field of
-  `/proc/thread-self/schedstat`, kept open and re-read with `os.pread`. The kernel keeps it
-  whenever it is built with CONFIG_SCHED_INFO, which every mainstream distribution kernel is;
-- its voluntary context switches, i.e. how many times it went to sleep
-  (`getrusage(RUSAGE_THREAD)`; schedstat's third field also counts preemptions);
+- its run delay, ns spent runnable on a run queue: the second field of
+  `/proc/thread-self/schedstat`, kept open and re-read with `os.pread` (kept by every kernel
+  built with CONFIG_SCHED_INFO, as mainstream distributions' are);
+- its voluntary context switches, how many times it went to sleep (`getrusage(RUSAGE_THREAD)`);
 - the process's CPU time, all threads (`time.process_time_ns`).
 
 A full sample (`sample(full=True)`: at the end of a stall, and from the probe every 25 ms)
-also sums the run delay of the process's other threads, one `pread` each: a GIL holder
-starved of CPU keeps the GIL while it waits for one, and without its run delay that wait
-would look like the loop thread's own sleep. Their files stay open; the list is read again
-when the number of Python threads changed, and once a second for threads started outside
-Python. A thread found after the first listing counts from its start: trio starts a worker
-thread just before handing it a job, inside the window being sampled. Light samples carry
-the last full sum, so its delta over a window may include up to 25 ms before it: a looser
-bound, never a missing one. At most MAX_OTHER_THREADS are watched.
+also sums the other threads' run delay, one `pread` each: a GIL holder starved of CPU keeps
+the GIL while it waits, and without its run delay that wait would look like the loop
+thread's own sleep. The thread list is read again when the number of Python threads
+changed, and once a second for others; a thread found later counts from its start. Light
+samples carry the last full sum: a looser bound over a window, never a missing one. At most
+MAX_OTHER_THREADS are watched.
 
-The files are opened by the thread they describe (the loop thread: `open` must be called
-there) and stay that thread's whoever reads them; `sample` must also run on that thread,
-since `thread_time_ns` reads the caller's clock. Elsewhere than Linux, `open` returns the
-reason instead, and stalls are labelled `unknown`.
+The files are opened by the thread they describe and `sample` runs on it (`thread_time_ns`
+reads the caller's clock). Elsewhere than Linux, `open` returns the reason instead, and
+stalls are labelled `unknown`.
 """
 
 from __future__ import annotations

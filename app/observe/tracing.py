@@ -9,21 +9,13 @@ forwarded `traceparent` (`with_traceparent`), so the engine's spans hang under S
                                              first byte, relay
                                           -> the engine's spans
 
-The loop's whole share, per request: `start_trace` (a regex match and one random draw) and
-`Tracer.finish`, which appends plain data (`SpanRecord`s: names, times, attributes) to a
-bounded queue, or drops and counts when it is full. A worker thread builds the
-OpenTelemetry SDK's spans from it and hands them to the SDK's BatchSpanProcessor, whose own
-thread sends them (span_export.py). Nothing is done per token, no I/O and no SDK object on
-the loop, and a collector that is down or slow costs the counters in `counters()`.
-
-Measured here (2 cores, CPython 3.11, timeit): `start_trace` 1-2 µs for a new trace, 2-3.5
-µs for a continued one, `finish` 0.3 µs; with the request's span records and the forwarded
-`traceparent`, the loop's share is ~9 µs a request. Off the loop is not free, though: the
-threads spend ~165 µs of CPU per request of 7 spans alone (~130 of them in the SDK's OTLP
-encoder), all of it holding the GIL. Relaying 50 token streams, a traced Sluice's threads
-took 1.4-1.6 ms per 1,000 tokens, and its CPU per 1,000 tokens was 1.04x a plain one's
-streamed to at the same time (`python -m load bench tracing`). A 1 ms probe on the loop saw
-its p99 lateness go from 1-2 ms to 5.5 ms at 500 traced requests/s (12 ms at 1,500/s).
+The loop's whole share, per request (~9 µs): `start_trace` (a regex match and one random
+draw) and `Tracer.finish`, which appends plain data (`SpanRecord`s: names, times,
+attributes) to a bounded queue, or drops and counts when it is full. A worker thread builds
+the OpenTelemetry SDK's spans from it and hands them to the SDK's BatchSpanProcessor, whose
+own thread sends them (span_export.py). Nothing is done per token, no I/O and no SDK object
+on the loop, and a collector that is down or slow costs the counters in `counters()`. The
+threads' work still holds the GIL (app/README.md has what it costs).
 
 Times are Unix epoch nanoseconds, as OTLP carries them: `clock_offset_ns()` once per request
 and `epoch_ns` turn the proxy's perf_counter readings into them without a wall-clock read

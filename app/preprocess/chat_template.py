@@ -3,16 +3,15 @@
 A template found in a model directory or given as a file is code from whoever published the
 model, so it runs in Jinja2's `ImmutableSandboxedEnvironment` (no attribute escapes, no
 mutation of the request's lists and dicts). The templates shipped here (chat_templates/) are
-ours, so they run in a plain `Environment` with the same settings: the sandbox's check of
-every attribute, item and call took 11 of 24 µs of a one-message DeepSeek-V3 render, ~5% of
-the proxy's CPU for a small chat, and guards nothing that the shipped files do not already
-avoid (tests render each both ways and compare). Their text, from a file too, also renders
-the usual conversations without Jinja at all (shipped_renders.py). Either environment matches
+ours, so they run in a plain `Environment` with the same settings: the sandbox's checks cost
+about half of a small render and guard nothing the shipped files do not already avoid (tests
+render each both ways and compare). Their text also renders the usual conversations without
+Jinja at all (shipped_renders.py). Either environment matches
 `transformers.apply_chat_template`: `trim_blocks`, `lstrip_blocks`, the `loopcontrols`
 extension, a `tojson` filter that keeps non-ASCII text and takes `indent`, and the globals
-`raise_exception` and `strftime_now`. Templates receive
-`messages`, `add_generation_prompt`, `tools`, `documents`, `bos_token`, `eos_token` and any
-`chat_template_kwargs` the request carries.
+`raise_exception` and `strftime_now`. Templates receive `messages`, `add_generation_prompt`,
+`tools`, `documents`, `bos_token`, `eos_token` and any `chat_template_kwargs` the request
+carries.
 
 Discovery order (SMG's): `--chat-template` (a path, or the name of a shipped template),
 `chat_template.json`, `chat_template.jinja`, any other `.jinja` file in the tokenizer's
@@ -21,13 +20,8 @@ templates of which `default` is used). Sluice adds a last step: a shipped templa
 the special tokens the tokenizer really has — how the bundled DeepSeek tokenizer, whose
 config has no template, gets DeepSeek-V3's format.
 
-Renders are not cached, on measurement (`python -m load bench templating`, `bench cache`). Jinja
-renders the whole message list, and a template's state (namespaces, loop indices, hoisted system
-prompts) is not visible from outside, so a grown conversation cannot be rendered from its new
-turns alone; checking that a cached prefix render is still a prefix needs the full render — the
-very cost to save. An exact-repeat cache would pay a JSON key per request (0.19 ms for 256
-messages, against a 1.0 ms DeepSeek-V3 render) to win only on verbatim repeats, whose far larger
-tokenization cost L0 already removes.
+Renders are not cached (app/README.md says why): a grown conversation cannot be rendered
+from its new turns alone, and the verbatim repeats an exact cache would catch are L0's.
 """
 
 from __future__ import annotations
@@ -165,7 +159,7 @@ class ChatTemplate:
 class RenderCost:
     """Seconds a render takes: base + per message + per character of content.
 
-    Jinja2 is pure Python: the cost grows with the number of messages (seed 002, exp. 2), so
+    Jinja2 is pure Python: the cost grows with the number of messages, not tokens, so
     `per_message` is measured per template at startup — templates differ by 15x (DeepSeek-V3's
     namespace bookkeeping: ~3.5 µs a message here; ChatML: ~0.2 µs). Content size costs only
     string copies: ~0.1 ns a character when they stay in cache, but up to ~2 ns with the

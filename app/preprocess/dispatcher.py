@@ -1,4 +1,4 @@
-"""Where work that would hold the loop runs: the layered defence of seed 000, on Trio.
+"""Where work that would hold the loop runs: offloaded, else bounded, else the policy's.
 
 One dispatcher per kind of work: tokenizer jobs offloaded to worker threads (the job calls
 `encode_batch_fast`, which releases the GIL; `Tokenizer.encode` holds it for the whole call,

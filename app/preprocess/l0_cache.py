@@ -5,8 +5,8 @@ System prompts and retried requests repeat verbatim; a hit costs one string hash
 tokens of encoding.
 
 Texts longer than `max_text_bytes` are not cached. The default is 64 KiB, not 8 KiB: the long,
-stable system prefixes are exactly the ones worth caching (seed 000 measured a 5-7 ms P50
-regression with an 8 KiB cap). Ids are stored as the bytes of an `array('I')`: 4 bytes per
+stable system prefixes are exactly the ones worth caching (an 8 KiB cap cost 5-7 ms at
+p50). Ids are stored as the bytes of an `array('I')`: 4 bytes per
 token instead of ~36 for a list of ints, and bytes, unlike an array, are not tracked by the
 garbage collector, which would otherwise walk every entry on each full collection (see
 l1_cache.py). Pure: used from the event loop only, no locking, no Trio.

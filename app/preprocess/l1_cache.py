@@ -1,42 +1,28 @@
 """L1: token ids of prompt prefixes that end at an added-token cut, so a grown conversation
 encodes only its new turns.
 
-Why a cut is safe (boundaries.py has the tokenizer internals): the tokenizer splits the raw
-text at added tokens before it normalizes, pre-tokenizes or runs BPE, and tokenizes the pieces
-independently. So for a cut after token T at position c,
-
-    encode(text) == encode(text[:c]) + encode(T + text[c:])[1:]
-
-The suffix is encoded with T in front of it, not alone, so that it sits after an added token
-exactly as in the full text: position-dependent steps (`Metaspace` with `prepend_scheme:
-first`, `lstrip`/`single_word` checks of the neighbouring characters) see what they see in a
-full encode. All encodes are without special tokens (no post-processor BOS); whoever needs the
-post-processor's tokens adds them around the result.
+Why a cut is safe (app/README.md; boundaries.py has the tokenizer internals): for a cut after
+added token T at position c, `encode(text) == encode(text[:c]) + encode(T + text[c:])[1:]`.
+The suffix is encoded with T in front of it, so that position-dependent steps (`Metaspace`
+with `prepend_scheme: first`, `lstrip`/`single_word` checks) see what a full encode sees.
+All encodes are without special tokens; whoever needs the post-processor's adds them.
 
 The premise is checked three ways; L1 returns its own ids only when the per-hit checks pass:
-1. at startup, `check_cut_independence` runs the identity above on probe texts (spaces,
-   digits, newlines, CJK, punctuation around sampled cut tokens); any failure keeps L1 off
-   for this tokenizer;
+1. at startup, `check_cut_independence` runs the identity on probe texts; a failure keeps
+   L1 off for this tokenizer;
 2. on every hit, structurally: the suffix encode must start with T's id, and every cut token
-   in the suffix must appear in the ids as often as in the text (which also makes splitting
-   the ids at cuts exact); otherwise the request gets a full encode and a mismatch is counted;
+   in the suffix must appear in the ids as often as in the text; otherwise the request gets
+   a full encode and a mismatch is counted;
 3. every `verify_every`-th hit, semantically: a full encode is compared with the L1 result;
-   a difference turns L1 off for good (the premise is false for this tokenizer) and the
-   request gets the full encode.
+   a difference turns L1 off for good and the request gets the full encode.
 
-Storage is per segment, not per prefix: the key is a 128-bit BLAKE2b digest of the prompt text
-up to a cut (personalised by the tokenizer's namespace: one `L1Store` serves every tokenizer of
-a fleet under one bound), the value the ids of the segment since the previous cut (and where
-that cut was, and whose it is), as a plain tuple of ints and bytes. The garbage collector stops
-tracking such a tuple; an `array` is tracked, and so is any NamedTuple, so storing those (a
-segment per message) made each full collection walk every segment: 16-70 ms with the GIL held at
-a few hundred thousand segments, measured as `gil-wait` stalls of the loop in `python -m load
-bench hardening --part long-chats`. A conversation costs O(its tokens), not O(tokens x turns).
-LRU, bounded by bytes; a hit refreshes its chain root-last so the shared roots (system prompts)
-are evicted last.
-
-Called from worker threads and the event loop at once: the entries sit behind a
-`threading.Lock`, held only for dictionary work, never while encoding. Pure: no Trio.
+Storage is per segment: the key is a 128-bit BLAKE2b digest of the text up to a cut
+(personalised by the tokenizer's namespace: one `L1Store` serves every tokenizer under one
+bound), the value the ids since the previous cut as a plain tuple of ints and bytes, which
+the garbage collector stops tracking (an `array` or a NamedTuple it would walk at every full
+collection). LRU, bounded by bytes; a hit refreshes its chain root-last, so shared roots
+(system prompts) go last. Entries sit behind a `threading.Lock` held only for dictionary
+work, never while encoding: worker threads and the loop call it at once. Pure: no Trio.
 """
 
 from __future__ import annotations

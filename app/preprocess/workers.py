@@ -2,33 +2,26 @@
 
 Threads suit the tokenizer because its job calls `encode_batch_fast`, which releases the GIL
 while Rust works. They do not suit a request render: `json.loads` and Jinja2 hold the GIL (a
-thread yields it only every switch interval, 5 ms, and not at all inside one C call), so a
-render in a thread still holds the loop in slices. Measured here (3 clients rendering
-1,500-4,000-message conversations, a 1 ms ticker on the loop): inline 129-144 ms worst gap,
-thread 7.2-7.3 ms, process 3.5 ms; a 12 MB body parsed inline held the loop 210 ms, in a
-worker process the worst gap was 4-19 ms (the result crossing the pipe). Small jobs cost more
-in a process (0.30 ms a round trip against 0.15 ms for a thread), which is why only renders
-estimated over the loop's budget, and bodies too large to parse on the loop, come here.
+thread yields it only every switch interval, and not at all inside one C call), so a render
+in a thread still holds the loop in slices; a process does not (app/README.md has the
+figures). A small job costs more in a process than in a thread, so only renders estimated
+over the loop's budget, and bodies too large to parse on the loop, come here.
 
 Processes come from trio-parallel (the Trio-native pool): spawned, not forked, because this
 process has threads (trio's cache, the tokenizer's) whose locks a fork would copy held.
 They start on first need, one more whenever every started one is busy, up to the
-dispatcher's bound (`--render-workers`, at most 4 by default whatever the core count: each
-is a ~60 MB interpreter, and a machine with many cores seldom has many large renders at
-once); one idle for `IDLE_S` stops. The first large request after a quiet spell pays a
-worker's boot (~0.2 s, imports and template compiling included) rather than every start-up
-paying all of them. A job that is cancelled (the client went away) runs to its end in the
-worker rather than killing it: renders are bounded, respawning is not cheap.
+dispatcher's bound (`--render-workers`, at most 4 by default: each is a ~60 MB interpreter);
+one idle for `IDLE_S` stops, so the first large request after a quiet spell pays a worker's
+boot (~0.2 s) rather than every start-up paying all of them. A cancelled job runs to its end
+in the worker rather than killing it: renders are bounded, respawning is not cheap.
 
 A worker ignores SIGINT and SIGTERM: a Ctrl-C or a `kill` of the process group reaches
-every process in it, and the proxy, not the signal, ends its workers, after their last job
-(a normal shutdown logs nothing). If the proxy dies outright (SIGKILL), the worker's end of
-the pipe closes and it exits: no orphan stays.
+every process in it, and the proxy ends its workers after their last job. If the proxy dies
+outright, the worker's end of the pipe closes and it exits: no orphan stays.
 
-Workers of both kinds run at a lower CPU priority (nice 10) than the event loop: offloading
-frees the loop from the GIL, but on a busy machine the loop still competes with them for a
-core, and a loop that waits for the CPU answers late all the same. The loop's latency matters
-more than the workers' throughput, so the kernel is told.
+Workers of both kinds run at a lower CPU priority (nice 10) than the event loop: a loop that
+waits for a core answers late however free of the GIL it is, and its latency matters more
+than the workers' throughput.
 """
 
 from __future__ import annotations

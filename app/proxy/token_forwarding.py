@@ -1,8 +1,8 @@
 """`--forward tokens`: what to send the backend for one request. Pure: no I/O.
 
 Chat and text completions leave as `/v1/completions` whose prompt is the token ids Sluice
-computed, so the backend skips templating and tokenization (seed 002, experiment 7: the
-"Base Tax" moved out of the inference server). The backend is one whose /tokenize was shown
+computed, so the backend skips templating and tokenization (the inference server's own
+preprocessing, app/README.md). The backend is one whose /tokenize was shown
 to match Sluice's (app/fleet/tokenizer_check.py); nothing here guesses.
 
 Left as the client sent them ("passthrough (why)" in `x-sluice-forward`): requests without

@@ -1,7 +1,7 @@
 """Requests held at the proxy while every engine of their pool is saturated, and the order in
 which they leave. Pure: no Trio, no clock of its own (the caller passes times).
 
-Design rules:
+Design rules (app/README.md, *Admission*, says why 4 is drawn where it is):
 1. Held requests are not bound to a backend: they wait in their model's `FairQueue`, and the
    router routes the one that leaves at the moment an engine has room (late binding), with
    the same policy as any other request.
@@ -9,23 +9,16 @@ Design rules:
    number, as vLLM's `priority`). Within a band, start-time fair queuing across tenants (API
    keys; requests without a key are one anonymous tenant): each request of a tenant of
    weight w takes 1/w of virtual time, and the request with the earliest virtual start
-   leaves first. A tenant that sends ten times another's rate gets its weight's share of
-   what leaves, and the other never waits behind its backlog; a tenant that was idle comes
-   back at the present, with no credit saved up.
+   leaves first. A tenant that was idle comes back at the present, with no credit saved up.
 3. Affinity within a few places of fairness: `pop` may be asked to prefer a request (one
-   whose prefix the engine with room holds) among the next `window` in fair order, so a
-   held request keeps its cache affinity while fairness bends by at most that many places.
+   whose prefix the engine with room holds) among the next `window` in fair order.
 4. Bounded twice: `max_held` for all, and `max_per_tenant` for one while another tenant
    sends too (it came to this queue within the last CONTENDED_S); a tenant over its bound
    then is refused at once, and a full queue makes room by shedding the newest request of
    the tenant holding the most, unless that is the newcomer's own: one tenant's flood never
-   fills the queue for everyone. A tenant alone (the one anonymous tenant of a proxy
-   without keys) may hold the whole queue: there is nobody to protect, and measured (bench
-   hardening, 1,000 streams at once), a bound of 256 for it refused 6 in 10 of a burst that
-   holding would have served. "Another tenant holds requests now" is not enough: a light
-   tenant's requests leave first and are seldom held, and a heavy one that filled the queue
-   past the proxy's bound on requests in flight (`--max-connections`) had the light one's
-   requests refused at the door (soak at 2x load: 461 of 8,185).
+   fills the queue for everyone. A tenant alone may hold the whole queue: there is nobody to
+   protect. Contention is "sent within CONTENDED_S", not "holds requests now": a light
+   tenant's requests leave first and are seldom held.
 """
 
 from __future__ import annotations

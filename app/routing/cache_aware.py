@@ -3,42 +3,26 @@
 For a request with token ids (SMG's parameter names, Sluice's own defaults):
 1. Holders: the backends whose held prefix (`BlockIndex`) covers more than
    `cache_threshold` of the prompt.
-2. Prefix hit: among holders not too busy (`Balance`: at most `balance_abs_threshold` load
-   above the least-loaded backend, or at most `balance_rel_threshold` times it), the longest
-   prefix wins; holders within a tenth of it count as equal and the least loaded of those
-   takes it, which is how a hot prefix's holders share its traffic.
-3. Spread: when every holder is too busy, the prefix gets one more holder, chosen by
-   rendezvous hashing with bounded load on the held prefix's tokens, so replicas pick the
-   same one and a hot prefix grows over two, three... backends instead of pinning one or
-   losing affinity altogether.
-4. New prefix: no holder (or too short a match): its first holder is chosen by rendezvous
-   hashing with bounded load on its first `PLACEMENT_BLOCKS` blocks, not by which backend
-   looks least loaded from here. Replicas see different loads (each its own requests in
-   flight) but hash alike: without sharing anything, not even the engines' KV events,
-   they place a new prefix on the same backend while its load is within the balance
-   thresholds, and the next request for it finds it there whichever replica routes it.
-   Distinct prefixes spread evenly, as their hashes do.
+2. Prefix hit: among holders not too busy (`Balance`), the longest prefix wins; holders
+   within a tenth of it count as equal and the least loaded of those takes it.
+3. Spread: when every holder is too busy, one more holder, chosen by rendezvous hashing with
+   bounded load on the held prefix's tokens, so replicas pick the same one.
+4. New prefix: its first holder is chosen by rendezvous hashing with bounded load on its
+   first `PLACEMENT_BLOCKS` blocks, so replicas place it alike without sharing anything.
 Without token ids (bail-out): rendezvous hash of the rendered prompt's start (`hashing.py`);
 prompts shorter than one block: the least-loaded backend.
 
-Each model has its own prefix index (a backend serving two models holds two KV caches, and
-two tokenizers' ids mean different text): the index's entries are held by (model, backend),
-in one `BlockIndex` whose bound counts every model's blocks together. A backend's first
-model (the one it serves alone, in the usual fleet) is held under the backend's bare id,
-which is where its engine's KV events land (`app/kv_events/index.py`: they carry no model, and
-events of LoRA adapters are not indexed).
+Index entries are held by (model, backend) in one `BlockIndex` under one bound; a backend's
+first model is held under the backend's bare id, where its engine's KV events land
+(`app/kv_events/index.py`: they carry no model).
 
-A chain of more than `RECORD_INLINE_BLOCKS` blocks (a prompt over 512 tokens) is not
-recorded while it is routed: it is queued, and `record_pending` records it a slice at a
-time, tail first, as the router's background task calls it between other work, once the
-request's endpoint is out. Routing stays O(1) in the prompt's length on the loop: a
-128k-token prompt's 8,000 blocks took ~11 ms to record in one piece. Until its head is
-recorded a new long chain matches nothing, and a request for the same prefix in that window
-is placed the way its first was, by the hash of its first blocks.
+Routing stays O(1) in the prompt's length on the loop: a chain of more than
+`RECORD_INLINE_BLOCKS` blocks is queued and `record_pending` records it a slice at a time,
+tail first, between other work. Until its head is recorded, a request for the same prefix is
+placed the way its first was, by the hash of its first blocks.
 
-Checked against reality (`feedback`): backends report how many prompt tokens their cache
-served. When that is clearly less than predicted, the backend evicted blocks Sluice thought
-it held, and under LRU it also evicted everything it used before them: those entries go.
+`feedback`: a backend that served clearly fewer cached tokens than predicted evicted blocks
+Sluice thought it held, and under LRU everything it used before them: those entries go.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class SimSettings(ServerSettings):
     time_factor_under_load: float = 2.0
     # A monolithic server's own templating + tokenizing, seconds per prompt token, for
     # prompts sent as text or messages (not token ids), one request at a time as GIL-bound
-    # preprocessing runs (seed 002, experiment 7). 0: off.
+    # preprocessing runs: what `--forward tokens` spares an engine. 0: off.
     preprocess_per_token: float = 0.0
     default_max_tokens: int = 16
     # Prefix KV cache: this many blocks of `block_size` tokens, LRU.

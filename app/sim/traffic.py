@@ -1,8 +1,8 @@
 """Simulated clients for `sluice demo`: a gentle, realistic mix, and bursts worth watching.
 
-The mix follows seed 000's observation of real traffic: some questions come again word for
-word (exact hits), many requests share a few long system prompts (prefix hits),
-conversations grow turn by turn (prefix hits), and some questions are one-offs (misses).
+The mix is real traffic's (app/README.md): some questions come again word for word (exact
+hits), many requests share a few long system prompts (prefix hits), conversations grow turn
+by turn (prefix hits), and some questions are one-offs (misses).
 
 Every `--demo-burst-interval` seconds, and whenever the dashboard's "send a burst" button
 asks, a burst of large unique prompts saturates the tokenizer, so that the fallback, the
