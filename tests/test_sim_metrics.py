@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.fleet.engine_metrics import read_engine
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import MetricsStyle, SimSettings
+from tests.sim_answers import samples
 
 SLOW = SimSettings(
     port=0,
@@ -141,11 +142,7 @@ async def test_llamacpp_counts_tokens_and_decode_calls(
     url, app = await launch(FAST, metrics_style="llamacpp")
     request = {"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 5}
     usage = (await client.post(url + "/v1/chat/completions", json=request)).json()["usage"]
-    values = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families((await client.get(url + "/metrics")).text)
-        for sample in family.samples
-    }
+    values = await samples(client, url)
     assert values["llamacpp:prompt_tokens_total"] == usage["prompt_tokens"]
     assert values["llamacpp:tokens_predicted_total"] == usage["completion_tokens"] == 5
     assert values["llamacpp:n_decode_total"] == app.engine.steps >= 5
