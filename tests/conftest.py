@@ -71,8 +71,8 @@ class SimHandle:
 
 @pytest.fixture
 def start_sim(nursery: trio.Nursery) -> StartSim:
-    async def start(**overrides: Any) -> SimHandle:
-        settings = dataclasses.replace(FAST_SIM, **overrides)
+    async def start(base: SimSettings = FAST_SIM, **overrides: Any) -> SimHandle:
+        settings = dataclasses.replace(base, **overrides)
         cancel_scope = trio.CancelScope()
         app = create_sim_app(settings)
 

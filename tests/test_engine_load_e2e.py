@@ -9,9 +9,6 @@ request is sent, and when one is."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
 from typing import Any, get_args
 
 import httpx
@@ -27,34 +24,12 @@ from app.fleet.room import REFUSALS_TO_LEARN, Seen
 from app.http.exchange import Exchange
 from app.http.fetch import Fetcher
 from app.observe.metrics import Metrics
-from app.sim.server import SimServer, create_sim_app, serve_sim
-from app.sim.settings import MetricsStyle, SimSettings
+from app.sim.settings import MetricsStyle
 from tests.conftest import FakeTraffic, StartBackend, StartSim, StartSluice, wait_until
+from tests.sims import QUEUEING, QUICK, one_running_one_waiting
 
-SLOW = SimSettings(
-    port=0,
-    max_num_seqs=1,
-    prefill_overhead=0.001,
-    prefill_per_token=0.0,
-    inter_token_latency=0.05,
-)
-FAST = dataclasses.replace(SLOW, inter_token_latency=0.001, max_num_seqs=8)
 STYLES: tuple[MetricsStyle, ...] = get_args(MetricsStyle)
-LONG_CHAT = {"messages": [{"role": "user", "content": "Keep talking."}], "max_tokens": 1000}
 SYSTEM = {"role": "system", "content": "Answer in haiku. " * 30}
-
-Launch = Callable[..., Awaitable[tuple[str, SimServer]]]
-
-
-@pytest.fixture
-async def launch(nursery: trio.Nursery) -> AsyncIterator[Launch]:
-    async def start(settings: SimSettings, **overrides: Any) -> tuple[str, SimServer]:
-        settings = dataclasses.replace(settings, **overrides)
-        app = create_sim_app(settings)
-        url: str = await nursery.start(partial(serve_sim, settings, app=app))
-        return url, app
-
-    yield start
 
 
 def healthy_pool(urls: list[str]) -> BackendPool:
@@ -75,26 +50,18 @@ async def ask(client: httpx.AsyncClient, url: str, question: str) -> None:
 
 
 async def test_the_scraper_reads_every_engines_queue_and_kv_use(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    sims = [await launch(SLOW, metrics_style=style) for style in STYLES]
-    pool = healthy_pool([url for url, _ in sims])
+    sims = [await start_sim(QUEUEING, metrics_style=style) for style in STYLES]
+    pool = healthy_pool([sim.url for sim in sims])
     async with trio.open_nursery() as nursery:
-        for url, _ in sims:
-            for _ in range(2):
-                nursery.start_soon(
-                    partial(client.post, url + "/v1/chat/completions", json=LONG_CHAT)
-                )
-        with trio.fail_after(5):
-            for _, app in sims:
-                await app.engine.wait_until(
-                    lambda app=app: (app.engine.running, app.engine.waiting) == (1, 1)
-                )
+        for sim in sims:
+            await one_running_one_waiting(nursery, client, sim)
         for backend in pool.backends:
             backend.inflight = 1  # one of the two is taken to be this replica's
         await scraper(pool, client).scrape_all()
         # Before the clients leave and free their blocks.
-        usages = [app.engine.kv_cache.usage for _, app in sims]
+        usages = [sim.app.engine.kv_cache.usage for sim in sims]
         nursery.cancel_scope.cancel()
 
     for style, backend, usage in zip(STYLES, pool.backends, usages, strict=True):
@@ -111,10 +78,10 @@ async def test_the_scraper_reads_every_engines_queue_and_kv_use(
 
 
 async def test_an_engine_that_states_its_limit_has_it_as_its_room(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    sims = [await launch(SLOW, metrics_style=style, max_num_seqs=6) for style in STYLES]
-    pool = healthy_pool([url for url, _ in sims])
+    sims = [await start_sim(QUEUEING, metrics_style=style, max_num_seqs=6) for style in STYLES]
+    pool = healthy_pool([sim.url for sim in sims])
     await scraper(pool, client).scrape_all()
     rooms = {
         style: (b.room.room, b.room.basis) for style, b in zip(STYLES, pool.backends, strict=True)
@@ -152,9 +119,10 @@ async def test_an_engine_restarted_on_its_address_is_known_again_by_its_metrics(
 
 
 async def test_vllm_hit_rate_covers_the_prompts_between_two_scrapes(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    url, app = await launch(FAST, metrics_style="vllm")
+    sim = await start_sim(QUICK, metrics_style="vllm")
+    url, app = sim.url, sim.app
     pool = healthy_pool([url])
     (backend,) = pool.backends
     scrapes = scraper(pool, client)

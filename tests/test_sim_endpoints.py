@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL, StartSim, set_faults
-from tests.sim_answers import UNKNOWN_MODEL
+from tests.sims import UNKNOWN_MODEL
 
 # --- paths ------------------------------------------------------------------------------------
 

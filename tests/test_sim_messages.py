@@ -12,7 +12,7 @@ import httpx
 import trio
 
 from tests.conftest import MODEL, StartSim
-from tests.sim_answers import named_events
+from tests.sims import named_events
 
 # --- Anthropic's Messages API ------------------------------------------------------------------
 

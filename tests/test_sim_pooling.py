@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL, StartSim
-from tests.sim_answers import samples
+from tests.sims import samples
 
 # --- pooling ----------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import pytest
 
 from app.sim.response_store import ResponseStore, StoredResponse
 from tests.conftest import MODEL, StartSim, wait_until
-from tests.sim_answers import named_events
+from tests.sims import named_events
 
 # --- the Responses API ------------------------------------------------------------------------
 

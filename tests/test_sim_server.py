@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import DEFAULT_MODEL, SimSettings
-from tests.sim_answers import UNKNOWN_MODEL
+from tests.sims import UNKNOWN_MODEL
 
 FAST = SimSettings(
     port=0,

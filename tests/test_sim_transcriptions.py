@@ -12,7 +12,7 @@ import trio
 
 from app.sim.multipart import FormError, boundary_of, read_form
 from tests.conftest import MODEL, StartSim
-from tests.sim_answers import UNKNOWN_MODEL, named_events
+from tests.sims import UNKNOWN_MODEL, named_events
 
 WAV = b"RIFF" + bytes(range(256)) * 40  # any bytes are audio to the sim
 
