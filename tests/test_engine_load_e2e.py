@@ -9,6 +9,7 @@ request is sent, and when one is."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 import httpx
@@ -209,11 +210,7 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
         timeout=5.0,
         traffic=traffic,
     )
-
-    async def record() -> None:
-        scraped.append(trio.current_time())
-
-    load_scraper.scrape_all = record  # type: ignore[method-assign]
+    load_scraper.scrape_all = noting_when(scraped)  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load_scraper.run)
         await trio.sleep(25.25)
@@ -223,6 +220,15 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
         await trio.sleep(1.1)
         nursery.cancel_scope.cancel()
     assert scraped[3:] == [25.25, 25.75, 26.25]  # at once, then while it runs
+
+
+def noting_when(times: list[float]) -> Callable[[], Awaitable[None]]:
+    """A stand-in for a round of scrapes or checks: it notes the (virtual) time it ran at."""
+
+    async def note() -> None:
+        times.append(trio.current_time())
+
+    return note
 
 
 def engine_load(running: int, waiting: int) -> EngineLoad:
@@ -303,11 +309,7 @@ async def test_health_checks_slow_down_while_no_request_is_sent(
         timeout=1.0,
         traffic=traffic,
     )
-
-    async def record() -> None:
-        checked.append(trio.current_time())
-
-    checker.check_all = record  # type: ignore[method-assign]
+    checker.check_all = noting_when(checked)  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         await nursery.start(checker.run)
         await trio.sleep(25.0)
