@@ -1,6 +1,7 @@
 """The gate that holds requests (app/routing/gate.py) on a real `BackendPool` whose engines'
-reports the tests set, driven by tasks (trio.testing), on trio's autojump clock where the
-gate waits.
+reports the tests set, driven by tasks (trio.testing), on trio's autojump clock: a report's
+freshness, the wait for a key's next request and a deadline are virtual time, the same on a
+loaded machine.
 
 Covers: a request passes at once while an engine has room and is held while none has; what
 leaves when room appears is the fairest request, routed then (late binding), preferring one
@@ -28,7 +29,9 @@ from app.routing.refusal import Overloaded
 from tests.gate_fakes import Entering, Routes, done, fill, gate_for, pool_of, reported
 
 
-async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_has() -> None:
+async def test_a_request_passes_while_an_engine_has_room_and_is_held_once_none_has(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     pool, routes = pool_of(1, room=2), Routes()
     gate = gate_for(pool, routes)
     first, second, third = await fill(gate, 3)  # the third waits in the engine's queue
@@ -132,7 +135,9 @@ async def test_a_keys_next_request_in_the_same_instant_takes_its_room_every_time
         nursery.cancel_scope.cancel()
 
 
-async def test_a_request_that_starts_lets_the_next_wait_in_the_engines_queue() -> None:
+async def test_a_request_that_starts_lets_the_next_wait_in_the_engines_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     """Others fill an engine: one of ours waits in its queue at a time, and the next goes
     the moment that one starts (its first byte), not at the next report."""
     pool, routes = pool_of(1, room=2), Routes()
@@ -151,7 +156,9 @@ async def test_a_request_that_starts_lets_the_next_wait_in_the_engines_queue() -
         assert gate.held == 0 and routes.routed[-1] == ("next", gpu.url)
 
 
-async def test_a_held_request_goes_where_its_prefix_is_when_that_engine_has_room() -> None:
+async def test_a_held_request_goes_where_its_prefix_is_when_that_engine_has_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     pool, routes = pool_of(2, room=1), Routes()
     gpu_0, gpu_1 = pool.backends
     gate = gate_for(pool, routes)
@@ -190,7 +197,9 @@ async def test_a_held_request_is_refused_at_its_deadline(
     assert gate.held == 0
 
 
-async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved() -> None:
+async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     pool, routes = pool_of(1, room=1), Routes()
     (backend,) = pool.backends
     gate = gate_for(pool, routes)
@@ -214,7 +223,9 @@ async def test_cancelled_requests_leave_nothing_held_and_nothing_reserved() -> N
     assert backend.inflight == 0 and backend.unstarted == 0 and gate.held == 0
 
 
-async def test_held_requests_learn_when_no_backend_of_their_pool_is_left() -> None:
+async def test_held_requests_learn_when_no_backend_of_their_pool_is_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     pool, routes = pool_of(1, room=1), Routes()
     (backend,) = pool.backends
     gate = gate_for(pool, routes)

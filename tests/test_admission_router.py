@@ -1,6 +1,7 @@
 """The running router in front of a gate (app/routing/router.py): a long prompt's blocks hashed
-in a thread and recorded behind it, and a held request counted as traffic (the fleet's
-watchers that pace themselves by it wake).
+in a thread and recorded behind it (real time: a virtual clock would run the wait for the
+thread out before it finishes), and a held request counted as traffic (the fleet's watchers
+that pace themselves by it wake; on the autojump clock, so the engine's report stays fresh).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ async def test_a_running_router_hashes_a_long_prompt_in_a_thread_and_records_it_
 
 
 async def test_a_request_held_on_a_quiet_spells_report_wakes_the_fleets_watchers(
-    nursery: trio.Nursery,
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     """An engine last read while other senders filled it holds this proxy's requests beyond
     the one it lets wait in that engine's queue; a held request is traffic all the same, so
