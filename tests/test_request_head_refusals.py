@@ -118,15 +118,12 @@ def test_a_first_byte_that_cannot_start_a_method_is_refused_at_once(data: bytes)
         (b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
         (HOST + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
         (HOST + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n", 400),
-        (HOST + b"Content-Length: 5, 6\r\n\r\n", 400),
         (HOST + b"Content-Length: 5\r\nContent-Length: 05\r\n\r\n", 400),
-        (HOST + b"Content-Length: " + b"9" * 30 + b"\r\n\r\n", 400),
-        (HOST + b"Content-Length: " + b"1" * 19 + b"\r\n\r\n", 400),
-        (HOST + b"Content-Length: +5\r\n\r\n", 400),
-        (HOST + b"Content-Length: -1\r\n\r\n", 400),
-        (HOST + b"Content-Length: 0x10\r\n\r\n", 400),
-        (HOST + b"Content-Length: 1_0\r\n\r\n", 400),
         (HOST + b"Content-Length:\r\n\r\n", 400),
+        *(  # values that are not one decimal length of at most 18 digits
+            (HOST + b"Content-Length: " + value + b"\r\n\r\n", 400)
+            for value in (b"5, 6", b"9" * 30, b"1" * 19, b"+5", b"-1", b"0x10", b"1_0")
+        ),
         # transfer codings other than chunked
         (HOST + b"Transfer-Encoding: gzip\r\n\r\n", 501),
         (HOST + b"Transfer-Encoding: gzip, chunked\r\n\r\n", 501),
