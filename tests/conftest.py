@@ -44,6 +44,7 @@ TEST_SETTINGS = Settings(
 StartSim = Callable[..., Awaitable["SimHandle"]]
 StartBackend = Callable[[Handler], Awaitable[str]]
 StartSluice = Callable[..., Awaitable["RunningSluice"]]
+StartSluiceOnASim = Callable[..., Awaitable["RunningSluice"]]
 
 
 @dataclasses.dataclass
@@ -71,8 +72,8 @@ class SimHandle:
 
 @pytest.fixture
 def start_sim(nursery: trio.Nursery) -> StartSim:
-    async def start(**overrides: Any) -> SimHandle:
-        settings = dataclasses.replace(FAST_SIM, **overrides)
+    async def start(base: SimSettings = FAST_SIM, **overrides: Any) -> SimHandle:
+        settings = dataclasses.replace(base, **overrides)
         cancel_scope = trio.CancelScope()
         app = create_sim_app(settings)
 
@@ -113,6 +114,17 @@ def start_sluice(nursery: trio.Nursery) -> StartSluice:
 
         proxy_url, dashboard_url = await nursery.start(run)
         return RunningSluice(sluice, proxy_url, dashboard_url, cancel_scope)
+
+    return start
+
+
+@pytest.fixture
+def start_sluice_on_a_sim(start_sim: StartSim, start_sluice: StartSluice) -> StartSluiceOnASim:
+    """A Sluice in front of one simulated backend of FAST_SIM; the keywords are Sluice's."""
+
+    async def start(tokenizer: TokenizerLike | None = None, **overrides: Any) -> RunningSluice:
+        sim = await start_sim()
+        return await start_sluice([sim.url], tokenizer, **overrides)
 
     return start
 

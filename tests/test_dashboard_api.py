@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from app.observe.request_log import RequestRecord
-from tests.conftest import RunningSluice, StartSim, StartSluice, wait_until
+from tests.conftest import RunningSluice, StartSim, StartSluice, StartSluiceOnASim, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4}
 SERIES = (
@@ -183,10 +183,9 @@ async def test_series_fill_in_once_a_tick(
 
 
 async def test_request_log_never_holds_a_prompt_or_a_key(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     secret_prompt = "SECRET-PROMPT-4f1d"
     secret_key = "sk-SECRET-KEY-9a7c"
     body = {**CHAT, "messages": [{"role": "user", "content": secret_prompt}]}
@@ -222,10 +221,9 @@ async def test_a_client_that_leaves_mid_stream_is_logged_as_gone(
     ids=["not-json", "array", "bad-value", "unknown-field", "missing"],
 )
 async def test_bad_policy_values_get_400(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient, content: bytes
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient, content: bytes
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     response = await client.put(running.dashboard_url + "/api/policy", content=content)
     assert response.status_code == 400
     error = response.json()["error"]
@@ -234,10 +232,9 @@ async def test_bad_policy_values_get_400(
 
 
 async def test_oversized_and_unknown_requests_get_json_errors(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     big = await client.put(running.dashboard_url + "/api/policy", content=b"{" + b" " * 100_000)
     assert big.status_code == 413 and "error" in big.json()
     missing = await client.get(running.dashboard_url + "/api/nothing")
@@ -250,10 +247,9 @@ async def test_oversized_and_unknown_requests_get_json_errors(
 
 
 async def test_writes_need_the_admin_token(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url], admin_token="s3cret")
+    running = await start_sluice_on_a_sim(admin_token="s3cret")
     url = running.dashboard_url + "/api/policy"
     body = {"saturation": "bail-out"}
     assert (await client.put(url, json=body)).status_code == 401
@@ -278,10 +274,9 @@ async def test_writes_need_the_admin_token(
     ids=["other-site", "other-port", "opaque", "fetch-metadata"],
 )
 async def test_cross_origin_writes_are_refused(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient, headers: Any
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient, headers: Any
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url], admin_token="s3cret")
+    running = await start_sluice_on_a_sim(admin_token="s3cret")
     auth = {"authorization": "Bearer s3cret"}
     url = running.dashboard_url + "/api/policy"
     refused = await client.put(url, json={"saturation": "bail-out"}, headers={**auth, **headers})
@@ -292,10 +287,9 @@ async def test_cross_origin_writes_are_refused(
 
 
 async def test_foreign_host_names_are_refused_on_loopback(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     rebound = await client.get(
         running.dashboard_url + "/api/snapshot", headers={"host": "evil.example"}
     )
@@ -306,10 +300,9 @@ async def test_foreign_host_names_are_refused_on_loopback(
 
 
 async def test_events_deliver_snapshots_the_same_bytes_to_every_page(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     seen: list[list[bytes]] = [[], []]
 
     async def read(index: int) -> None:
@@ -338,10 +331,9 @@ async def test_events_deliver_snapshots_the_same_bytes_to_every_page(
 
 
 async def test_a_policy_change_reaches_open_pages_at_once(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     async with page(client, running.dashboard_url) as payloads:
         first = strict_json(await payloads.__anext__())
         assert first["preprocess"]["saturation"] == "wait"
@@ -359,10 +351,9 @@ async def test_a_policy_change_reaches_open_pages_at_once(
 
 
 async def test_pages_are_capped(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     feed = running.sluice.dashboard_feed
     assert feed is not None
     feed.max_pages = 1

@@ -55,8 +55,11 @@ async def page_snapshot(feed: DashboardFeed) -> dict[str, Any]:
     return snapshot
 
 
-def make_feed(source: Source, traffic: FakeTraffic | None = None) -> DashboardFeed:
-    return DashboardFeed(
+async def start_feed(
+    nursery: trio.Nursery, source: Source, traffic: FakeTraffic | None = None
+) -> DashboardFeed:
+    """A feed of `source`'s snapshots, running in `nursery`."""
+    feed = DashboardFeed(
         source.build,
         source.occupancy,
         demo=False,
@@ -64,6 +67,8 @@ def make_feed(source: Source, traffic: FakeTraffic | None = None) -> DashboardFe
         traffic=traffic,
         wall_clock=trio.current_time,
     )
+    await nursery.start(feed.run)
+    return feed
 
 
 @pytest.fixture
@@ -84,8 +89,7 @@ async def test_a_point_a_tick_and_no_serialising_without_pages(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, serialised: list[int]
 ) -> None:
     source = Source()
-    feed = make_feed(source)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, source)
     await trio.sleep(5.5)
     assert not serialised
     series = (await page_snapshot(feed))["series"]
@@ -96,8 +100,7 @@ async def test_a_point_a_tick_and_no_serialising_without_pages(
 async def test_one_serialisation_a_tick_for_every_page(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, serialised: list[int]
 ) -> None:
-    feed = make_feed(Source())
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, Source())
     received: list[list[bytes]] = [[], [], []]
 
     async def listen(index: int) -> None:
@@ -135,8 +138,7 @@ async def test_a_slow_page_skips_to_the_newest_snapshot(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     source = Source()
-    feed = make_feed(source)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, source)
     events = feed.pages_events()
     first = json.loads(await events.__anext__())
     await trio.sleep(5.5)  # five ticks published while this page was not reading
@@ -154,8 +156,7 @@ async def test_a_failing_snapshot_costs_a_tick_not_the_feed(
 ) -> None:
     source = Source()
     source.fail_on = {2, 3}
-    feed = make_feed(source)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, source)
     await trio.sleep(4.5)
     series = (await page_snapshot(feed))["series"]
     assert len(series["t"]) == 3  # ticks 0, 3, 4; ticks 1 and 2 failed
@@ -167,8 +168,7 @@ async def test_occupancy_peaks_between_ticks_are_kept(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     source = Source()
-    feed = make_feed(source)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, source)
     await trio.sleep(1.25)
     source.set_busy(1.0)
     await trio.sleep(0.15)  # a burst between two ticks
@@ -182,8 +182,7 @@ async def test_a_quiet_proxy_ticks_seldom_and_at_once_when_a_request_comes(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
     traffic = FakeTraffic()
-    feed = make_feed(Source(), traffic)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, Source(), traffic)
     await trio.sleep(2.5)  # ticks at 0 and 1; none since: quiet, the next is due at 6
     traffic.send()
     await trio.sleep(1.7)  # at once (2.5), then a second later (3.5); quiet since 3.5
@@ -199,8 +198,7 @@ async def test_requests_in_flight_keep_the_pace_of_a_tick_a_second(
 ) -> None:
     traffic = FakeTraffic()
     traffic.busy = True  # long streams, none new
-    feed = make_feed(Source(), traffic)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, Source(), traffic)
     await trio.sleep(3.5)
     assert (await page_snapshot(feed))["series"]["t"] == [0.0, 1.0, 2.0, 3.0]
 
@@ -210,8 +208,7 @@ async def test_a_policy_change_is_published_before_the_next_tick(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, quiet: bool
 ) -> None:
     source = Source()
-    feed = make_feed(source, FakeTraffic() if quiet else None)
-    await nursery.start(feed.run)
+    feed = await start_feed(nursery, source, FakeTraffic() if quiet else None)
     events = feed.pages_events()
     await events.__anext__()
     await trio.sleep(1.3 if quiet else 0.3)  # quiet: past the second tick, none due for 5 s

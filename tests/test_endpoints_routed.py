@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from app.http.exchange import Exchange
-from tests.conftest import MODEL, StartBackend, StartSim, StartSluice
+from tests.conftest import MODEL, RunningSluice, StartBackend, StartSim, StartSluice
 
 AUDIO = b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(32)
 
@@ -198,14 +198,19 @@ def cutting_backend(finish: bool) -> Any:
     return handler
 
 
+async def stream_through(client: httpx.AsyncClient, running: RunningSluice, path: str) -> bytes:
+    """The bytes of a streamed request to `path` through the proxy, as the client got them."""
+    body = {"model": MODEL, "stream": True, **(ENDPOINTS[path] or {})}
+    async with client.stream("POST", running.proxy_url + path, json=body) as answer:
+        return b"".join([chunk async for chunk in answer.aiter_bytes()])
+
+
 @pytest.mark.parametrize("path", list(STREAMS))
 async def test_a_stream_cut_after_its_end_ends_cleanly_and_is_counted(
     start_backend: StartBackend, start_sluice: StartSluice, client: httpx.AsyncClient, path: str
 ) -> None:
     running = await start_sluice([await start_backend(cutting_backend(finish=True))])
-    body = {"model": MODEL, "stream": True, **(ENDPOINTS[path] or {})}
-    async with client.stream("POST", running.proxy_url + path, json=body) as answer:
-        received = b"".join([chunk async for chunk in answer.aiter_bytes()])
+    received = await stream_through(client, running, path)
     middle, end = STREAMS[path]
     assert received == middle + end  # byte for byte, nothing added
     metrics = (await client.get(running.proxy_url + "/metrics")).text
@@ -217,9 +222,7 @@ async def test_a_stream_cut_before_its_end_gets_its_apis_error_event(
     start_backend: StartBackend, start_sluice: StartSluice, client: httpx.AsyncClient, path: str
 ) -> None:
     running = await start_sluice([await start_backend(cutting_backend(finish=False))])
-    body = {"model": MODEL, "stream": True, **(ENDPOINTS[path] or {})}
-    async with client.stream("POST", running.proxy_url + path, json=body) as answer:
-        received = b"".join([chunk async for chunk in answer.aiter_bytes()])
+    received = await stream_through(client, running, path)
     middle, _ = STREAMS[path]
     assert received.startswith(middle)
     error_event = received[len(middle) :]

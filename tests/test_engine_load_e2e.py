@@ -9,9 +9,7 @@ request is sent, and when one is."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
+from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 import httpx
@@ -27,34 +25,12 @@ from app.fleet.room import REFUSALS_TO_LEARN, Seen
 from app.http.exchange import Exchange
 from app.http.fetch import Fetcher
 from app.observe.metrics import Metrics
-from app.sim.server import SimServer, create_sim_app, serve_sim
-from app.sim.settings import MetricsStyle, SimSettings
+from app.sim.settings import MetricsStyle
 from tests.conftest import FakeTraffic, StartBackend, StartSim, StartSluice, wait_until
+from tests.sims import QUEUEING, QUICK, one_running_one_waiting
 
-SLOW = SimSettings(
-    port=0,
-    max_num_seqs=1,
-    prefill_overhead=0.001,
-    prefill_per_token=0.0,
-    inter_token_latency=0.05,
-)
-FAST = dataclasses.replace(SLOW, inter_token_latency=0.001, max_num_seqs=8)
 STYLES: tuple[MetricsStyle, ...] = get_args(MetricsStyle)
-LONG_CHAT = {"messages": [{"role": "user", "content": "Keep talking."}], "max_tokens": 1000}
 SYSTEM = {"role": "system", "content": "Answer in haiku. " * 30}
-
-Launch = Callable[..., Awaitable[tuple[str, SimServer]]]
-
-
-@pytest.fixture
-async def launch(nursery: trio.Nursery) -> AsyncIterator[Launch]:
-    async def start(settings: SimSettings, **overrides: Any) -> tuple[str, SimServer]:
-        settings = dataclasses.replace(settings, **overrides)
-        app = create_sim_app(settings)
-        url: str = await nursery.start(partial(serve_sim, settings, app=app))
-        return url, app
-
-    yield start
 
 
 def healthy_pool(urls: list[str]) -> BackendPool:
@@ -75,26 +51,18 @@ async def ask(client: httpx.AsyncClient, url: str, question: str) -> None:
 
 
 async def test_the_scraper_reads_every_engines_queue_and_kv_use(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    sims = [await launch(SLOW, metrics_style=style) for style in STYLES]
-    pool = healthy_pool([url for url, _ in sims])
+    sims = [await start_sim(QUEUEING, metrics_style=style) for style in STYLES]
+    pool = healthy_pool([sim.url for sim in sims])
     async with trio.open_nursery() as nursery:
-        for url, _ in sims:
-            for _ in range(2):
-                nursery.start_soon(
-                    partial(client.post, url + "/v1/chat/completions", json=LONG_CHAT)
-                )
-        with trio.fail_after(5):
-            for _, app in sims:
-                await app.engine.wait_until(
-                    lambda app=app: (app.engine.running, app.engine.waiting) == (1, 1)
-                )
+        for sim in sims:
+            await one_running_one_waiting(nursery, client, sim)
         for backend in pool.backends:
             backend.inflight = 1  # one of the two is taken to be this replica's
         await scraper(pool, client).scrape_all()
         # Before the clients leave and free their blocks.
-        usages = [app.engine.kv_cache.usage for _, app in sims]
+        usages = [sim.app.engine.kv_cache.usage for sim in sims]
         nursery.cancel_scope.cancel()
 
     for style, backend, usage in zip(STYLES, pool.backends, usages, strict=True):
@@ -111,10 +79,10 @@ async def test_the_scraper_reads_every_engines_queue_and_kv_use(
 
 
 async def test_an_engine_that_states_its_limit_has_it_as_its_room(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    sims = [await launch(SLOW, metrics_style=style, max_num_seqs=6) for style in STYLES]
-    pool = healthy_pool([url for url, _ in sims])
+    sims = [await start_sim(QUEUEING, metrics_style=style, max_num_seqs=6) for style in STYLES]
+    pool = healthy_pool([sim.url for sim in sims])
     await scraper(pool, client).scrape_all()
     rooms = {
         style: (b.room.room, b.room.basis) for style, b in zip(STYLES, pool.backends, strict=True)
@@ -152,9 +120,10 @@ async def test_an_engine_restarted_on_its_address_is_known_again_by_its_metrics(
 
 
 async def test_vllm_hit_rate_covers_the_prompts_between_two_scrapes(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    url, app = await launch(FAST, metrics_style="vllm")
+    sim = await start_sim(QUICK, metrics_style="vllm")
+    url, app = sim.url, sim.app
     pool = healthy_pool([url])
     (backend,) = pool.backends
     scrapes = scraper(pool, client)
@@ -241,11 +210,7 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
         timeout=5.0,
         traffic=traffic,
     )
-
-    async def record() -> None:
-        scraped.append(trio.current_time())
-
-    load_scraper.scrape_all = record  # type: ignore[method-assign]
+    load_scraper.scrape_all = noting_when(scraped)  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(load_scraper.run)
         await trio.sleep(25.25)
@@ -255,6 +220,15 @@ async def test_traffic_after_a_quiet_spell_is_scraped_at_once(
         await trio.sleep(1.1)
         nursery.cancel_scope.cancel()
     assert scraped[3:] == [25.25, 25.75, 26.25]  # at once, then while it runs
+
+
+def noting_when(times: list[float]) -> Callable[[], Awaitable[None]]:
+    """A stand-in for a round of scrapes or checks: it notes the (virtual) time it ran at."""
+
+    async def note() -> None:
+        times.append(trio.current_time())
+
+    return note
 
 
 def engine_load(running: int, waiting: int) -> EngineLoad:
@@ -335,11 +309,7 @@ async def test_health_checks_slow_down_while_no_request_is_sent(
         timeout=1.0,
         traffic=traffic,
     )
-
-    async def record() -> None:
-        checked.append(trio.current_time())
-
-    checker.check_all = record  # type: ignore[method-assign]
+    checker.check_all = noting_when(checked)  # type: ignore[method-assign]
     async with trio.open_nursery() as nursery:
         await nursery.start(checker.run)
         await trio.sleep(25.0)

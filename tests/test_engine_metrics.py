@@ -144,31 +144,27 @@ sglang:time_to_first_token_seconds_sum{{model_name="{MODEL}"}} 17.6
 """
 
 
-# SGLang with TP 2 and --enable-metrics-for-all-schedulers: both ranks repeat the numbers.
-def sglang_ranks(*samples: tuple[str, str, float]) -> str:
-    """Scheduler gauges of several ranks: (labels besides the usual ones, name, value)."""
+def sglang_ranks(ranks: tuple[str, ...], gauges: dict[str, tuple[float, ...]]) -> str:
+    """Scheduler gauges of several ranks (their labels besides the usual ones), each gauge's
+    values in the ranks' order."""
     usual = 'engine_type="unified",model_name="m",pp_rank="0"'
-    return "".join(f"sglang:{name}{{{extra},{usual}}} {value}\n" for extra, name, value in samples)
+    return "".join(
+        f"sglang:{name}{{{rank},{usual}}} {value}\n"
+        for name, values in gauges.items()
+        for rank, value in zip(ranks, values, strict=True)
+    )
 
 
 # SGLang with TP 2 and --enable-metrics-for-all-schedulers: both ranks repeat the numbers.
 SGLANG_ALL_SCHEDULERS = sglang_ranks(
-    ('tp_rank="0"', "num_running_reqs", 4.0),
-    ('tp_rank="1"', "num_running_reqs", 4.0),
-    ('tp_rank="0"', "num_queue_reqs", 2.0),
-    ('tp_rank="1"', "num_queue_reqs", 2.0),
-    ('tp_rank="0"', "token_usage", 0.75),
-    ('tp_rank="1"', "token_usage", 0.75),
+    ('tp_rank="0"', 'tp_rank="1"'),
+    {"num_running_reqs": (4.0, 4.0), "num_queue_reqs": (2.0, 2.0), "token_usage": (0.75, 0.75)},
 )
 
 # SGLang with data-parallel attention: each DP rank schedules its own requests.
 SGLANG_DATA_PARALLEL = sglang_ranks(
-    ('dp_rank="0",tp_rank="0"', "num_running_reqs", 3.0),
-    ('dp_rank="1",tp_rank="1"', "num_running_reqs", 5.0),
-    ('dp_rank="0",tp_rank="0"', "num_queue_reqs", 1.0),
-    ('dp_rank="1",tp_rank="1"', "num_queue_reqs", 1.0),
-    ('dp_rank="0",tp_rank="0"', "token_usage", 0.25),
-    ('dp_rank="1",tp_rank="1"', "token_usage", 0.75),
+    ('dp_rank="0",tp_rank="0"', 'dp_rank="1",tp_rank="1"'),
+    {"num_running_reqs": (3.0, 5.0), "num_queue_reqs": (1.0, 1.0), "token_usage": (0.25, 0.75)},
 )
 
 

@@ -1,5 +1,5 @@
 """The endpoint-picker door's gRPC server (app/epp/grpc_server.py, health.py) over memory
-streams: no port, no real clock, test_epp_grpc.py's h2 `Client` on the other end.
+streams: no port, no real clock, the h2 `Client` of tests/grpc_client.py on the other end.
 
 Covered: calls echoed side by side on one connection; what a handler's ending becomes
 (return -> OK, GrpcError -> its status, any other exception -> INTERNAL, logged, the
@@ -35,7 +35,7 @@ from app.epp.health import (
     ServingStatus,
 )
 from app.epp.messages import HealthCheckRequest, HealthCheckResponse
-from tests.test_epp_grpc import ECHO, Client, Response, grpc_headers
+from tests.grpc_client import ECHO, Client, Response, grpc_headers
 
 
 class Peer:

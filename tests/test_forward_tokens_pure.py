@@ -137,34 +137,30 @@ def prepared(
     return Prepared(fields.get("model"), fields, prompt, token_ids, ids is None, "thread", 0.0, 0.0)
 
 
+# Sampling parameters a token completion takes as the chat gave them.
+SAMPLING = {
+    "temperature": 0.5,
+    "n": 2,
+    "stop": ["\n"],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "top_k": 3,
+}
+
+
 def test_chat_becomes_a_token_completion_with_its_sampling_parameters() -> None:
     payload = {
         **CHAT,
         "max_completion_tokens": 7,
         "max_tokens": 99,
-        "temperature": 0.5,
-        "n": 2,
-        "stop": ["\n"],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "top_k": 3,
+        **SAMPLING,
         "logprobs": False,
         "tools": [],
         "add_generation_prompt": True,
     }
     plan = plan_forward("chat", "/v1/chat/completions", b"{}", prepared(payload, [5, 6, 7]))
     assert (plan.path, plan.label, plan.answer_as_chat) == ("/v1/completions", "tokens", True)
-    assert json.loads(plan.body) == {
-        "model": "m",
-        "max_tokens": 7,
-        "temperature": 0.5,
-        "n": 2,
-        "stop": ["\n"],
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "top_k": 3,
-        "prompt": [5, 6, 7],
-    }
+    assert json.loads(plan.body) == {"model": "m", "max_tokens": 7, **SAMPLING, "prompt": [5, 6, 7]}
 
 
 def test_what_a_token_completion_cannot_express_is_passed_through() -> None:

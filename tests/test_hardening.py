@@ -39,7 +39,7 @@ from app.http.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
-from tests.conftest import StartSim, StartSluice, wait_until
+from tests.conftest import StartSim, StartSluice, StartSluiceOnASim, wait_until
 from tests.fakes import GateTokenizer, prepare
 
 T = TypeVar("T")
@@ -55,10 +55,9 @@ def assert_error(response: httpx.Response, status: int, code: str) -> None:
 
 
 async def test_deep_nesting_is_a_400_and_the_proxy_stays_up(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     url = running.proxy_url + "/v1/chat/completions"
     deep = 100_000
     bare = b"[" * deep
@@ -74,11 +73,10 @@ async def test_deep_nesting_is_a_400_and_the_proxy_stays_up(
 
 
 async def test_an_over_long_prompt_is_refused_from_its_bytes_with_nothing_encoded(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
     tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
-    running = await start_sluice([sim.url], tokenizer=tokenizer, max_model_len=100)
+    running = await start_sluice_on_a_sim(tokenizer=tokenizer, max_model_len=100)
     before = tokenizer.encoded_chars
     body = {"model": "m", "prompt": "x" * (100 * 128 + 1)}  # 128 bytes: the longest token
     response = await client.post(running.proxy_url + "/v1/completions", json=body)
@@ -88,11 +86,10 @@ async def test_an_over_long_prompt_is_refused_from_its_bytes_with_nothing_encode
 
 
 async def test_an_over_long_prompt_is_refused_from_a_counted_prefix(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
     tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
-    running = await start_sluice([sim.url], tokenizer=tokenizer, max_model_len=1000)
+    running = await start_sluice_on_a_sim(tokenizer=tokenizer, max_model_len=1000)
     prompt = "word " * 20_000  # 100 KB: under the byte bound, parsed in a render worker
     before = tokenizer.encoded_chars
     response = await client.post(running.proxy_url + "/v1/chat/completions", json=chat(prompt))
@@ -290,10 +287,9 @@ def test_the_serving_process_asks_gil_holders_to_yield_every_millisecond() -> No
 
 
 async def test_a_body_over_the_limit_is_a_413_that_closes_the_connection(
-    start_sim: StartSim, start_sluice: StartSluice
+    start_sluice_on_a_sim: StartSluiceOnASim,
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url], max_body_bytes=64 * 1024)
+    running = await start_sluice_on_a_sim(max_body_bytes=64 * 1024)
     url = running.proxy_url + "/v1/chat/completions"
     async with httpx.AsyncClient(trust_env=False, timeout=30) as keep_alive:
         for _ in range(3):

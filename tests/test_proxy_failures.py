@@ -11,10 +11,21 @@ import json
 import httpx
 import trio
 
+from app.fleet.backends import Backend
 from app.http.exchange import Exchange
-from tests.conftest import StartBackend, StartSim, StartSluice, wait_until
+from tests.conftest import SimHandle, StartBackend, StartSim, StartSluice, wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+async def wait_until_freed(client: httpx.AsyncClient, sim: SimHandle, backend: Backend) -> None:
+    """Until the proxy counts nothing in flight to `backend` and the engine runs nothing."""
+
+    async def freed() -> bool:
+        state = (await client.get(sim.url + "/sim/state")).json()
+        return backend.inflight == 0 and state["running"] == 0
+
+    await wait_until(freed)
 
 
 async def test_killed_backend_costs_no_request(
@@ -79,11 +90,7 @@ async def test_client_disconnect_mid_stream_frees_the_backend(
                 break
         assert backend.inflight == 1
 
-    async def freed() -> bool:
-        state = (await client.get(sim.url + "/sim/state")).json()
-        return backend.inflight == 0 and state["running"] == 0
-
-    await wait_until(freed)
+    await wait_until_freed(client, sim, backend)
 
 
 async def test_client_leaving_before_its_answer_frees_the_backend(
@@ -106,11 +113,7 @@ async def test_client_leaving_before_its_answer_frees_the_backend(
     await wait_until(running_on_the_backend)
     await stream.aclose()
 
-    async def freed() -> bool:
-        state = (await client.get(sim.url + "/sim/state")).json()
-        return backend.inflight == 0 and state["running"] == 0
-
-    await wait_until(freed)
+    await wait_until_freed(client, sim, backend)
 
 
 async def test_stream_broken_mid_way_ends_with_an_sse_error_event(

@@ -13,7 +13,7 @@ import httpx
 import trio
 
 from app.preprocess.tokenizer_loading import load_tokenizer
-from tests.conftest import StartSim, StartSluice, wait_until
+from tests.conftest import StartSim, StartSluice, StartSluiceOnASim, wait_until
 from tests.fakes import GateTokenizer
 
 
@@ -23,11 +23,10 @@ def completion(text: str) -> dict[str, Any]:
 
 
 async def test_loop_answers_while_a_tokenizer_thread_is_blocked(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
     gate = GateTokenizer(load_tokenizer(None).tokenizer)
-    running = await start_sluice([sim.url], tokenizer=gate, tokenize_threads=1)
+    running = await start_sluice_on_a_sim(tokenizer=gate, tokenize_threads=1)
     url = running.proxy_url
     warm = await client.post(url + "/v1/completions", json=completion("a cached prompt"))
     assert warm.status_code == 200
@@ -71,10 +70,9 @@ async def test_context_window_is_enforced_before_any_backend_sees_the_request(
 
 
 async def test_tokens_are_counted_per_key_and_reported_in_headers(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url])
+    running = await start_sluice_on_a_sim()
     body = {"model": "m", "messages": [{"role": "user", "content": "Count my tokens, please."}]}
     response = await client.post(
         running.proxy_url + "/v1/chat/completions",
@@ -130,10 +128,9 @@ async def test_template_and_content_errors_are_400s(
 
 
 async def test_saturation_switch_on_the_dashboard(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url], admin_token="s3cret")
+    running = await start_sluice_on_a_sim(admin_token="s3cret")
     policy_url = running.dashboard_url + "/api/policy"
     denied = await client.put(policy_url, json={"saturation": "bail-out"})
     assert denied.status_code == 401

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import trio
 
-from tests.conftest import StartSim, StartSluice, wait_until
+from tests.conftest import StartSim, StartSluice, StartSluiceOnASim, wait_until
 
 WORDS = [
     "alpha",
@@ -186,10 +186,9 @@ async def test_backends_join_and_leave_at_run_time(
 
 
 async def test_too_many_tokens_per_minute_is_a_429(
-    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+    start_sluice_on_a_sim: StartSluiceOnASim, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim()
-    running = await start_sluice([sim.url], tokens_per_minute=1000)
+    running = await start_sluice_on_a_sim(tokens_per_minute=1000)
     alice, bob = {"authorization": "Bearer alice"}, {"authorization": "Bearer bob"}
     assert (await post(client, running.proxy_url, chat(0, 0), headers=alice)).status_code == 200
     assert (await post(client, running.proxy_url, chat(0, 1), headers=alice)).status_code == 200

@@ -5,9 +5,7 @@ Prometheus' own parser accepts, and the proxy's engine parser reading each back.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
-from typing import Any, get_args
+from typing import get_args
 
 import httpx
 import pytest
@@ -15,20 +13,14 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.fleet.engine_metrics import read_engine
-from app.sim.server import SimServer, create_sim_app, serve_sim
-from app.sim.settings import MetricsStyle, SimSettings
+from app.sim.settings import MetricsStyle
+from tests.conftest import StartSim
+from tests.sims import QUEUEING, QUICK, one_running_one_waiting, samples
 
-SLOW = SimSettings(
-    port=0,
-    models=("sim-test-model",),
-    max_num_seqs=1,
-    prefill_overhead=0.001,
-    prefill_per_token=0.0,
-    inter_token_latency=0.05,
-)
-FAST = dataclasses.replace(SLOW, inter_token_latency=0.001, max_num_seqs=8)
 STYLES: tuple[MetricsStyle, ...] = get_args(MetricsStyle)
-LONG_CHAT = {"messages": [{"role": "user", "content": "Keep talking."}], "max_tokens": 1000}
+# The model MARKS name, served by each engine.
+SIM_TEST_MODEL = dataclasses.replace(QUEUEING, models=("sim-test-model",))
+SIM_TEST_MODEL_QUICK = dataclasses.replace(QUICK, models=("sim-test-model",))
 
 # Lines (or runs of lines) each style's exposition has, as the real engine writes them, and
 # what it never has.
@@ -74,30 +66,15 @@ NEVER: dict[MetricsStyle, tuple[str, ...]] = {
     "tgi": ("_total", "_created"),
 }
 
-Launch = Callable[..., Awaitable[tuple[str, SimServer]]]
-
-
-@pytest.fixture
-async def launch(nursery: trio.Nursery) -> AsyncIterator[Launch]:
-    async def start(settings: SimSettings, **overrides: Any) -> tuple[str, SimServer]:
-        settings = dataclasses.replace(settings, **overrides)
-        app = create_sim_app(settings)
-        url: str = await nursery.start(partial(serve_sim, settings, app=app))
-        return url, app
-
-    yield start
-
 
 @pytest.mark.parametrize("style", STYLES)
 async def test_each_style_reports_the_gpus_queue_in_its_engines_own_words(
-    launch: Launch, client: httpx.AsyncClient, style: MetricsStyle
+    start_sim: StartSim, client: httpx.AsyncClient, style: MetricsStyle
 ) -> None:
-    url, app = await launch(SLOW, metrics_style=style)
+    sim = await start_sim(SIM_TEST_MODEL, metrics_style=style)
+    url, app = sim.url, sim.app
     async with trio.open_nursery() as nursery:
-        for _ in range(2):
-            nursery.start_soon(partial(client.post, url + "/v1/chat/completions", json=LONG_CHAT))
-        with trio.fail_after(5):
-            await app.engine.wait_until(lambda: (app.engine.running, app.engine.waiting) == (1, 1))
+        await one_running_one_waiting(nursery, client, sim)
         text = (await client.get(url + "/metrics")).text
         usage = app.engine.kv_cache.usage  # before the clients leave and free their blocks
         nursery.cancel_scope.cancel()
@@ -118,9 +95,9 @@ async def test_each_style_reports_the_gpus_queue_in_its_engines_own_words(
 
 
 async def test_sglang_hit_rate_is_that_of_the_last_prefill(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    url, _ = await launch(FAST, metrics_style="sglang")
+    url = (await start_sim(SIM_TEST_MODEL_QUICK, metrics_style="sglang")).url
     system = {"role": "system", "content": "Answer in haiku. " * 30}
     usages = []
     for question in ("first question", "second question"):
@@ -136,16 +113,13 @@ async def test_sglang_hit_rate_is_that_of_the_last_prefill(
 
 
 async def test_llamacpp_counts_tokens_and_decode_calls(
-    launch: Launch, client: httpx.AsyncClient
+    start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
-    url, app = await launch(FAST, metrics_style="llamacpp")
+    sim = await start_sim(SIM_TEST_MODEL_QUICK, metrics_style="llamacpp")
+    url, app = sim.url, sim.app
     request = {"messages": [{"role": "user", "content": "one two three"}], "max_tokens": 5}
     usage = (await client.post(url + "/v1/chat/completions", json=request)).json()["usage"]
-    values = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families((await client.get(url + "/metrics")).text)
-        for sample in family.samples
-    }
+    values = await samples(client, url)
     assert values["llamacpp:prompt_tokens_total"] == usage["prompt_tokens"]
     assert values["llamacpp:tokens_predicted_total"] == usage["completion_tokens"] == 5
     assert values["llamacpp:n_decode_total"] == app.engine.steps >= 5

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.sim.server import SimServer, create_sim_app, serve_sim
 from app.sim.settings import DEFAULT_MODEL, SimSettings
+from tests.sims import UNKNOWN_MODEL
 
 FAST = SimSettings(
     port=0,
@@ -93,18 +94,6 @@ async def test_every_served_name_is_listed_and_answered_under_its_own_name(launc
         assert answer["model"] == name
     unnamed = (await sim.http.post(sim.url + "/v1/chat/completions", json=CHAT)).json()
     assert unnamed["model"] == "base"  # vLLM's default: the first served name
-
-
-# What vLLM answers for a model it does not serve (vllm/entrypoints/openai/models/serving.py,
-# `OpenAIModelRegistry.check_model`, through `create_error_response`).
-UNKNOWN_MODEL = {
-    "error": {
-        "message": "The model `other` does not exist.",
-        "type": "NotFoundError",
-        "param": "model",
-        "code": 404,
-    }
-}
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import trio
 
-from tests.conftest import StartSim, StartSluice
+from tests.conftest import RunningSluice, StartSim, StartSluice
 
 
 def unique_prompt(seed: int, words: int = 40_000) -> str:
@@ -30,6 +30,23 @@ async def burst(client: httpx.AsyncClient, url: str, seed: int) -> None:
     assert response.status_code == 200, response.text
 
 
+async def start_sluice_on_a_sim(
+    start_sim: StartSim, start_sluice: StartSluice, tokenize_mode: str
+) -> RunningSluice:
+    """A proxy tokenizing `tokenize_mode` in front of a backend that takes any prompt."""
+    sim = await start_sim(max_model_len=10_000_000)
+    return await start_sluice([sim.url], tokenize_mode=tokenize_mode, max_model_len=10_000_000)
+
+
+async def burst_and_snapshot(
+    client: httpx.AsyncClient, running: RunningSluice, seed: int
+) -> dict[str, Any]:
+    """A burst through the proxy, then the dashboard's snapshot."""
+    await burst(client, running.proxy_url, seed)
+    snapshot: dict[str, Any] = (await client.get(running.dashboard_url + "/api/snapshot")).json()
+    return snapshot
+
+
 def tokenizer_stalls(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in snapshot["loop"]["recent"] if s["phase"] == "tokenize-inline"]
 
@@ -37,11 +54,8 @@ def tokenizer_stalls(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
 async def test_inline_tokenization_is_a_stall_with_the_tokenizer_in_its_stack(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim(max_model_len=10_000_000)
-    running = await start_sluice([sim.url], tokenize_mode="inline", max_model_len=10_000_000)
-    await burst(client, running.proxy_url, seed=1)
-
-    snapshot = (await client.get(running.dashboard_url + "/api/snapshot")).json()
+    running = await start_sluice_on_a_sim(start_sim, start_sluice, tokenize_mode="inline")
+    snapshot = await burst_and_snapshot(client, running, seed=1)
     stalls = tokenizer_stalls(snapshot)
     assert stalls, snapshot["loop"]
     worst = max(stalls, key=lambda s: s["max_duration_s"])
@@ -61,10 +75,8 @@ async def test_inline_tokenization_is_a_stall_with_the_tokenizer_in_its_stack(
 async def test_offloaded_tokenization_leaves_no_tokenizer_stall(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    sim = await start_sim(max_model_len=10_000_000)
-    running = await start_sluice([sim.url], tokenize_mode="offload", max_model_len=10_000_000)
-    await burst(client, running.proxy_url, seed=2)
-    snapshot = (await client.get(running.dashboard_url + "/api/snapshot")).json()
+    running = await start_sluice_on_a_sim(start_sim, start_sluice, tokenize_mode="offload")
+    snapshot = await burst_and_snapshot(client, running, seed=2)
     assert not tokenizer_stalls(snapshot)
     # The simulated backend shares this loop and may stall it; the proxy's tokenizer may not.
     proxy_tokenizing = [

@@ -303,6 +303,13 @@ async def test_a_full_queue_drops_and_counts_and_an_unsampled_trace_is_not_sent(
     assert not disabled.enabled and disabled.pending() == (0, 0)
 
 
+def finish_a_request(tracer: Tracer, children: int) -> None:
+    """A new trace's server span and the first `children` of its child spans, finished."""
+    context = start_trace(None)
+    server, spans = a_request(context)
+    tracer.finish(context, server, spans[:children])
+
+
 async def test_a_dead_collector_costs_a_counter_and_nothing_grows(
     nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -312,9 +319,7 @@ async def test_a_dead_collector_costs_a_counter_and_nothing_grows(
     offered = 0
     for _ in range(3):
         for _ in range(1000):
-            context = start_trace(None)
-            server, children = a_request(context)
-            tracer.finish(context, server, children[:3])
+            finish_a_request(tracer, children=3)
             offered += 4
             waiting, in_sdk = tracer.pending()
             assert waiting <= 64 and in_sdk <= tracer.max_sdk_spans
@@ -341,9 +346,7 @@ async def test_a_silent_collector_holds_neither_the_loop_nor_shutdown() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(tracer.run)
         for _ in range(400):
-            context = start_trace(None)
-            server, children = a_request(context)
-            tracer.finish(context, server, children[:1])
+            finish_a_request(tracer, children=1)
             offered += 2
             waiting, in_sdk = tracer.pending()
             assert waiting <= 8 and in_sdk <= tracer.max_sdk_spans
