@@ -14,7 +14,7 @@ from app.fleet.backends import TokenizerProbe
 from app.fleet.tokenizer_check import build_probe, compare_tokens, judge_answer
 from app.preprocess.pipeline import Prepared
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.token_forwarding import plan_forward
+from app.proxy.forward_tokens import plan_forward
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "Hi there."}]}
 

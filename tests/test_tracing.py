@@ -45,7 +45,7 @@ from app.observe.tracing import (
     traces_url,
     with_traceparent,
 )
-from app.proxy.forwarding import Timing
+from app.proxy.to_backend import Timing
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"

@@ -51,7 +51,7 @@ from app.preprocess.pipeline import Preprocessor
 from app.preprocess.reception import Reception
 from app.preprocess.tokenizer_loading import TokenizerLike
 from app.proxy.app import ProxyApp
-from app.proxy.forwarding import Forwarder
+from app.proxy.to_backend import Forwarder
 from app.routing.decider import Decider
 from app.routing.router import Router
 

@@ -5,7 +5,7 @@ dict lookup to dispatch (app/preprocess/endpoints.py names every inference endpo
 its body is read). An inference request is read into its context by the `Reception` it
 shares with the endpoint picker (its head, its key, its record and trace), and handed to
 inference.py, which reads its body, has it preprocessed, decided and forwarded
-(forwarding.py), and sends the reply; the Reception books it once the server is done with
+(to_backend.py), and sends the reply; the Reception books it once the server is done with
 it, however it ended (`Exchange.at_end`). Every error leaves as OpenAI-shaped JSON. With
 `--api-keys` an inference request or a model list needs a listed key. A stored response's
 own paths go to the engine that holds it (response_ids.py). With `--forward tokens` only
@@ -29,9 +29,9 @@ from app.preprocess.arrival import Arrival, arrival
 from app.preprocess.endpoints import ENDPOINTS, STORED, STORED_RESPONSES, Endpoint
 from app.preprocess.reception import Reception
 from app.proxy import errors
-from app.proxy.forwarding import Attempt, Forwarder, Opened
 from app.proxy.inference import Inference
 from app.proxy.response_ids import IdTagger, untag
+from app.proxy.to_backend import Attempt, Forwarder, Opened
 from app.routing import refusal
 from app.routing.decider import RequestContext
 

@@ -6,7 +6,7 @@ failed backend (the decision's refusals are app/routing/refusal.py's). Each is a
 from __future__ import annotations
 
 from app.http.errors import ClientError
-from app.proxy.upstream import UpstreamFailure
+from app.proxy.headers import UpstreamFailure
 
 RETRY_AFTER = (b"retry-after", b"2")
 

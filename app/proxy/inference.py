@@ -24,10 +24,10 @@ from app.preprocess.endpoints import RESPONSES, Endpoint
 from app.preprocess.pipeline import Prepared
 from app.preprocess.reception import Reception
 from app.proxy import errors
-from app.proxy.forwarding import Forwarder, Opened, Outgoing
+from app.proxy.forward_tokens import plan_forward
+from app.proxy.headers import upstream_headers
 from app.proxy.response_ids import untag
-from app.proxy.token_forwarding import plan_forward
-from app.proxy.upstream import upstream_headers
+from app.proxy.to_backend import Forwarder, Opened, Outgoing
 from app.routing.decider import RequestContext
 
 

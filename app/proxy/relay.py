@@ -36,7 +36,7 @@ from app.http.relay_hub import RelayHub
 from app.http.reply import Reply, json_reply, whole
 from app.preprocess.endpoints import CHAT, Endpoint
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.upstream import UpstreamFailure, downstream_headers, is_event_stream
+from app.proxy.headers import UpstreamFailure, downstream_headers, is_event_stream
 from app.routing.usage import TAIL_BYTES
 
 log = logging.getLogger("sluice.forward")

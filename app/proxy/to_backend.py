@@ -1,7 +1,7 @@
 """A decided request's way to a backend: open its answer, retry once, and close the books.
 
 `Forwarder.open` asks the decision for a backend (held at its pool's gate while every engine
-is saturated), sends the request (upstream.py) and turns the backend's answer into the
+is saturated), sends the request (headers.py) and turns the backend's answer into the
 client's `Reply` (relay.py); when the backend failed before answering, the decision's first
 fallback is tried. A refusal or a failure is a reply of Sluice's own. Nothing here writes to
 the client: the exchange sends the reply, then `close` counts how it went (the backend's
@@ -30,9 +30,9 @@ from app.observe.metrics import Metrics
 from app.observe.timing import Timing
 from app.preprocess.endpoints import Endpoint
 from app.proxy import errors
+from app.proxy.headers import UpstreamFailure, open_upstream
 from app.proxy.relay import Converter, Passage, chat_reply_from, reply_from
 from app.proxy.response_ids import IdTagger
-from app.proxy.upstream import UpstreamFailure, open_upstream
 from app.routing.decider import Decider, RequestContext
 from app.routing.decision import Decision
 from app.routing.refusal import Refused
