@@ -82,11 +82,6 @@ NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...]
 )
 
 
-class ConfigError(Exception):
-    """A configuration that cannot work (a bad value, an unreadable file): `sluice` says why
-    and exits with status 2, as for a bad flag."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """One model of the fleet (a `[[models]]` table of `--config`): the name its backends

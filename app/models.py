@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from app.http.errors import ClientError
+from app.errors import ClientError, Refused
 
 # Served names one proxy tracks at once (configured and discovered together); names beyond
 # are ignored, so that a backend listing thousands of adapters cannot grow every per-model
@@ -27,6 +27,8 @@ from app.http.errors import ClientError
 MAX_MODELS = 64
 # The `model` label of what was refused, or prepared, before a served model was known.
 NO_MODEL = "(none)"
+# Seconds a client is told to wait while no backend has said which models it serves.
+NO_MODEL_RETRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class ModelDirectory:
         return len(self.served) != 1 or bool(self.aliases)
 
     def resolve(self, requested: str | None, allowed: frozenset[str] | None = None) -> str:
-        """The served name `requested` stands for, or a `ClientError` (400, 404 or 503)."""
+        """The served name `requested` stands for; a `ClientError` (400, 404), or `Refused`
+        (503) while no backend has said which models it serves."""
         if not self.served:
             raise no_model_known()
         if requested is None:
@@ -85,15 +88,14 @@ def resolve_model(
     return None
 
 
-def no_model_known() -> ClientError:
-    return ClientError(
+def no_model_known() -> Refused:
+    return Refused(
+        503,
+        "service_unavailable",
+        "no_healthy_backend",
         "No backend has said which models it serves: none is healthy yet, or none lists its "
         "models at GET /v1/models (name those in a [[models]] table); try again shortly.",
-        None,
-        "no_healthy_backend",
-        status=503,
-        type_="service_unavailable",
-        headers=[(b"retry-after", b"2")],
+        NO_MODEL_RETRY_S,
     )
 
 

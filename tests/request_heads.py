@@ -11,8 +11,8 @@ from typing import Any
 import h11
 import pytest
 
+from app.errors import ClientError
 from app.http.connection import DEFAULT_LIMITS
-from app.http.errors import ClientError
 from app.http.request_head import HeadReader, RequestHead
 
 MAX_HEAD_BYTES = DEFAULT_LIMITS.max_head_bytes

@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import trio
 
-from app.http.client import UpstreamError
+from app.errors import UpstreamError
 from app.http.fetch import Fetcher
 
 Answer = Callable[[bytes], bytes]

@@ -21,7 +21,8 @@ import trio.testing
 
 from app.cli.command import parse
 from app.cli.config_file import read_config
-from app.config import ConfigError, ModelConfig, Settings
+from app.config import ModelConfig, Settings
+from app.errors import ConfigError
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess.api_keys import load_api_keys, parse_api_keys

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from app.cli.serve import GIL_SWITCH_INTERVAL_S, run_until_stopped
 from app.config import Settings
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer

@@ -31,7 +31,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
 from app.http.streams import StreamBytes, byte_stream
@@ -131,7 +131,7 @@ async def bounded(exchange: Exchange) -> None:
     try:
         body = await exchange.read_body(4)
     except ClientError as exc:
-        await exchange.respond_client_error(exc)
+        await exchange.respond_error(exc)
         return
     await exchange.respond(200, [], body)
 

@@ -15,9 +15,9 @@ import pytest
 
 from app.budgets.buckets import TokenBuckets
 from app.config import ModelConfig
+from app.errors import ClientError, Refused, answer_for
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
-from app.http.errors import ClientError
 from app.models import MAX_MODELS, ModelDirectory
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.rendering import RenderPlan, RenderSpec
@@ -75,10 +75,11 @@ def test_no_model_is_the_one_model_served_else_400() -> None:
 
 
 def test_nothing_known_yet_is_a_503_not_a_404() -> None:
-    with pytest.raises(ClientError) as info:
+    with pytest.raises(Refused) as info:
         ModelDirectory().resolve("anything")
-    assert (info.value.status, info.value.code) == (503, "no_healthy_backend")
-    assert (b"retry-after", b"2") in info.value.headers
+    answer = answer_for(info.value)
+    assert (answer.status, answer.body["error"]["code"]) == (503, "no_healthy_backend")
+    assert (b"retry-after", b"2") in answer.headers
 
 
 def test_names_a_client_may_send_are_listed_once() -> None:

@@ -30,7 +30,7 @@ import trio
 import trio.testing
 
 from app.config import Settings
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.observe.metrics import Metrics
 from app.preprocess import to_prompt
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Prepared, Preprocessor

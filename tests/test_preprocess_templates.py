@@ -26,7 +26,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer, models
 
 from app.config import Settings
-from app.http.errors import ClientError
+from app.errors import ClientError, answer_for
 from app.observe.metrics import Metrics
 from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, load_chat_template
 from app.preprocess.encoding import facts_for
@@ -68,7 +68,7 @@ def test_template_raise_exception_is_a_400_with_its_message() -> None:
         render(source, USER)
     assert info.value.message == "System first!"
     assert (info.value.param, info.value.code) == ("messages", "chat_template_error")
-    assert info.value.body()["error"]["type"] == "invalid_request_error"
+    assert answer_for(info.value).body["error"]["type"] == "invalid_request_error"
 
 
 def test_template_crash_and_sandbox_escapes_are_400s() -> None:

@@ -22,6 +22,7 @@ import h11
 import trio
 import trio.testing
 
+from app.errors import UpstreamFault
 from app.http.client import UpstreamPool, UpstreamResponse
 from app.http.exchange import ClientConnection, ClientGone, Exchange
 from app.http.relay_hub import READ_SIZE, SWEEP_S, RelayHub
@@ -207,7 +208,7 @@ async def test_a_backend_that_breaks_off_gets_the_client_an_error_event() -> Non
         assert status == 200 and body.startswith(event(1))
         assert b"backend_stream_broken" in body and body.endswith(b"data: [DONE]\n\n")
         await trio.testing.wait_all_tasks_blocked()
-        assert result[0].broken_by is not None and "last chunk" in result[0].broken_by
+        assert result[0].broken_by is not None and "last chunk" in result[0].broken_by.detail
 
 
 async def test_a_silent_backend_is_ended_within_a_sweep_of_its_idle_timeout(
@@ -225,7 +226,9 @@ async def test_a_silent_backend_is_ended_within_a_sweep_of_its_idle_timeout(
         assert 3 <= silent <= 3 + SWEEP_S
         assert status == 200 and b"no data from the backend for 3s" in body
         await trio.testing.wait_all_tasks_blocked()
-        assert result[0].broken_by == "no data from the backend for 3s"
+        assert result[0].broken_by is not None
+        assert result[0].broken_by.fault is UpstreamFault.TIMEOUT
+        assert result[0].broken_by.detail == "no data from the backend for 3s"
 
 
 async def test_a_cancelled_request_takes_its_stream_out() -> None:
@@ -255,4 +258,5 @@ async def test_the_hubs_end_ends_the_streams_in_it() -> None:
         status, body = await read_answer(w.client)
         assert status == 200 and b"the proxy is shutting down" in body
         outer.cancel_scope.cancel()
-    assert result[0].broken_by == "the proxy is shutting down"
+    assert result[0].broken_by is not None
+    assert result[0].broken_by.detail == "the proxy is shutting down"

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.http.request_head import HeadReader
 from tests.request_heads import HOST, h11_request, parse_every_way, refusal
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import h11
 import pytest
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.http.framing import ChunkedDecoder, LengthDecoder
 from app.http.request_head import HeadReader
 from tests.request_heads import (

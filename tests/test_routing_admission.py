@@ -9,7 +9,8 @@ import math
 import pytest
 
 from app.budgets.buckets import TokenBuckets
-from app.routing.refusal import Overloaded
+from app.errors import answer_for
+from app.routing.refusal import Overloaded, ShedReason
 from app.routing.usage import Usage, usage_from_tail
 
 # --- tokens per minute --------------------------------------------------------------------------
@@ -45,8 +46,11 @@ def test_a_request_larger_than_a_minute_never_fits_and_keys_are_bounded() -> Non
 
 
 def test_overloaded_says_when_to_retry_in_whole_seconds() -> None:
-    assert Overloaded("queue_full", "busy", 0.2).headers == [(b"retry-after", b"1")]
-    assert Overloaded("tokens_per_minute", "slow down", 7.01).headers == [(b"retry-after", b"8")]
+    busy = answer_for(Overloaded(ShedReason.QUEUE_FULL, "busy", 0.2))
+    assert busy.headers == [(b"retry-after", b"1")]
+    slow = answer_for(Overloaded(ShedReason.TOKENS_PER_MINUTE, "slow down", 7.01))
+    assert slow.headers == [(b"retry-after", b"8")]
+    assert (slow.status, slow.body["error"]["code"]) == (429, "tokens_per_minute")
 
 
 # --- the slot queue -----------------------------------------------------------------------------

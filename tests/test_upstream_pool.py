@@ -35,7 +35,8 @@ import pytest
 import trio
 import trio.testing
 
-from app.http.client import UpstreamError, UpstreamPool, UpstreamResponse
+from app.errors import UpstreamError, UpstreamFault
+from app.http.client import UpstreamPool, UpstreamResponse
 from app.http.exchange import ClientConnection, Exchange
 from app.http.relay_hub import SWEEP_S, RelayHub
 from app.http.streams import StreamBytes, byte_stream
@@ -209,7 +210,7 @@ async def test_a_late_head_fails_at_exactly_the_first_byte_timeout_and_is_not_re
         started = trio.current_time()
         with pytest.raises(UpstreamError, match="no response within 5s") as info:
             await read_all(pool)
-        assert info.value.timeout and trio.current_time() - started == 5
+        assert info.value.fault is UpstreamFault.TIMEOUT and trio.current_time() - started == 5
         assert backend.requests == 2  # the late request, on a reused connection, is not resent
         delay[0] = 0
         assert await read_all(pool) == b"{}"  # its slot was given back
@@ -355,7 +356,9 @@ async def test_a_silent_backend_ends_the_stream_after_the_idle_timeout(
 
     started = trio.current_time()
     relayed, (status, body), _, _ = await relayed_answer(one_event_then_silence)
-    assert relayed.broken_by == "no data from the backend for 1s"
+    assert relayed.broken_by is not None
+    assert relayed.broken_by.fault is UpstreamFault.TIMEOUT
+    assert relayed.broken_by.detail == "no data from the backend for 1s"
     silent = trio.current_time() - started - 0.5
     assert 1.0 <= silent <= 1.0 + SWEEP_S  # the hub's sweep, as for sockets
     assert status == 200 and body.startswith(b"data: 1\n\ndata: 2\n\n")
@@ -368,7 +371,7 @@ async def test_a_body_cut_short_that_is_not_a_stream_is_a_broken_answer() -> Non
         await stream.aclose()
 
     outcome, (status, body), _, _ = await relayed_answer(half_a_body)
-    assert outcome.broken_by is not None and "short of its length" in outcome.broken_by
+    assert outcome.broken_by is not None and "short of its length" in outcome.broken_by.detail
     assert (status, body) == (200, b'{"a":')  # and the client's connection was closed
 
 

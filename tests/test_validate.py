@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.preprocess.json_bodies import parse_json_object
 from app.preprocess.request_bodies import check_chat, check_completion
 

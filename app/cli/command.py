@@ -20,7 +20,8 @@ from typing import Any
 
 from app.cli.config_file import read_config
 from app.cli.envoy import EnvoyCommand, add_envoy_parser, envoy_command, run_envoy
-from app.config import ConfigError, Settings
+from app.config import Settings
+from app.errors import ConfigError
 from app.sim.settings import SimSettings
 
 HELP: dict[str, str] = {
@@ -134,12 +135,14 @@ HELP: dict[str, str] = {
 }
 
 
-class ConfigExit(SystemExit):
-    """A setting that cannot work: `main` prints the message; the exit status is 2."""
+class ConfigExit(ConfigError, SystemExit):
+    """A setting that cannot work, found while reading the command line: `main` prints the
+    message; the exit status is 2 (a SystemExit too, as argparse's own refusals are)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(2)
+        super().__init__(message)
         self.message = message
+        self.code = 2
 
     def __str__(self) -> str:
         return self.message

@@ -24,7 +24,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from app.config import ConfigError, ModelConfig
+from app.config import ModelConfig
+from app.errors import ConfigError
 
 PATH_KEYS = ("tokenizer", "chat_template", "api_keys")
 MODEL_KEYS = frozenset(f.name for f in fields(ModelConfig))

@@ -22,12 +22,11 @@ import trio
 from app.cli.allocator import fix_mmap_threshold
 from app.cli.sluice import Sluice, print_urls, run_then_cancel, stop_on_signal
 from app.cli.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
-from app.config import ConfigError, Settings
+from app.config import Settings
 from app.dashboard.app import DashboardSources
 from app.dashboard.serving import serve_dashboard
 from app.dashboard.workers_view import WorkersView
-from app.preprocess.chat_template import TemplateLoadError
-from app.preprocess.tokenizer_loading import TokenizerLoadError
+from app.errors import ConfigError
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
 
@@ -132,14 +131,14 @@ def run_until_stopped(
     status = 0
     try:
         trio.run(main, settings)
-    except* (TokenizerLoadError, TemplateLoadError, ConfigError) as group:
-        for exc in group.exceptions:
-            print(f"sluice: {exc}", file=sys.stderr)
-        status = 2
-    except* WorkerStartFailed as failed:
+    except* WorkerStartFailed as failed:  # a ConfigError whose status is the worker's
         for failure in _leaves(failed):
             print(f"sluice: {failure}", file=sys.stderr)
             status = worker_exit_status(failure) or 2
+    except* ConfigError as group:  # a bad setting, tokenizer or chat template
+        for exc in group.exceptions:
+            print(f"sluice: {exc}", file=sys.stderr)
+        status = 2
     return status
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from app.config import Saturation, Settings
+from app.errors import ConfigError
 from app.http.listeners import reserve_port
 
 log = logging.getLogger("sluice.supervisor")
@@ -50,7 +51,7 @@ EXIT_MARGIN_S = 5.0
 ORDER_HEADER = struct.Struct("!Q")
 
 
-class WorkerStartFailed(Exception):
+class WorkerStartFailed(ConfigError):
     """A worker exited before it ever listened: no use starting it again."""
 
     def __init__(self, index: int, status: str, returncode: int | None) -> None:

@@ -3,8 +3,8 @@ the writes an operator has: the saturation policy, backends added and removed
 (backends_api.py) and, in the demo, a burst.
 
 Its routes and what each answers are README.md's endpoint table, generated from this app's URL
-map (`python -m app.cli.reference`). Every error is OpenAI-shaped JSON. Who may do what:
-security.py.
+map (`python -m app.cli.reference`). Every error is raised and answered as app/errors.py's
+`answer_for` says (OpenAI-shaped JSON), like the proxy's. Who may do what: security.py.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
-from app.dashboard.answers import Answer, error_answer, json_object
+from app.dashboard.answers import Answer, error_response, json_object
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl, register_backends_api
 from app.dashboard.feed import BuildSnapshot, DashboardFeed, ReadOccupancy
 from app.dashboard.security import bearer_matches, host_allowed, same_origin
+from app.errors import ClientError, Refused, SluiceError
 from app.fleet.traffic import TrafficSource
 
 HERE = Path(__file__).resolve().parent
@@ -87,12 +88,11 @@ def create_dashboard(
     app.config["SEND_FILE_MAX_AGE_DEFAULT"] = 0
 
     @app.before_request
-    async def refuse_foreign_hosts() -> Answer | None:
+    async def refuse_foreign_hosts() -> None:
         if not host_allowed(request.headers.get("host"), bound_host):
-            return error_answer(
-                403, "this dashboard answers to loopback host names only", "forbidden"
+            raise ClientError(
+                "this dashboard answers to loopback host names only", status=403, type_="forbidden"
             )
-        return None
 
     @app.after_request
     async def page_headers(response: Response) -> Response:
@@ -100,30 +100,37 @@ def create_dashboard(
             response.headers.setdefault(name, value)
         return response
 
-    @app.errorhandler(HTTPException)
-    async def httperror_answer(error: HTTPException) -> tuple[dict[str, Any], int, dict[str, str]]:
-        code = error.code or 500
-        kind = "invalid_request_error" if code < 500 else "server_error"
-        body, _ = error_answer(code, error.description or error.name, kind)
-        allowed = getattr(error, "valid_methods", None)
-        return body, code, {"allow": ", ".join(allowed)} if allowed else {}
+    @app.errorhandler(SluiceError)
+    async def sluice_error(error: SluiceError) -> Response:
+        return error_response(error)
 
-    def refuse_write() -> Answer | None:
-        """Why this write may not happen, or None."""
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        """Quart's own refusals (404, 405, 413) in the same shape; its 500s as ours."""
+        code = error.code or 500
+        if code >= 500:
+            return error_response(error)
+        allowed = getattr(error, "valid_methods", None)
+        headers = [(b"allow", ", ".join(allowed).encode())] if allowed else []
+        return error_response(
+            ClientError(error.description or error.name, status=code, headers=headers)
+        )
+
+    def check_write() -> None:
+        """Raises why this write may not happen, if it may not."""
         headers = request.headers
         if not same_origin(
             headers.get("origin"), headers.get("sec-fetch-site"), headers.get("host")
         ):
-            return error_answer(403, "cross-origin writes are refused", "forbidden")
+            raise ClientError("cross-origin writes are refused", status=403, type_="forbidden")
         if admin_token is not None and not bearer_matches(
             headers.get("authorization"), admin_token
         ):
-            return error_answer(
-                401,
+            raise ClientError(
                 "this write needs 'Authorization: Bearer <admin token>'",
-                "authentication_error",
+                status=401,
+                type_="authentication_error",
             )
-        return None
 
     # The page is a plain file (no template syntax), read once here: rendered by Jinja at its
     # first request it cost the loop 5-6 ms (measured, `sluice demo` under Chromium).
@@ -146,11 +153,10 @@ def create_dashboard(
         return Response(payload, content_type="application/json")
 
     @app.get("/api/events")
-    async def api_events() -> Response | Answer:
+    async def api_events() -> Response:
         if feed.pages >= feed.max_pages:
-            return error_answer(
-                503, f"at most {feed.max_pages} pages may listen at once", "overloaded"
-            )
+            message = f"at most {feed.max_pages} pages may listen at once"
+            raise Refused(503, "overloaded", None, message, None)
 
         async def events() -> Any:
             # Browsers retry after this many ms when the stream breaks (Sluice restarting).
@@ -168,22 +174,13 @@ def create_dashboard(
 
     @app.put("/api/policy")
     async def api_policy() -> Answer:
-        payload = await json_object(refuse_write, '{"saturation": "wait"}')
-        if isinstance(payload, tuple):
-            return payload
+        payload = await json_object(check_write, '{"saturation": "wait"}')
         unknown = sorted(set(payload) - {"saturation"})
         if unknown:
-            return error_answer(
-                400, f"unknown field {unknown[0]!r}", "invalid_request_error", unknown[0]
-            )
+            raise ClientError(f"unknown field {unknown[0]!r}", unknown[0])
         saturation = payload.get("saturation")
         if saturation not in SATURATION_POLICIES:
-            return error_answer(
-                400,
-                "'saturation' must be 'wait' or 'bail-out'",
-                "invalid_request_error",
-                "saturation",
-            )
+            raise ClientError("'saturation' must be 'wait' or 'bail-out'", "saturation")
         applied = set_saturation(saturation)
         if inspect.isawaitable(applied):
             await applied
@@ -193,16 +190,14 @@ def create_dashboard(
     @app.post("/api/demo/burst")
     async def api_burst() -> Answer:
         if request_burst is None:
-            return error_answer(404, "bursts are a `sluice demo` feature", "invalid_request_error")
-        refused = refuse_write()
-        if refused is not None:
-            return refused
+            raise ClientError("bursts are a `sluice demo` feature", status=404)
+        check_write()
         return {"queued": request_burst()}, 202
 
     @app.get("/metrics")
-    async def metrics() -> Response | Answer:
+    async def metrics() -> Response:
         return Response(await sources.metrics_text(), content_type=METRICS_CONTENT_TYPE)
 
     app.config[CONTROL_KEY] = sources.control
-    register_backends_api(app, refuse_write)
+    register_backends_api(app, check_write)
     return app

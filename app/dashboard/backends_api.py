@@ -4,7 +4,7 @@
     POST   /api/backends        {"url": "http://host:port"}: probed at once, 201 with its state
     DELETE /api/backends/{id}   by the id the listing shows (or the URL, percent-encoded)
 
-Writes go through the dashboard's own `refuse_write` (admin token, same origin), like every
+Writes go through the dashboard's own `check_write` (admin token, same origin), like every
 write there. A new backend takes traffic once its health check passes (the answer says
 whether it did); a removed one gets no new request at once, its requests in flight finish,
 and the routing index forgets it. Errors are OpenAI-shaped JSON.
@@ -20,15 +20,14 @@ import trio
 from quart import current_app
 from quart_trio import QuartTrio
 
-from app.dashboard.answers import Answer, error_answer, json_object
+from app.dashboard.answers import Answer, CheckWrite, json_object
+from app.errors import ClientError
 from app.fleet.backends import Backend
 from app.routing.router import Router
 
 CONTROL_KEY = "SLUICE_BACKEND_CONTROL"
 MAX_BACKENDS = 64
 MAX_URL_CHARS = 2048
-
-RefuseWrite = Callable[[], Answer | None]
 
 
 def check_backend_url(url: Any) -> str:
@@ -47,10 +46,6 @@ def check_backend_url(url: Any) -> str:
     if port == 0:
         raise ValueError(f"{url!r}: port 0 cannot be reached")
     return url.rstrip("/")
-
-
-class Unavailable(Exception):
-    """No pool to change here: the dashboard of `--workers N`, whose workers hold theirs."""
 
 
 class BackendControl:
@@ -79,23 +74,19 @@ class BackendControl:
         return backend
 
 
-def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
+def register_backends_api(app: QuartTrio, check_write: CheckWrite) -> None:
     """Add the endpoints; `app.config[CONTROL_KEY]` holds the `BackendControl` to use."""
 
     def control() -> BackendControl:
         found: BackendControl | None = current_app.config[CONTROL_KEY]
-        if found is None:
-            raise Unavailable()
+        if found is None:  # the dashboard of `--workers N`, whose workers hold their pools
+            raise ClientError(
+                "with --workers, each worker keeps the backends it was started with: change "
+                '--backend and restart (the snapshot\'s "backends" lists them)',
+                code="workers",
+                status=409,
+            )
         return found
-
-    @app.errorhandler(Unavailable)
-    async def unavailable(_: Unavailable) -> Answer:
-        return error_answer(
-            409,
-            "with --workers, each worker keeps the backends it was started with: change "
-            '--backend and restart (the snapshot\'s "backends" lists them)',
-            code="workers",
-        )
 
     @app.get("/api/backends")
     async def list_backends() -> Answer:
@@ -103,34 +94,31 @@ def register_backends_api(app: QuartTrio, refuse_write: RefuseWrite) -> None:
 
     @app.post("/api/backends")
     async def add_backend() -> Answer:
-        payload = await json_object(refuse_write, '{"url": "http://gpu-1:8000"}')
-        if isinstance(payload, tuple):
-            return payload
+        payload = await json_object(check_write, '{"url": "http://gpu-1:8000"}')
         try:
             url = check_backend_url(payload.get("url"))
         except ValueError as exc:
-            return error_answer(400, str(exc), param="url")
+            raise ClientError(str(exc), "url") from None
         pool = control().router.pool
         if len(pool.backends) >= MAX_BACKENDS:
-            return error_answer(
-                409, f"the pool already has {MAX_BACKENDS} backends", param="url", code="too_many"
-            )
+            message = f"the pool already has {MAX_BACKENDS} backends"
+            raise ClientError(message, "url", "too_many", status=409)
         try:
             backend = await control().add(url)
         except ValueError as exc:
-            return error_answer(409, str(exc), param="url", code="backend_exists")
+            raise ClientError(str(exc), "url", "backend_exists", status=409) from None
         return {"backend": control().describe(backend)}, 201
 
     @app.delete("/api/backends/<path:backend_id>")
     async def remove_backend(backend_id: str) -> Answer:
-        refused = refuse_write()
-        if refused is not None:
-            return refused
+        check_write()
         router = control().router
         backend = router.pool.find(unquote(backend_id))
         if backend is None:
-            return error_answer(404, f"no backend {backend_id!r}; GET /api/backends lists them")
+            raise ClientError(
+                f"no backend {backend_id!r}; GET /api/backends lists them", status=404
+            )
         if len(router.pool.backends) == 1:
-            return error_answer(409, "the last backend cannot be removed; add another first")
+            raise ClientError("the last backend cannot be removed; add another first", status=409)
         router.remove_backend(backend)
         return {"removed": {"id": backend.id, "url": backend.url}}, 200

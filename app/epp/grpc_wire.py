@@ -18,6 +18,8 @@ import dataclasses
 import enum
 import re
 
+from app.errors import WireError
+
 PREFIX_BYTES = 5
 # gRPC's own default receive cap; the server's limits may raise it.
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -73,7 +75,7 @@ class StatusCode(enum.IntEnum):
     UNAUTHENTICATED = 16
 
 
-class GrpcError(Exception):
+class GrpcError(WireError):
     """Ends one call with `code` and `message` in its trailers; a handler raises it."""
 
     def __init__(self, code: StatusCode, message: str = "", *, http_status: int = 200) -> None:

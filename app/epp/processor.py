@@ -28,14 +28,14 @@ from app.epp import ext_proc
 from app.epp.grpc_server import MessageStream
 from app.epp.grpc_wire import GrpcError, StatusCode
 from app.epp.messages import FULL_DUPLEX_STREAMED, ProcessingRequest
+from app.errors import ClientError, Refused, SluiceError, WireError, answer_for
 from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
-from app.http.errors import ClientError, ErrorAnswer
 from app.observe.metrics import Metrics
 from app.preprocess.endpoints import ENDPOINTS, Endpoint
 from app.preprocess.reception import Reception
 from app.routing.decider import Decider, RequestContext, RequestFacts
 from app.routing.decision import Decision, RouteRequest
-from app.routing.refusal import Refused, no_backend
+from app.routing.refusal import no_backend
 from app.routing.usage import TAIL_BYTES, usage_from_tail
 
 log = logging.getLogger("sluice.epp")
@@ -43,7 +43,7 @@ log = logging.getLogger("sluice.epp")
 OTHER = Endpoint("other", "model", ())  # a request that is no inference: routed by load
 
 
-class _StreamEnded(Exception):
+class _StreamEnded(WireError):
     """Envoy ended the stream before the request was whole: its client left."""
 
 
@@ -335,11 +335,12 @@ class EndpointPicker:
         self.pool.request_failed(failed, trio.current_time(), "the gateway retried", model)
         return self.decider.served_by(decision, backend)
 
-    async def _refuse(self, stream: MessageStream, state: _Stream, error: ErrorAnswer) -> None:
-        state.answer.status = error.status
+    async def _refuse(self, stream: MessageStream, state: _Stream, error: SluiceError) -> None:
+        answer = answer_for(error)
+        state.answer.status = answer.status
         state.answer.complete = True
         state.answer.first_byte_at = time.perf_counter()
-        await stream.send(ext_proc.immediate(error.status, error.body(), error.headers))
+        await stream.send(ext_proc.immediate(answer.status, answer.body, answer.headers))
 
 
 def _find(backends: tuple[Backend, ...], endpoint: str) -> Backend | None:

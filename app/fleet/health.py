@@ -23,10 +23,10 @@ from typing import Any
 
 import trio
 
+from app.errors import UpstreamError
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.tokenizer_check import check_tokenizer
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
-from app.http.client import UpstreamError
 from app.http.fetch import Fetched, Fetcher
 from app.observe.metrics import Metrics
 

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import trio
 
+from app.errors import UpstreamError
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.engine_limits import LIMIT_PATHS, stated_limit
 from app.fleet.engine_metrics import EngineName, EngineReading, next_load, read_engine
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
-from app.http.client import UpstreamError
 from app.http.fetch import Fetcher
 
 log = logging.getLogger("sluice.load_scraper")

@@ -22,8 +22,8 @@ from typing import Any
 
 import trio
 
+from app.errors import UpstreamError
 from app.fleet.backends import Backend, BackendPool, TokenizerOutcome, TokenizerProbe
-from app.http.client import UpstreamError
 from app.http.fetch import Fetched, Fetcher
 
 log = logging.getLogger("sluice.tokenizer_check")

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from app.errors import UpstreamError, UpstreamFault
 from app.http.fields import Headers, first_values
 from app.http.framing import FramingError, decoder_for
 from app.http.response_head import ProtocolError, ResponseHead, request_bytes
@@ -35,16 +36,6 @@ OpenStream = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 async def open_tcp(host: str, port: int) -> trio.abc.Stream:
     return await trio.open_tcp_stream(host, port)
-
-
-class UpstreamError(Exception):
-    """Connecting, sending or reading failed. `connect` tells whether we never got a socket,
-    `timeout` whether the response head did not come within the first-byte timeout."""
-
-    def __init__(self, detail: str, *, connect: bool = False, timeout: bool = False) -> None:
-        super().__init__(detail)
-        self.connect = connect
-        self.timeout = timeout
 
 
 @dataclass(eq=False)  # compared and hashed by identity: keys of the pool's deadlines
@@ -82,7 +73,9 @@ class UpstreamResponse:
         try:
             self._decoder = decoder_for(self.status_code, self.headers, method)
         except FramingError as exc:
-            raise UpstreamError(f"invalid response from the backend: {exc}") from None
+            raise UpstreamError(
+                UpstreamFault.PROTOCOL, f"invalid response from the backend: {exc}"
+            ) from None
         self._arrived = head.rest  # body bytes read along with the head
         self.reused = connection.reused  # sent on a kept-alive connection, not a new one
         self.sent_at = 0.0  # perf_counter once the request was sent (its first byte awaited)
@@ -104,7 +97,7 @@ class UpstreamResponse:
         try:
             return await self._connection.stream.receive()
         except trio.BrokenResourceError as exc:
-            raise UpstreamError(str(exc)) from None
+            raise UpstreamError(UpstreamFault.BROKEN, str(exc)) from None
 
     @property
     def stream(self) -> ByteStream:
@@ -114,7 +107,7 @@ class UpstreamResponse:
 
     async def read_rest(self, idle: float, max_bytes: int | None = None) -> bytes:
         """The rest of the body, whole: for an answer that is reshaped before the client gets
-        any of it, or read whole by a watcher. `UpstreamError` (`timeout` set) after `idle`
+        any of it, or read whole by a watcher. `UpstreamError` (TIMEOUT) after `idle`
         seconds without a byte, or once more than `max_bytes` have come."""
         pieces = [self.take_arrived()]
         size = len(pieces[0])
@@ -125,8 +118,8 @@ class UpstreamResponse:
                 pieces.append(self.decode(await self.receive()))
                 size += len(pieces[-1])
                 continue
-            raise UpstreamError(f"no data from the backend for {idle:g}s", timeout=True)
-        raise UpstreamError(f"an answer over {max_bytes} bytes")
+            raise UpstreamError(UpstreamFault.TIMEOUT, f"no data from the backend for {idle:g}s")
+        raise UpstreamError(UpstreamFault.UNUSABLE, f"an answer over {max_bytes} bytes")
 
     def decode(self, raw: bytes) -> bytes:
         """The content of one read (raw b"": the backend closed); `complete` turns true with
@@ -140,7 +133,9 @@ class UpstreamResponse:
                 decoder.end_of_input()
                 pieces = []
         except FramingError as exc:
-            raise UpstreamError(f"invalid body from the backend: {exc}") from None
+            raise UpstreamError(
+                UpstreamFault.PROTOCOL, f"invalid body from the backend: {exc}"
+            ) from None
         self.complete = decoder.done
         if not pieces:
             return b""
@@ -170,7 +165,7 @@ class UpstreamPool:
     at most `max_idle_per_backend` idle connections are kept for each backend.
 
     A response head that does not come within `first_byte_timeout` of its request being
-    sent fails the exchange (`UpstreamError` with `timeout`). `expire_late_heads`, one task
+    sent fails the exchange (`UpstreamError`, TIMEOUT). `expire_late_heads`, one task
     for the whole pool, keeps that deadline: it aborts the late connection, which wakes the
     request waiting on it. A cancel scope around each exchange did the same at ~15-20 µs of
     the proxy's CPU a request (Trio's scope and deadline bookkeeping, measured side by side
@@ -232,16 +227,16 @@ class UpstreamPool:
     async def _connect(self, base_url: str) -> _Connection:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or parts.hostname is None:
-            raise UpstreamError(f"unsupported backend URL {base_url!r}", connect=True)
+            raise UpstreamError(UpstreamFault.CONNECT, f"unsupported backend URL {base_url!r}")
         try:
             with trio.fail_after(self.connect_timeout):
                 stream = await self._open_stream(parts.hostname, parts.port or 80)
         except trio.TooSlowError:
-            raise UpstreamError(
-                f"connect timed out after {self.connect_timeout:g}s", connect=True
-            ) from None
+            detail = f"connect timed out after {self.connect_timeout:g}s"
+            raise UpstreamError(UpstreamFault.CONNECT, detail) from None
         except OSError as exc:
-            raise UpstreamError(f"connect failed: {exc.strerror or exc}", connect=True) from None
+            detail = f"connect failed: {exc.strerror or exc}"
+            raise UpstreamError(UpstreamFault.CONNECT, detail) from None
         return _Connection(byte_stream(stream))
 
     async def _checkout(self, base_url: str) -> _Connection:
@@ -254,7 +249,9 @@ class UpstreamPool:
                 with trio.fail_after(self.connect_timeout):
                     await self._slots.acquire()
             except trio.TooSlowError:
-                raise UpstreamError("every upstream connection is busy", connect=True) from None
+                raise UpstreamError(
+                    UpstreamFault.CONNECT, "every upstream connection is busy"
+                ) from None
         try:
             idle = self._idle.get(base_url)
             while idle:
@@ -288,7 +285,7 @@ class UpstreamPool:
                 return await self._exchange(base_url, connection, path, headers, body, method)
             except UpstreamError as exc:
                 await self.discard(connection)
-                if not connection.reused or attempt or exc.timeout:
+                if not connection.reused or attempt or exc.fault is UpstreamFault.TIMEOUT:
                     raise
             except BaseException:
                 await self.discard(connection)
@@ -311,7 +308,7 @@ class UpstreamPool:
         try:
             await stream.send(request_bytes(host, path.encode(), headers, body, method))
         except trio.BrokenResourceError as exc:
-            raise UpstreamError(f"while sending: {exc}") from None
+            raise UpstreamError(UpstreamFault.BROKEN, f"while sending: {exc}") from None
         except trio.ClosedResourceError:
             raise self._aborted(connection) from None
         sent_at = time.perf_counter()
@@ -320,16 +317,18 @@ class UpstreamPool:
             try:
                 data = await stream.receive()
             except trio.BrokenResourceError as exc:
-                raise UpstreamError(str(exc)) from None
+                raise UpstreamError(UpstreamFault.BROKEN, str(exc)) from None
             except trio.ClosedResourceError:
                 raise self._aborted(connection) from None
             if not data:
-                raise UpstreamError("the backend closed the connection")
+                raise UpstreamError(UpstreamFault.BROKEN, "the backend closed the connection")
             received += data
             try:
                 head = ResponseHead.parse(received)
             except ProtocolError as exc:
-                raise UpstreamError(f"invalid HTTP from the backend: {exc}") from None
+                raise UpstreamError(
+                    UpstreamFault.PROTOCOL, f"invalid HTTP from the backend: {exc}"
+                ) from None
             if head is not None:
                 response = UpstreamResponse(self, base_url, connection, head, method)
                 response.sent_at = sent_at
@@ -338,8 +337,8 @@ class UpstreamPool:
     def _aborted(self, connection: _Connection) -> UpstreamError:
         if connection.late:
             detail = f"no response within {self.first_byte_timeout:g}s"
-            return UpstreamError(detail, timeout=True)
-        return UpstreamError("the connection was closed")
+            return UpstreamError(UpstreamFault.TIMEOUT, detail)
+        return UpstreamError(UpstreamFault.BROKEN, "the connection was closed")
 
     async def aclose(self) -> None:
         for connections in self._idle.values():

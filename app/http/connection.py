@@ -32,7 +32,7 @@ from http import HTTPStatus
 
 import trio
 
-from app.http.errors import ClientError
+from app.errors import ClientError, SluiceError, answer_for
 from app.http.fields import field_lines
 from app.http.framing import BodyDecoder
 from app.http.request_head import HeadReader, RequestHead
@@ -110,7 +110,7 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class StateError(RuntimeError):
+class StateError(SluiceError, RuntimeError):
     """An event the phase does not allow: a bug of the server's, never of a client's."""
 
 
@@ -242,10 +242,12 @@ class ClientConnection:
 
     async def refuse(self, error: ClientError) -> None:
         """An error answer to a request that could not be read; the connection then closes."""
-        body = json.dumps(error.body()).encode()
+        answer = answer_for(error)
+        body = json.dumps(answer.body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += answer.headers
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.stream.send(response_head(error.status, [*headers, CLOSE]) + body)
+            await self.stream.send(response_head(answer.status, [*headers, CLOSE]) + body)
         self._apply(Event.REFUSED)
 
     # --- the timer -------------------------------------------------------------------------

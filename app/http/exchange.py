@@ -21,8 +21,8 @@ from typing import Any
 
 import trio
 
+from app.errors import ClientError, WireError, answer_for
 from app.http.connection import CLOSE, ClientConnection, response_head
-from app.http.errors import ClientError, ErrorAnswer, error_body
 from app.http.fields import Headers, field, first_values
 from app.http.framing import LAST_CHUNK, FramingError, chunk
 from app.http.relay_hub import HubStream
@@ -33,7 +33,7 @@ from app.http.streams import ByteStream
 KEEP_ALIVE = (b"connection", b"keep-alive")
 
 
-class ClientGone(Exception):
+class ClientGone(WireError):
     """The client closed the connection: its request cannot be read or answered."""
 
 
@@ -158,17 +158,10 @@ class Exchange:
         body = json.dumps(payload, separators=(",", ":")).encode()
         await self.respond(status, [(b"content-type", b"application/json"), *headers], body)
 
-    async def respond_error(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        param: str | None = None,
-        code: str | int | None = None,
-        headers: Iterable[tuple[bytes, bytes]] = (),
-    ) -> None:
-        """The one writer of error answers: OpenAI's shape (errors.py)."""
-        await self.respond_json(status, error_body(message, type_, param, code), headers)
+    async def respond_error(self, error: BaseException) -> None:
+        """`error` answered as app/errors.py says (a 500 for anything not Sluice's own)."""
+        answer = answer_for(error)
+        await self.respond_json(answer.status, answer.body, answer.headers)
 
     async def send(self, reply: Reply) -> None:
         """Answer with `reply`: whole, or its head and first bytes in one write and the rest
@@ -202,9 +195,6 @@ class Exchange:
             return
         await source.release()
         await self.end(source.last(ended.last))
-
-    async def respond_client_error(self, error: ErrorAnswer) -> None:
-        await self.respond_json(error.status, error.body(), error.headers)
 
     async def start(
         self, status: int, headers: Headers, first: bytes = b"", *, complete: bool

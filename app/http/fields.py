@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from app.errors import WireError
+
 Headers = list[tuple[bytes, bytes]]
 
 # RFC 9110 §5.1 token; a value of visible characters, spaces and tabs (obs-text allowed).
@@ -22,7 +24,7 @@ Headers = list[tuple[bytes, bytes]]
 _FIELD_LINE = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([^\x00-\x08\x0a-\x1f\x7f]*)")
 
 
-class FieldError(ValueError):
+class FieldError(WireError, ValueError):
     """A header line that is not a field."""
 
 

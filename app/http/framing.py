@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
+from app.errors import WireError
+
 # A chunk-size line (size and extensions) or a trailer line longer than this is refused,
 # as is a trailer section longer than MAX_TRAILER_BYTES: held-back framing stays bounded.
 MAX_LINE_BYTES = 4096
@@ -29,7 +31,7 @@ LAST_CHUNK = b"0\r\n\r\n"
 MAX_LENGTH_DIGITS = 18
 
 
-class FramingError(ValueError):
+class FramingError(WireError, ValueError):
     """The body does not follow its declared framing."""
 
 

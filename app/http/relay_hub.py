@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import outcome
 import trio
 
-from app.http.client import UpstreamError
+from app.errors import UpstreamError, UpstreamFault
 from app.http.streams import ByteStream, SocketBytes
 
 BATCH = 64  # streams served per task step
@@ -46,8 +46,13 @@ class Ended:
     """How a stream left the hub."""
 
     last: bytes = b""  # the content of the read that ended the body: not written yet
-    broken: str | None = None  # what broke the stream on the backend's side
+    broken: UpstreamError | None = None  # what broke the stream on the backend's side
     client_gone: bool = False  # the client's stream refused a write
+
+
+def _cut(detail: str) -> Ended:
+    """A stream whose backend connection broke (or was closed) before the body ended."""
+    return Ended(broken=UpstreamError(UpstreamFault.BROKEN, detail))
 
 
 @dataclass(slots=True, eq=False)  # hashed by identity: a key of the hub's tables
@@ -104,7 +109,7 @@ class RelayHub:
         finally:
             self._pumps = None
             for stream in list(self._streams):
-                self._end(stream, Ended(broken="the proxy is shutting down"))
+                self._end(stream, _cut("the proxy is shutting down"))
             self._epoll.close()
 
     async def relay(self, stream: HubStream) -> Ended:
@@ -130,7 +135,7 @@ class RelayHub:
     def _wait_on(self, stream: HubStream, end: SocketBytes, events: int) -> None:
         fd = end.fileno()
         if fd is None:
-            self._end(stream, Ended(broken="the connection is closed"))
+            self._end(stream, _cut("the connection is closed"))
             return
         self._by_fd[fd] = stream
         self._fds[stream] = fd
@@ -175,7 +180,7 @@ class RelayHub:
         try:
             content = stream.take(raw)
         except UpstreamError as exc:
-            self._end(stream, Ended(broken=str(exc)))
+            self._end(stream, Ended(broken=exc))
             return b""
         stream.last_data = now
         if stream.complete():
@@ -195,7 +200,7 @@ class RelayHub:
         try:
             raw = upstream.receive_now(READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._end(stream, Ended(broken=str(exc)))
+            self._end(stream, _cut(str(exc)))
             return
         if raw is None:
             return
@@ -240,7 +245,7 @@ class RelayHub:
                 try:
                     raw = await stream.upstream.receive(READ_SIZE)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self._end(stream, Ended(broken=f"connection lost: {exc}"))
+                    self._end(stream, _cut(f"connection lost: {exc}"))
                     return
                 data = self._arrived(stream, raw, trio.current_time())
                 if not data:
@@ -264,8 +269,8 @@ class RelayHub:
             now = trio.current_time()
             for stream in list(self._streams):
                 if not stream.blocked and now - stream.last_data >= stream.idle:
-                    broken = f"no data from the backend for {stream.idle:g}s"
-                    self._end(stream, Ended(broken=broken))
+                    silent = f"no data from the backend for {stream.idle:g}s"
+                    self._end(stream, Ended(broken=UpstreamError(UpstreamFault.TIMEOUT, silent)))
 
     def _end(self, stream: HubStream, ended: Ended) -> None:
         task = stream._task

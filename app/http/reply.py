@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from app.http.errors import ErrorAnswer
+from app.errors import UpstreamError, answer_for
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
 from app.http.streams import ByteStream
@@ -38,8 +38,8 @@ class BodySource(Protocol):
         """Its first bytes went out."""
         ...
 
-    def broken(self, detail: str) -> bytes | None:
-        """What ends a body broken off by `detail` cleanly (an event stream's error event),
+    def broken(self, failure: UpstreamError) -> bytes | None:
+        """What ends a body broken off by `failure` cleanly (an event stream's error event),
         or None: then the connection closes, so a body cut short never looks complete."""
         ...
 
@@ -65,5 +65,7 @@ def json_reply(status: int, payload: Any, headers: Iterable[tuple[bytes, bytes]]
     return whole(status, [(b"content-type", b"application/json"), *headers], body)
 
 
-def error_reply(error: ErrorAnswer) -> Reply:
-    return json_reply(error.status, error.body(), error.headers)
+def error_reply(error: BaseException, extra: Iterable[tuple[bytes, bytes]] = ()) -> Reply:
+    """`error` answered as app/errors.py says, with `extra` headers."""
+    answer = answer_for(error)
+    return json_reply(answer.status, answer.body, [*answer.headers, *extra])

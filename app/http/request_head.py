@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.http.fields import FieldError, Headers, field, parse_fields
 from app.http.framing import BodyDecoder, FramingError, UnsupportedCoding, request_decoder
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from app.errors import WireError
 from app.http.fields import FieldError, Headers, field_lines, parse_fields
 
 MAX_HEAD_BYTES = 65536
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: [^\r\n]*)?")
 
 
-class ProtocolError(ValueError):
+class ProtocolError(WireError, ValueError):
     """The backend's response head is not HTTP/1.1."""
 
 

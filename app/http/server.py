@@ -30,9 +30,9 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from app.errors import ClientError
 from app.http.connection import DEFAULT_LIMITS, ClientConnection, Limits, Phase
 from app.http.departures import Departures
-from app.http.errors import ClientError
 from app.http.exchange import ClientGone, Exchange
 from app.http.listeners import reuse_port_listeners
 from app.http.streams import ByteStream, byte_stream
@@ -152,18 +152,12 @@ class HttpServer:
             await self._handler(exchange)
         except ClientGone:
             pass
-        except Exception:
+        except Exception as exc:
             # A bug of ours must cost this request only, and still answer in OpenAI's shape.
             log.exception("unexpected error while serving %s %s", exchange.method, exchange.path)
             if not exchange.started:
                 with contextlib.suppress(ClientGone):
-                    await exchange.respond_error(
-                        500,
-                        "The server failed while handling this request; the error is in its log.",
-                        "internal_error",
-                        None,
-                        "internal_error",
-                    )
+                    await exchange.respond_error(exc)
             exchange.complete = False  # the connection ends with this answer
         finally:
             self.answering -= 1

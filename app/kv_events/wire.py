@@ -32,13 +32,15 @@ from typing import Any, TypeGuard
 
 import msgpack
 
+from app.errors import WireError
+
 EngineHash = int | bytes
 SEQ_BYTES = 8
 END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 MEDIUM_GPU = "GPU"
 
 
-class BadMessage(ValueError):
+class BadMessage(WireError, ValueError):
     """A message or an event that is not vLLM's KV-event format."""
 
 

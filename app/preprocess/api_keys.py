@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.config import ConfigError
-from app.http.errors import ClientError
+from app.errors import ClientError, ConfigError
 from app.models import ModelDirectory
 from app.preprocess.accounting import bearer_token, fingerprint
 

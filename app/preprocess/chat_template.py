@@ -40,7 +40,7 @@ from jinja2 import Environment, Template, TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from app.http.errors import ClientError
+from app.errors import ClientError, ConfigError
 from app.preprocess.shipped_renders import BY_NAME, DirectRender
 
 if TYPE_CHECKING:  # render worker processes import this module without the tokenizer
@@ -49,12 +49,15 @@ if TYPE_CHECKING:  # render worker processes import this module without the toke
 SHIPPED_DIR = Path(__file__).parent / "chat_templates"
 
 
-class TemplateLoadError(Exception):
+class TemplateLoadError(ConfigError):
     """The configured chat template cannot be read or compiled; a startup error."""
 
 
-class TemplateRaisedError(Exception):
-    """`raise_exception(message)` called by a template: the message is for the client."""
+class TemplateRaisedError(ClientError):
+    """`raise_exception(message)` called by a template: a 400 whose message is for the client."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "messages", "chat_template_error")
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,8 @@ class ChatTemplate:
             return compiled.render(
                 self._variables(messages, add_generation_prompt, tools, documents, extra)
             )
-        except TemplateRaisedError as exc:
-            raise ClientError(str(exc), "messages", "chat_template_error") from exc
+        except TemplateRaisedError:
+            raise
         except Exception as exc:  # any failure of a template on these messages is a 400
             raise ClientError(
                 f"the chat template ({self.origin}) failed on these messages: "

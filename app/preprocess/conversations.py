@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 
 # Responses' input item and content types whose text is part of the conversation.
 RESPONSES_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})

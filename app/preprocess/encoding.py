@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.preprocess.boundaries import BoundaryFinder, normalizer_is_identity
 from app.preprocess.l1_cache import Encode, check_cut_independence
 from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLike, TokenizerLoadError

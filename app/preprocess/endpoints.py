@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.http.errors import error_body
+from app.errors import error_body
 from app.preprocess.request_bodies import Kind
 
 BROKEN_CODE = "backend_stream_broken"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 
 MAX_FIELD_BYTES = 1024
 MAX_PARTS = 64

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 
 _decode_json = json.JSONDecoder().decode
 

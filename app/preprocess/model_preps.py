@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.config import ConfigError, ModelConfig, Settings
+from app.config import ModelConfig, Settings
+from app.errors import ConfigError
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess.chat_template import (

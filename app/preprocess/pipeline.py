@@ -36,7 +36,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from app.config import Saturation, Settings
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.models import NO_MODEL, ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess import length_gate

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.models import ModelDirectory
 from app.preprocess.chat_template import ChatTemplate, RenderCost
 from app.preprocess.json_bodies import nested_too_deeply

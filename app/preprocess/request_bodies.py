@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.preprocess.conversations import content_chars, messages_messages, responses_messages
 from app.preprocess.forms import form_fields
 from app.preprocess.json_bodies import parse_json_object

@@ -27,8 +27,10 @@ from urllib.parse import urlparse
 
 from tokenizers import Tokenizer
 
+from app.errors import ConfigError
 
-class TokenizerLoadError(Exception):
+
+class TokenizerLoadError(ConfigError):
     """The tokenizer named by the settings cannot be loaded; a startup error, not a 400."""
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import trio
 
 from app.config import Settings
+from app.errors import ClientError
 from app.fleet.tokenizer_check import build_probe
-from app.http.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.reply import error_reply
 from app.preprocess.arrival import Arrival, arrival
@@ -73,12 +73,12 @@ class ProxyApp:
         endpoint = ENDPOINTS.get(path)
         if endpoint is not None:
             if method != "POST":
-                await exchange.respond_client_error(errors.method_not_allowed(b"POST"))
+                await exchange.respond_error(errors.method_not_allowed(b"POST"))
                 return
             if self.active_requests >= self.settings.max_connections:
                 # Refused before reading the body: past the bound, memory stays flat.
                 limit = self.settings.max_connections
-                await exchange.respond_client_error(errors.overloaded(limit))
+                await exchange.respond_error(errors.overloaded(limit))
                 return
             self.active_requests += 1
             try:
@@ -88,7 +88,7 @@ class ProxyApp:
             return
         if path in GET_PATHS:
             if method not in ("GET", "HEAD"):
-                await exchange.respond_client_error(errors.method_not_allowed(b"GET"))
+                await exchange.respond_error(errors.method_not_allowed(b"GET"))
                 return
             if path == "/health":
                 await self.health(exchange)
@@ -102,7 +102,7 @@ class ProxyApp:
         if path.startswith(STORED_RESPONSES):
             await self.stored_response(exchange, path)
             return
-        await exchange.respond_client_error(errors.not_found(path))
+        await exchange.respond_error(errors.not_found(path))
 
     async def health(self, exchange: Exchange) -> None:
         now = trio.current_time()
@@ -123,7 +123,7 @@ class ProxyApp:
         try:
             grant = self.reception.grant(arrival(exchange.headers))
         except ClientError as exc:
-            await exchange.respond_client_error(exc)
+            await exchange.respond_error(exc)
             return
         now = trio.current_time()
         backends = self.pool.backends
@@ -132,7 +132,7 @@ class ProxyApp:
         cards = self.catalog.cards(directory, backends, now, allowed)
         if not cards and not self.pool.any_available(now):
             no_backend = refusal.no_backend(refusals=self.pool.tokenizer_refusals())
-            await exchange.respond_client_error(no_backend)
+            await exchange.respond_error(no_backend)
             return
         await exchange.respond_json(200, {"object": "list", "data": cards})
 
@@ -143,11 +143,11 @@ class ProxyApp:
         action = "/" + action if action else ""
         allowed = STORED_METHODS.get(action)
         if allowed is None:
-            await exchange.respond_client_error(errors.not_found(path))
+            await exchange.respond_error(errors.not_found(path))
             return
         method = exchange.method.encode()
         if method not in allowed:
-            await exchange.respond_client_error(errors.method_not_allowed(b", ".join(allowed)))
+            await exchange.respond_error(errors.method_not_allowed(b", ".join(allowed)))
             return
         context, head = self.reception.arrive(exchange.headers, STORED.name)
         exchange.at_end = partial(self._depart, STORED, context)

@@ -1,14 +1,14 @@
-"""The proxy's own error answers that no request check raises: unknown paths, overload, a
-failed backend (the decision's refusals are app/routing/refusal.py's). Each is a
-`ClientError` (app/http/errors.py, OpenAI's shape), so the proxy answers every error one way:
-`exchange.respond_client_error`."""
+"""The proxy's own error answers that no request check raises: unknown paths, methods,
+responses, and a proxy at its bound (the decision's refusals are app/routing/refusal.py's, a
+failed backend an `UpstreamError`). Each is a branch of app/errors.py's tree, answered as
+`answer_for` says."""
 
 from __future__ import annotations
 
-from app.http.errors import ClientError
-from app.proxy.headers import UpstreamFailure
+from app.errors import ClientError, Refused
 
-RETRY_AFTER = (b"retry-after", b"2")
+# Seconds a client is told to wait when the proxy serves its maximum of requests.
+OVERLOADED_RETRY_S = 2.0
 
 
 def not_found(path: str) -> ClientError:
@@ -35,28 +35,11 @@ def method_not_allowed(allowed: bytes) -> ClientError:
     )
 
 
-def overloaded(limit: int) -> ClientError:
-    return ClientError(
+def overloaded(limit: int) -> Refused:
+    return Refused(
+        503,
+        "service_unavailable",
+        "overloaded",
         f"The proxy is serving its maximum of {limit} requests; try again shortly.",
-        code="overloaded",
-        status=503,
-        type_="service_unavailable",
-        headers=[RETRY_AFTER],
-    )
-
-
-def upstream_failure(failure: UpstreamFailure) -> ClientError:
-    """504 when the backend was too slow to answer, 502 when it could not be reached."""
-    if failure.kind == "timeout":
-        return ClientError(
-            f"The backend did not answer in time ({failure.detail}).",
-            code="backend_timeout",
-            status=504,
-            type_="upstream_error",
-        )
-    return ClientError(
-        f"Could not reach a backend ({failure.detail}).",
-        code="backend_unreachable",
-        status=502,
-        type_="upstream_error",
+        OVERLOADED_RETRY_S,
     )

@@ -1,12 +1,13 @@
-"""Forwarding to one backend: which headers cross, and opening the upstream response.
+"""Which headers cross the proxy: the client's to the backend, the backend's to the client.
 
-Opening is where a failure can still be retried elsewhere (nothing has reached the client);
-relaying (relay.py) is where it can't, so a broken stream ends with its API's error event.
+Hop-by-hop headers (RFC 9110 §7.6.1, and those a `Connection:` header names) stay on their
+own connection; the request id is the proxy's; a relayed body's length is the backend's
+unless it streams.
 """
 
 from __future__ import annotations
 
-from app.http.client import UpstreamError, UpstreamPool, UpstreamResponse
+from app.http.client import UpstreamResponse
 from app.http.fields import Headers
 
 HOP_BY_HOP = frozenset(
@@ -25,15 +26,6 @@ HOP_BY_HOP = frozenset(
 )
 NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {b"host", b"content-length"}
 NOT_RELAYED_DOWNSTREAM = HOP_BY_HOP | {b"content-length"}
-
-
-class UpstreamFailure(Exception):
-    """The backend failed before answering: nothing reached the client yet."""
-
-    def __init__(self, kind: str, detail: str) -> None:
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind  # "connect" | "timeout" | "protocol"
-        self.detail = detail
 
 
 def upstream_headers(client_headers: Headers, request_id: bytes) -> Headers:
@@ -69,20 +61,3 @@ def downstream_headers(response: UpstreamResponse, extra: Headers) -> Headers:
 
 def is_event_stream(response: UpstreamResponse) -> bool:
     return (response.header(b"content-type") or b"").startswith(b"text/event-stream")
-
-
-async def open_upstream(
-    pool: UpstreamPool,
-    base_url: str,
-    path: str,
-    body: bytes,
-    headers: Headers,
-    method: bytes = b"POST",
-) -> UpstreamResponse:
-    """Send the request and wait for the response head (within the pool's first-byte
-    timeout)."""
-    try:
-        return await pool.request(base_url, path, headers, body, method)
-    except UpstreamError as exc:
-        kind = "timeout" if exc.timeout else "connect" if exc.connect else "protocol"
-        raise UpstreamFailure(kind, str(exc)) from None

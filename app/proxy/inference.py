@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 
 from app.config import Settings
+from app.errors import ClientError, Refused
 from app.fleet.backends import BackendPool
-from app.http.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.fields import Headers
 from app.http.reply import error_reply
@@ -66,7 +66,7 @@ class Inference:
                     context, head, grant, endpoint.kind, await exchange.read_body(limit)
                 )
                 outgoing = self._outgoing(path, endpoint, prepared, body, head, context)
-            except ClientError as exc:
+            except (ClientError, Refused) as exc:  # bad input; no model known yet
                 opened = Opened(error_reply(exc))
             else:
                 opened = await self.forwarder.open(outgoing, context)

@@ -29,14 +29,14 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from app.http.client import UpstreamError, UpstreamResponse
-from app.http.errors import error_body
+from app.errors import UpstreamError, UpstreamFault
+from app.http.client import UpstreamResponse
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
-from app.http.reply import Reply, json_reply, whole
+from app.http.reply import Reply, error_reply, whole
 from app.preprocess.endpoints import CHAT, Endpoint
 from app.proxy.chat_conversion import ChatStreamConverter, completion_to_chat
-from app.proxy.headers import UpstreamFailure, downstream_headers, is_event_stream
+from app.proxy.headers import downstream_headers, is_event_stream
 from app.routing.usage import TAIL_BYTES
 
 log = logging.getLogger("sluice.forward")
@@ -84,7 +84,7 @@ class Passage:
         self.hub = hub
         self.idle = idle
         self.tail = b""  # the answer's last TAIL_BYTES, where its usage is
-        self.broken_by: str | None = None  # None while the answer goes well
+        self.broken_by: UpstreamError | None = None  # None while the answer goes well
         self.untidy = False  # cut after its engine had finished it: ended cleanly all the same
 
     def take(self, raw: bytes) -> bytes:
@@ -117,19 +117,19 @@ class Passage:
     def started(self) -> None:
         self._started()
 
-    def broken(self, detail: str) -> bytes | None:
+    def broken(self, failure: UpstreamError) -> bytes | None:
         rest = self.last(b"")
         if not is_event_stream(self._response):
-            log.warning("backend broke off its answer: %s", detail)
-            self.broken_by = detail
+            log.warning("backend broke off its answer: %s", failure)
+            self.broken_by = failure
             return None
         if self._endpoint.finished_in(self.tail):
-            log.info("stream cut after its end (%s): ended cleanly", detail)
+            log.info("stream cut after its end (%s): ended cleanly", failure)
             self.untidy = True
             return rest
-        log.warning("stream broke: %s", detail)
-        self.broken_by = detail
-        return rest + self._endpoint.broken(f"The backend stream broke: {detail}")
+        log.warning("stream broke: %s", failure)
+        self.broken_by = failure
+        return rest + self._endpoint.broken(f"The backend stream broke: {failure.detail}")
 
     async def release(self) -> None:
         await self._response.release()
@@ -147,15 +147,12 @@ async def reply_from(
 ) -> tuple[Reply, Passage]:
     """The client's reply to `response` (through `converter` if given), and its passage;
     `started()` when its body's first bytes go out (the engine runs the request).
-    `UpstreamFailure` if the body is broken before anything was sent."""
+    `UpstreamError` if the body is broken before anything was sent."""
     headers = downstream_headers(response, extra_headers)
     if converter is not None:  # it changes the body's length: chunked, unless all is here
         headers = [(name, value) for name, value in headers if name != b"content-length"]
     passage = Passage(response, converter, endpoint, hub, idle, started)
-    try:
-        first = passage.take_arrived()
-    except UpstreamError as exc:
-        raise UpstreamFailure("protocol", str(exc)) from None
+    first = passage.take_arrived()
     if not response.complete:
         return Reply(response.status_code, headers, first, passage), passage
     await response.release()
@@ -176,7 +173,7 @@ async def chat_reply_from(
     """A backend's completion as a chat completion; errors (4xx/5xx) pass unchanged.
 
     A whole answer is read before anything is sent (it is small, and its length changes), so
-    a failure while reading it raises `UpstreamFailure`: the client has nothing yet and the
+    a failure while reading it raises `UpstreamError`: the client has nothing yet and the
     request can still be retried elsewhere.
     """
     if response.status_code != 200:
@@ -184,21 +181,15 @@ async def chat_reply_from(
     if is_event_stream(response):
         converter = ChatStreamConverter()
         return await reply_from(response, extra_headers, idle, hub, converter, started=started)
-    try:
-        body = await response.read_rest(idle)
-    except UpstreamError as exc:
-        if exc.timeout:
-            raise UpstreamFailure("timeout", str(exc)) from None
-        raise UpstreamFailure("protocol", f"the answer broke off: {exc}") from None
+    body = await response.read_rest(idle)
     passage = Passage(response, None, CHAT, hub, idle, started)
     await response.release()
     try:
         converted = completion_to_chat(body)
     except ValueError as exc:
         detail = f"the backend's completion cannot be returned as a chat completion: {exc}"
-        passage.broken_by = detail
-        error = error_body(detail, "upstream_error", None, "backend_bad_response")
-        return json_reply(502, error, extra_headers), passage
+        passage.broken_by = failure = UpstreamError(UpstreamFault.UNUSABLE, detail)
+        return error_reply(failure, extra_headers), passage
     headers = [
         (k, v) for k, v in downstream_headers(response, extra_headers) if k != b"content-length"
     ]

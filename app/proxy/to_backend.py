@@ -1,13 +1,14 @@
 """A decided request's way to a backend: open its answer, retry once, and close the books.
 
 `Forwarder.open` asks the decision for a backend (held at its pool's gate while every engine
-is saturated), sends the request (headers.py) and turns the backend's answer into the
-client's `Reply` (relay.py); when the backend failed before answering, the decision's first
-fallback is tried. A refusal or a failure is a reply of Sluice's own. Nothing here writes to
-the client: the exchange sends the reply, then `close` counts how it went (the backend's
-breaker, its status) and tells the decision the request ended, with the usage its answer
-reported. `Forwarder.direct` is the way of a request that belongs to one backend and is no
-inference (a stored response's GET, DELETE or cancel): no routing, no retry.
+is saturated), sends the request (its headers as headers.py says) and turns the backend's
+answer into the client's `Reply` (relay.py); when the backend failed before answering, the
+decision's first fallback is tried. A refusal or a failure (app/errors.py's `Refused`,
+`UpstreamError`) is a reply of Sluice's own. Nothing here writes to the client: the exchange
+sends the reply, then `close` counts how it went (the backend's breaker, its status) and
+tells the decision the request ended, with the usage its answer reported. `Forwarder.direct`
+is the way of a request that belongs to one backend and is no inference (a stored response's
+GET, DELETE or cancel): no routing, no retry.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from functools import partial
 import trio
 
 from app.config import Settings
+from app.errors import Refused, UpstreamError, UpstreamFault
 from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
 from app.http.client import UpstreamPool
 from app.http.fields import Headers
@@ -29,13 +31,10 @@ from app.http.reply import Reply, error_reply
 from app.observe.metrics import Metrics
 from app.observe.timing import Timing
 from app.preprocess.endpoints import Endpoint
-from app.proxy import errors
-from app.proxy.headers import UpstreamFailure, open_upstream
 from app.proxy.relay import Converter, Passage, chat_reply_from, reply_from
 from app.proxy.response_ids import IdTagger
 from app.routing.decider import Decider, RequestContext
 from app.routing.decision import Decision
-from app.routing.refusal import Refused
 from app.routing.router import Router
 from app.routing.usage import usage_from_tail
 
@@ -115,10 +114,10 @@ class Forwarder:
         for retried in (False, True):
             try:
                 return await self._open(decision, outgoing, context)
-            except UpstreamFailure as exc:
+            except UpstreamError as exc:
                 log.warning("backend %s failed before answering: %s", decision.backend.url, exc)
                 if retried or not decision.fallbacks:
-                    return Opened(error_reply(errors.upstream_failure(exc)))
+                    return Opened(error_reply(exc))
                 decision = self.decider.served_by(decision, decision.fallbacks[0])
                 context.decision = decision
         raise AssertionError("unreachable: the second try returns")
@@ -126,7 +125,7 @@ class Forwarder:
     async def _open(
         self, decision: Decision, outgoing: Outgoing, context: RequestContext
     ) -> Opened:
-        """One try on the decision's backend. Raises `UpstreamFailure` while a retry is still
+        """One try on the decision's backend. Raises `UpstreamError` while a retry is still
         possible (the backend's breaker hears of it)."""
         backend = decision.backend
         self.metrics.route_decisions.labels(self.router.policy.name, decision.reason).inc()
@@ -165,8 +164,8 @@ class Forwarder:
         attempt.extra.append((b"x-sluice-backend", backend.url.encode()))
         try:
             return await self._try(backend, attempt, timing, ANY_MODEL)
-        except UpstreamFailure as exc:
-            return Opened(error_reply(errors.upstream_failure(exc)))
+        except UpstreamError as exc:
+            return Opened(error_reply(exc))
 
     async def _try(
         self,
@@ -178,16 +177,11 @@ class Forwarder:
     ) -> Opened:
         """`started()` when the answer's body begins: the engine runs the request."""
         try:
-            response = await open_upstream(
-                self.upstream,
-                backend.url,
-                attempt.target,
-                attempt.body,
-                attempt.headers,
-                attempt.method,
+            response = await self.upstream.request(
+                backend.url, attempt.target, attempt.headers, attempt.body, attempt.method
             )
-        except UpstreamFailure as exc:
-            self._count(backend, "error", str(exc), model)
+        except UpstreamError as exc:
+            self._count(backend, "error", exc, model)
             raise
         timing.sent_at, timing.answered_at = response.sent_at, time.perf_counter()
         timing.connected = not response.reused
@@ -199,8 +193,8 @@ class Forwarder:
                 reply, passage = await reply_from(
                     response, extra, idle, hub, attempt.converter, attempt.endpoint, started=started
                 )
-        except UpstreamFailure as exc:
-            self._count(backend, str(response.status_code), str(exc), model)
+        except UpstreamError as exc:
+            self._count(backend, str(response.status_code), exc, model)
             await response.release()
             raise
         except BaseException:  # cancelled: the client left while its answer was read
@@ -217,14 +211,14 @@ class Forwarder:
                 passage, backend = opened.passage, opened.backend
                 if passage.untidy:
                     self.metrics.untidy_streams.labels(endpoint=opened.endpoint).inc()
-                broken = passage.broken_by
+                failure = passage.broken_by
                 code = opened.code
-                if broken is None and int(code) in FAULT_STATUSES:
-                    broken = f"answered {code}"
+                if failure is None and int(code) in FAULT_STATUSES:
+                    failure = UpstreamError(UpstreamFault.STATUS, f"answered {code}")
                 model = ANY_MODEL
                 if context is not None and context.decision is not None:
                     model = context.decision.model or ANY_MODEL
-                self._count(backend, code, broken, model)
+                self._count(backend, code, failure, model)
                 if context is not None:
                     context.usage = usage_from_tail(passage.tail)
                 await passage.release()  # closed, if the answer did not end cleanly
@@ -232,9 +226,11 @@ class Forwarder:
             if context is not None:
                 self.decider.complete(context)
 
-    def _count(self, backend: Backend, code: str, broken: str | None, model: str) -> None:
+    def _count(
+        self, backend: Backend, code: str, failure: UpstreamError | None, model: str
+    ) -> None:
         self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
-        if broken is None:
+        if failure is None:
             self.pool.request_succeeded(backend, model)
         else:
-            self.pool.request_failed(backend, trio.current_time(), broken, model)
+            self.pool.request_failed(backend, trio.current_time(), str(failure), model)

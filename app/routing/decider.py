@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import trio
 
+from app.errors import Refused
 from app.fleet.backends import Backend, BackendPool
 from app.observe.request_trace import RequestTrace
 from app.observe.spans import TraceContext
 from app.observe.timing import Timing
 from app.routing.admission import ANYONE, Admission
 from app.routing.decision import Decision, RouteRequest
-from app.routing.refusal import Overloaded, Refused, no_backend
+from app.routing.refusal import Overloaded, no_backend
 from app.routing.router import Router
 from app.routing.usage import Usage
 

@@ -33,7 +33,7 @@ from app.fleet.saturation import queue_allowance, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats
 from app.routing.admission import Admission, FairQueue, Held
 from app.routing.decision import Decision, RouteRequest
-from app.routing.refusal import Overloaded
+from app.routing.refusal import Overloaded, ShedReason
 
 POLL_S = 0.5
 # After a request of a key with nothing held ends while others' requests are held, the room
@@ -168,9 +168,9 @@ class Gate:
         shed = queue.push(held)
         if shed is held:
             full = queue.held_by(held.tenant) >= queue.max_per_tenant
-            raise self._refusal(model, "key_queue_full" if full else "queue_full")
+            raise self._refusal(model, ShedReason.KEY_QUEUE_FULL if full else ShedReason.QUEUE_FULL)
         if shed is not None:
-            self._refuse(model, shed, "queue_full")
+            self._refuse(model, shed, ShedReason.QUEUE_FULL)
         self._anything_held.set()
         # Room may be open to others while a request pinned to a full backend is held.
         self._release_from(model, queue)
@@ -190,7 +190,7 @@ class Gate:
         if ticket.refusal is not None:
             raise ticket.refusal
         if not ticket.taken:
-            raise self._refusal(model, "queue_timeout")
+            raise self._refusal(model, ShedReason.QUEUE_TIMEOUT)
         return ticket.decision
 
     def ended(self, models: Sequence[str | None], tenant: str | None) -> None:
@@ -292,22 +292,22 @@ class Gate:
         ticket.decision = decision
         ticket.left.set()
 
-    def _refuse(self, model: str | None, held: Held, reason: str) -> None:
+    def _refuse(self, model: str | None, held: Held, reason: ShedReason) -> None:
         ticket = self._ticket(held)
         ticket.refusal = self._refusal(model, reason)
         ticket.left.set()
 
-    def _refusal(self, model: str | None, reason: str) -> Overloaded:
+    def _refusal(self, model: str | None, reason: ShedReason) -> Overloaded:
         self.stats.shed(model, reason)
         if self._refused is not None:
             self._refused(model, reason)
-        if reason == "queue_timeout":
+        if reason is ShedReason.QUEUE_TIMEOUT:
             message = (
                 f"Every backend stayed saturated for the {self.limits.timeout:g}s this request "
                 "could wait (or its own deadline); try again later."
             )
         else:
-            whose = "this API key's" if reason == "key_queue_full" else "the"
+            whose = "this API key's" if reason is ShedReason.KEY_QUEUE_FULL else "the"
             message = f"Every backend is saturated and {whose} wait queue is full; try again."
         return Overloaded(reason, message, 1.0)
 

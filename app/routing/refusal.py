@@ -1,46 +1,36 @@
 """The decision's "no": a request refused for now, as each door answers it.
 
-A refusal is a status (429: shed or over a budget; 503: nothing can serve it), OpenAI's error
-fields and when to try again. The proxy answers it as JSON, the endpoint picker as Envoy's
-ImmediateResponse: both take `status`, `headers` and `body()`, so neither door translates and
-the decision imports nothing of HTTP or gRPC.
+A refusal is app/errors.py's `Refused`: a status (429: shed or over a budget; 503: nothing
+can serve it), OpenAI's error fields and when to try again. Either door answers it through
+`answer_for` (the proxy as JSON, the endpoint picker as Envoy's ImmediateResponse), so the
+decision imports nothing of HTTP or gRPC.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import enum
+
+from app.errors import Refused
 
 # Seconds a client is told to wait when nothing can serve it now.
 NO_BACKEND_RETRY_S = 2.0
 
 
-class Refused(Exception):
-    """Refused for now, with Retry-After (whole seconds, at least one)."""
+class ShedReason(enum.StrEnum):
+    """Why a request was refused with a 429: its error `code` and its metrics label."""
 
-    def __init__(
-        self, status: int, type_: str, code: str, message: str, retry_after: float
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type_ = type_
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
-        self.headers = [(b"retry-after", str(max(1, math.ceil(retry_after))).encode())]
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.type_, "param": None, "code": self.code}
-        }
+    TOKENS_PER_MINUTE = "tokens_per_minute"  # its key's token budget is spent for now
+    REQUEST_TOO_LARGE = "request_too_large"  # more tokens than the budget ever holds
+    QUEUE_FULL = "queue_full"  # every backend saturated and the wait queue full
+    KEY_QUEUE_FULL = "key_queue_full"  # ... and its key's share of the queue full
+    QUEUE_TIMEOUT = "queue_timeout"  # held past what it could wait
 
 
 class Overloaded(Refused):
     """429: shed from a full wait queue, held past its deadline, or over its key's budget."""
 
-    def __init__(self, reason: str, message: str, retry_after: float) -> None:
-        super().__init__(429, "rate_limit_error", reason, message, retry_after)
-        # tokens_per_minute | request_too_large | queue_full | key_queue_full | queue_timeout
+    def __init__(self, reason: ShedReason, message: str, retry_after: float) -> None:
+        super().__init__(429, "rate_limit_error", reason.value, message, retry_after)
         self.reason = reason
 
 

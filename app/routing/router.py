@@ -36,7 +36,7 @@ from app.routing.cache_aware import CacheAware
 from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.gate import Gate, GateLimits
 from app.routing.policies import RoutingParams, make_policy
-from app.routing.refusal import Overloaded
+from app.routing.refusal import Overloaded, ShedReason
 from app.routing.usage import Usage
 
 log = logging.getLogger("sluice.router")
@@ -185,14 +185,14 @@ class Router:
         scope = "its API key" if model is None else f"its API key and model {model}"
         if math.isinf(wait):
             refusal = Overloaded(
-                "request_too_large",
+                ShedReason.REQUEST_TOO_LARGE,
                 f"This request's {prompt_tokens} prompt tokens exceed the limit of "
                 f"{limit} tokens per minute for {scope}.",
                 60.0,
             )
         else:
             refusal = Overloaded(
-                "tokens_per_minute",
+                ShedReason.TOKENS_PER_MINUTE,
                 f"Rate limit reached: {limit} tokens per minute for {scope}; retry in {wait:.1f}s.",
                 wait,
             )

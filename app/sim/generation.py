@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from app.errors import WireError
 from app.http.exchange import Exchange
 from app.sim.engine import SimEngine
 from app.sim.openai_format import GenerationRequest, ResponseShapes
@@ -23,7 +24,7 @@ TOKENS_BEFORE_DROP = 2
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
-class _Dropped(Exception):
+class _Dropped(WireError):
     """The stream stops here, unfinished (the close-mid-stream fault)."""
 
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.http.errors import ClientError
+from app.errors import ClientError, Shape
 from app.http.exchange import Exchange
 from app.sim.generation import collect, sse_event
 from app.sim.inference import Handler, Inference
@@ -36,13 +36,6 @@ from app.sim.openai_format import check_context_length, request_error
 from app.sim.tokens import render_chat
 
 _ROLES = frozenset({"user", "assistant", "system"})
-
-
-class AnthropicError(ClientError):
-    """A refusal in Anthropic's error shape (vLLM's `translate_error_response`)."""
-
-    def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.type_, "message": self.message}}
 
 
 @dataclass(frozen=True)
@@ -210,12 +203,10 @@ def _message(message_id: str, model: str, content: list[dict[str, Any]]) -> dict
 
 @contextlib.contextmanager
 def _anthropic_errors() -> Iterator[None]:
-    """Re-raise the endpoint's refusals in Anthropic's shape, status and type kept."""
+    """The endpoint's refusals in Anthropic's shape (vLLM's `translate_error_response`),
+    status and type kept."""
     try:
         yield
-    except AnthropicError:
-        raise
     except ClientError as error:
-        raise AnthropicError(
-            error.message, status=error.status, type_=error.type_, headers=error.headers
-        ) from None
+        error.shape = Shape.ANTHROPIC
+        raise

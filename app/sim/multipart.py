@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.errors import WireError
+
 MAX_PARTS = 64
 MAX_PART_HEADER_BYTES = 8192
 # RFC 2046's boundary characters; a boundary is 1-70 of them and does not end in a space.
@@ -19,7 +21,7 @@ _BOUNDARY_CHARS = frozenset(
 )
 
 
-class FormError(ValueError):
+class FormError(WireError, ValueError):
     """The body is not the multipart/form-data this reader accepts; the message says why."""
 
 

@@ -1,7 +1,7 @@
 """OpenAI request parsing and response shapes, as vLLM's OpenAI server produces them.
 
 No I/O: bodies come in as bytes and responses leave as dicts, so every shape is testable
-without a server. Invalid requests raise `ClientError` (app/http/errors.py) with vLLM's error
+without a server. Invalid requests raise `ClientError` (app/errors.py) with vLLM's error
 type and code, which the server turns into an OpenAI-shaped error body.
 """
 
@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, render_chat
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import trio
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.http.exchange import Exchange
 from app.sim.generation import collect
 from app.sim.inference import Handler, Inference

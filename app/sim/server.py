@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from app.http.errors import ClientError
+from app.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
 from app.preprocess.json_bodies import parse_json_object
@@ -161,7 +161,7 @@ class SimServer:
             await handler(exchange)
         except ClientError as exc:
             if not exchange.started:
-                await exchange.respond_client_error(exc)
+                await exchange.respond_error(exc)
 
     async def _generate(self, kind: Kind, exchange: Exchange) -> None:
         inference = self.inference
