@@ -13,6 +13,8 @@ import enum
 import struct
 from collections.abc import Iterable
 
+from app.errors import WireError
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEAD = struct.Struct(">HBBBL")  # length (24 bits, as 16 + 8), type, flags, stream
 HEAD_BYTES = FRAME_HEAD.size
@@ -67,7 +69,7 @@ class Setting(enum.IntEnum):
     MAX_HEADER_LIST_SIZE = 0x6
 
 
-class ConnectionError_(Exception):
+class ConnectionError_(WireError):
     """The peer broke the protocol for the whole connection: GOAWAY with `code`."""
 
     def __init__(self, code: ErrorCode, why: str) -> None:
@@ -75,7 +77,7 @@ class ConnectionError_(Exception):
         self.code = code
 
 
-class StreamError(Exception):
+class StreamError(WireError):
     """The peer broke the protocol on one stream: RST_STREAM with `code`."""
 
     def __init__(self, code: ErrorCode, why: str) -> None:
