@@ -9,9 +9,11 @@ what a client is told.
       Refused          admission says "not now": 429 shed or over a budget, 503 nothing can
                        serve it; `retry_after` in seconds
       ConfigError      Sluice cannot start as configured: `sluice` says why, exit status 2
-      WireError        bytes that do not follow their protocol (HTTP framing, gRPC, KV
-                       events): whoever read them turns them into one of the above, or
-                       drops the connection
+      WireError        bytes that do not follow their protocol (HTTP framing, HTTP/2, gRPC,
+                       KV events), or a peer gone before they were whole: whoever read
+                       them turns them into one of the above, or drops the connection
+
+(and, on no branch, app/http/connection.py's `StateError`: a bug of the server's own).
 
 Leaves live beside the code that raises them (app/http/framing.py's `FramingError`,
 app/routing/refusal.py's `Overloaded`, ...). Fields are typed: what a caller decides on (a
@@ -122,7 +124,8 @@ class ConfigError(SluiceError):
 
 
 class WireError(SluiceError):
-    """Bytes that do not follow their protocol; the message says where."""
+    """Bytes that do not follow their protocol, or a peer gone before they were whole; the
+    message says where."""
 
 
 @dataclass(frozen=True, slots=True)
