@@ -14,13 +14,13 @@ import sys
 
 import pytest
 
+from app.observe.rate_limit import RateLimiter
 from app.observe.stack_capture import own_stack
 from app.observe.stalls import (
     NO_STACK,
     OUTSIDE_APP,
     BoundedLabels,
     Frame,
-    RateLimiter,
     RecentMax,
     StallRing,
     estimate_quantile,

@@ -36,7 +36,7 @@ from app.dashboard.backends_api import MAX_BACKENDS
 from app.dashboard.derive import HISTOGRAM_TICKS, decorate, derive_point, raw_sample
 from app.fleet.traffic import TrafficSource
 from app.models import MAX_MODELS
-from app.observe.stalls import RateLimiter
+from app.observe.rate_limit import RateLimiter
 from app.observe.timeseries import Columns, CounterWindow
 
 log = logging.getLogger("sluice.dashboard")

@@ -42,6 +42,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from app.observe.metrics import Metrics
+from app.observe.rate_limit import RateLimiter
 from app.observe.stack_capture import LoopStackCapture
 from app.observe.stall_causes import (
     BLOCKING,
@@ -54,7 +55,6 @@ from app.observe.stall_causes import (
 from app.observe.stalls import (
     BoundedLabels,
     Frame,
-    RateLimiter,
     RecentMax,
     StallRing,
     format_stall_report,

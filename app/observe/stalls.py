@@ -3,7 +3,6 @@
 - `frames_of_task` keeps the frames of one task from the loop thread's stack and proves the
   stack was taken inside it; `stall_stage` names the stage of Sluice's own code it shows.
 - `StallRing` keeps the last N distinct stalls, folding equal ones into a count.
-- `RateLimiter` lets a few reports a minute through (Seastar allows 5) and counts the rest.
 - `BoundedLabels` caps Prometheus label cardinality for unbounded task names.
 - `summarize_histogram` and `RecentMax` turn raw numbers into what a dashboard shows.
 
@@ -144,25 +143,6 @@ class StallRing:
 
     def __len__(self) -> int:
         return len(self._records)
-
-
-class RateLimiter:
-    """At most `limit` admissions in any `period_s` window (sliding)."""
-
-    def __init__(self, limit: int, period_s: float) -> None:
-        self._period_s = period_s
-        self._admitted: deque[float] = deque(maxlen=limit)
-        self._suppressed = 0
-
-    def admit(self, now: float) -> int | None:
-        """None when over the limit; otherwise how many were refused since the last admission."""
-        admitted = self._admitted
-        if len(admitted) == admitted.maxlen and now - admitted[0] < self._period_s:
-            self._suppressed += 1
-            return None
-        admitted.append(now)
-        suppressed, self._suppressed = self._suppressed, 0
-        return suppressed
 
 
 class BoundedLabels:
