@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NotRequired, TypedDict
 
 from app.observe.stall_causes import BLOCKING, GIL_WAIT, PREEMPTED, UNKNOWN
 
@@ -65,6 +65,37 @@ def stall_stage(frames: Sequence[Frame] | None, phase: str | None, package_dir: 
     return OUTSIDE_APP if frames else NO_STACK
 
 
+class StallJson(TypedDict):
+    """A distinct stall as the dashboard lists it (`loop.recent`)."""
+
+    task: str | None
+    phase: str | None
+    stack: list[str]  # innermost frame first
+    cause: str
+    count: int
+    first_time: float
+    last_time: float
+    last_duration_s: float
+    max_duration_s: float
+    last_split_s: dict[str, float] | None
+    worker: NotRequired[int]  # a supervisor's merged view: the worker that saw it
+
+
+class HistogramBucket(TypedDict):
+    le: float | str  # the bucket's upper bound; "+Inf" for the last
+    count: float  # observations in this bucket alone (not cumulative)
+
+
+class HistogramSummary(TypedDict):
+    """A histogram as the dashboard shows it (`summarize_histogram`)."""
+
+    buckets: list[HistogramBucket]
+    count: float
+    sum: float
+    p50: float | None
+    p99: float | None
+
+
 @dataclass
 class StallRecord:
     task: str | None
@@ -79,7 +110,7 @@ class StallRecord:
     # How the latest occurrence's time went, by cause (stall_causes.CauseSplit.to_json).
     last_split_s: dict[str, float] | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> StallJson:
         return {
             "task": self.task,
             "phase": self.phase,
@@ -209,13 +240,13 @@ def estimate_quantile(
 
 def summarize_histogram(
     bounds: Sequence[float], cumulative: Sequence[float], total_sum: float
-) -> dict[str, Any]:
+) -> HistogramSummary:
     """Per-bucket (not cumulative) counts, count, sum, p50 and p99, ready for JSON."""
     if len(cumulative) != len(bounds) + 1:
         raise ValueError("cumulative needs one count per bound plus +Inf")
     edges: list[float | str] = [*bounds, "+Inf"]
     previous = 0.0
-    buckets = []
+    buckets: list[HistogramBucket] = []
     for edge, running in zip(edges, cumulative, strict=True):
         buckets.append({"le": edge, "count": running - previous})
         previous = running
