@@ -20,6 +20,7 @@ from app.fleet.backend_row import BackendRow
 from app.models import ModelDirectory
 from app.observe.backend_stats import is_error_code, quantile
 from app.observe.request_log import RequestRecord
+from app.observe.request_trace import RequestRates
 from app.preprocess.model_preps import ModelDescription
 
 CacheCounter = Literal["l0_hits", "l0_misses", "l1_hits", "l1_misses"]
@@ -39,15 +40,12 @@ class ModelPool(TypedDict):
     engine_prefix_cache_hit_rate: float | None
 
 
-class ModelRequests(TypedDict):
+class ModelRequests(RequestRates):
     total: int
     errors: int
     codes: dict[str, int]
     ttft_p50_ms: float | None  # over the request log's last records
     ttft_p99_ms: float | None
-    # Added by the dashboard's feed: over its last ticks.
-    per_s: NotRequired[float | None]
-    errors_per_s: NotRequired[float | None]
 
 
 class ModelCaches(TypedDict):

@@ -26,7 +26,7 @@ from typing import cast
 
 from app.dashboard.snapshot import Snapshot
 from app.observe.request_log import RequestRecord
-from app.observe.stalls import StallJson, summarize_histogram
+from app.observe.stalls import StallRecord, summarize_histogram
 
 # The merge walks the snapshots as plain JSON (any key, any value); its result has their shape.
 JsonObject = Mapping[str, object]
@@ -110,7 +110,7 @@ SUMMARY_KEYS = frozenset({"buckets", "count", "sum", "p50", "p99"})
 def merge_snapshots(snapshots: Sequence[Snapshot]) -> Snapshot:
     """One snapshot of the same shape as each of `snapshots` (at least one)."""
     merged = cast(Snapshot, _merge_dicts(list(snapshots)))
-    stalls: list[StallJson] = [
+    stalls: list[StallRecord] = [
         {**stall, "worker": index}
         for index, snapshot in enumerate(snapshots)
         for stall in snapshot.get("loop", {}).get("recent", ())

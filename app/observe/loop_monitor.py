@@ -57,7 +57,7 @@ from app.observe.stalls import (
     Frame,
     HistogramSummary,
     RecentMax,
-    StallJson,
+    StallRecord,
     StallRing,
     format_stall_report,
     frames_of_task,
@@ -92,7 +92,7 @@ class LoopSnapshot(TypedDict):
     causes_off_reason: str | None
     lag: LagSummary
     stalls: StallSummary
-    recent: list[StallJson]  # newest first
+    recent: list[StallRecord]  # newest first
 
 
 PROBE_INTERVAL_S = 0.005
@@ -296,7 +296,7 @@ class LoopMonitor:
             "causes_off_reason": self._causes_off_reason,
             "lag": lag,
             "stalls": stalls,
-            "recent": [record.to_json() for record in self._ring.recent()],
+            "recent": self._ring.recent(),
         }
 
     async def _probe(self) -> None:

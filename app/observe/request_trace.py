@@ -22,7 +22,14 @@ from app.observe.backend_stats import BackendStats
 from app.observe.request_log import CLIENT_GONE_STATUS, RequestLog, RequestRecord, clip
 
 
-class RequestsSnapshot(TypedDict):
+class RequestRates(TypedDict):
+    """Added by the dashboard's feed, over its last ticks."""
+
+    per_s: NotRequired[float | None]
+    errors_per_s: NotRequired[float | None]
+
+
+class RequestsSnapshot(RequestRates):
     """The `requests` block of the dashboard's snapshot: the request log and its counts."""
 
     total: int
@@ -30,9 +37,6 @@ class RequestsSnapshot(TypedDict):
     capacity: int
     oldest_seq: int  # the log's oldest record (total + 1: none)
     recent: list[RequestRecord]  # newest first
-    # Added by the dashboard's feed: over its last ticks.
-    per_s: NotRequired[float | None]
-    errors_per_s: NotRequired[float | None]
 
 
 class TimingLike(Protocol):

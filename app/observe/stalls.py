@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, NotRequired, TypedDict
 
 from app.observe.stall_causes import BLOCKING, GIL_WAIT, PREEMPTED, UNKNOWN
@@ -65,8 +64,8 @@ def stall_stage(frames: Sequence[Frame] | None, phase: str | None, package_dir: 
     return OUTSIDE_APP if frames else NO_STACK
 
 
-class StallJson(TypedDict):
-    """A distinct stall as the dashboard lists it (`loop.recent`)."""
+class StallRecord(TypedDict):
+    """A distinct stall, as the ring keeps it and the dashboard lists it (`loop.recent`)."""
 
     task: str | None
     phase: str | None
@@ -77,6 +76,7 @@ class StallJson(TypedDict):
     last_time: float
     last_duration_s: float
     max_duration_s: float
+    # How the latest occurrence's time went, by cause (stall_causes.CauseSplit.to_json).
     last_split_s: dict[str, float] | None
     worker: NotRequired[int]  # a supervisor's merged view: the worker that saw it
 
@@ -94,35 +94,6 @@ class HistogramSummary(TypedDict):
     sum: float
     p50: float | None
     p99: float | None
-
-
-@dataclass
-class StallRecord:
-    task: str | None
-    phase: str | None
-    stack: tuple[str, ...]
-    cause: str
-    count: int
-    first_time: float
-    last_time: float
-    last_duration_s: float
-    max_duration_s: float
-    # How the latest occurrence's time went, by cause (stall_causes.CauseSplit.to_json).
-    last_split_s: dict[str, float] | None
-
-    def to_json(self) -> StallJson:
-        return {
-            "task": self.task,
-            "phase": self.phase,
-            "stack": list(self.stack),
-            "cause": self.cause,
-            "count": self.count,
-            "first_time": self.first_time,
-            "last_time": self.last_time,
-            "last_duration_s": self.last_duration_s,
-            "max_duration_s": self.max_duration_s,
-            "last_split_s": self.last_split_s,
-        }
 
 
 class StallRing:
@@ -153,24 +124,33 @@ class StallRing:
         key = (task, phase, tuple(stack), cause)
         record = self._records.get(key)
         if record is None:
-            record = StallRecord(
-                task, phase, tuple(stack), cause, 0, time, time, duration_s, duration_s, split
-            )
+            record = {
+                "task": task,
+                "phase": phase,
+                "stack": list(stack),
+                "cause": cause,
+                "count": 0,
+                "first_time": time,
+                "last_time": time,
+                "last_duration_s": duration_s,
+                "max_duration_s": duration_s,
+                "last_split_s": split,
+            }
             self._records[key] = record
             if len(self._records) > self._capacity:
                 self._records.popitem(last=False)
         else:
             self._records.move_to_end(key)
-        record.count += 1
-        record.last_time = time
-        record.last_duration_s = duration_s
-        record.max_duration_s = max(record.max_duration_s, duration_s)
-        record.last_split_s = split
+        record["count"] += 1
+        record["last_time"] = time
+        record["last_duration_s"] = duration_s
+        record["max_duration_s"] = max(record["max_duration_s"], duration_s)
+        record["last_split_s"] = split
         return record
 
     def recent(self) -> list[StallRecord]:
-        """Newest first."""
-        return list(reversed(self._records.values()))
+        """Newest first, each a copy: the ring updates its own records in place."""
+        return [record.copy() for record in reversed(self._records.values())]
 
     def __len__(self) -> int:
         return len(self._records)
@@ -265,29 +245,29 @@ def format_stall_report(record: StallRecord, duration_s: float, suppressed: int)
     Only a `blocking` stall is said to be "in" its task; the GIL or the OS stalled the loop
     "during" a task that is not at fault.
     """
-    split = record.last_split_s
-    if record.cause == GIL_WAIT and split is not None:
+    split = record["last_split_s"]
+    if record["cause"] == GIL_WAIT and split is not None:
         cause = f" (gil-wait: another thread held the GIL for {split[GIL_WAIT] * 1e3:.1f} ms)"
-    elif record.cause == PREEMPTED and split is not None:
+    elif record["cause"] == PREEMPTED and split is not None:
         cause = (
             f" (preempted: the OS ran other work for {split[PREEMPTED] * 1e3:.1f} ms;"
             " not the task's doing)"
         )
     else:
-        cause = f" ({record.cause})"
-    where = "in" if record.cause in (BLOCKING, UNKNOWN) else "during"
-    task = f"task {record.task!r}" if record.task is not None else "an unknown task"
-    phase = f" in phase {record.phase}" if record.phase else ""
+        cause = f" ({record['cause']})"
+    where = "in" if record["cause"] in (BLOCKING, UNKNOWN) else "during"
+    task = f"task {record['task']!r}" if record["task"] is not None else "an unknown task"
+    phase = f" in phase {record['phase']}" if record["phase"] else ""
     shares = (
         "; " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in split.items())
         if split is not None
         else ""
     )
-    seen = f" (seen {record.count} times)" if record.count > 1 else ""
+    seen = f" (seen {record['count']} times)" if record["count"] > 1 else ""
     dropped = f"; {suppressed} reports suppressed before this one" if suppressed else ""
     stack = (
-        "\n  ".join(["stack, innermost first:", *record.stack])
-        if record.stack
+        "\n  ".join(["stack, innermost first:", *record["stack"]])
+        if record["stack"]
         else "stack not captured"
     )
     return (
