@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from typing import Literal, NotRequired, Required, Union
+from typing import Literal, NotRequired, Required, Union, cast
 
 from app.dashboard.snapshot import Snapshot
 
@@ -90,3 +90,63 @@ def _define(typed_dict: type, definitions: dict[str, JsonSchema]) -> None:
 def snapshot_schema_bytes() -> bytes:
     """What `GET /api/schema` answers."""
     return json.dumps(json_schema(Snapshot), indent=1).encode()
+
+
+def snapshot_reference() -> str:
+    """README.md's table of the snapshot: a row per type, in the order a walk from the top
+    meets them, with where it sits and its fields (`?`: not always there)."""
+    schema = json_schema(Snapshot)
+    definitions = cast(dict[str, JsonSchema], schema["$defs"])
+    rows = ["| type | at | fields |", "| --- | --- | --- |"]
+    places: dict[str, str] = {"Snapshot": ""}
+    met = ["Snapshot"]  # grows as the walk meets new types
+    for name in met:
+        place = places[name]
+        definition = definitions[name]
+        properties = cast(dict[str, JsonSchema], definition["properties"])
+        required = cast(list[str], definition["required"])
+        fields = []
+        for key, node in properties.items():
+            optional = "" if key in required else "?"
+            fields.append(f"{key}{optional}: {_shown(node)}")
+            for found, inside in _named(node):
+                if found not in places:
+                    places[found] = f"{place}.{key}{inside}".lstrip(".")
+                    met.append(found)
+        at = f"`{place}`" if place else "the top"
+        rows.append(f"| `{name}` | {at} | {', '.join(fields)} |")
+    return "\n".join(rows)
+
+
+def _shown(node: JsonSchema) -> str:
+    """A schema as a reader writes a type: `int | null`, `[RequestRecord]`, `{str: int}`."""
+    if "$ref" in node:
+        return str(node["$ref"]).rsplit("/", 1)[1]
+    if "anyOf" in node:
+        return " \\| ".join(_shown(option) for option in cast(list[JsonSchema], node["anyOf"]))
+    if "enum" in node:
+        return " \\| ".join(json.dumps(value) for value in cast(list[object], node["enum"]))
+    kind = node["type"]
+    if kind == "array":
+        return f"[{_shown(cast(JsonSchema, node['items']))}]"
+    if kind == "object":
+        return f"{{str: {_shown(cast(JsonSchema, node['additionalProperties']))}}}"
+    return {"integer": "int", "number": "float", "string": "str", "boolean": "bool"}.get(
+        str(kind), str(kind)
+    )
+
+
+def _named(node: JsonSchema, inside: str = "") -> list[tuple[str, str]]:
+    """The types a schema refers to, directly or through unions, lists (`[]`: an item) and
+    maps (`{}`: a value), each with the way in."""
+    if "$ref" in node:
+        return [(str(node["$ref"]).rsplit("/", 1)[1], inside)]
+    found = [
+        each
+        for option in cast(list[JsonSchema], node.get("anyOf", []))
+        for each in _named(option, inside)
+    ]
+    for key, step in (("items", "[]"), ("additionalProperties", "{}")):
+        if isinstance(node.get(key), dict):
+            found += _named(cast(JsonSchema, node[key]), inside + step)
+    return found
