@@ -31,6 +31,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 WINDOW_S = 60.0
 # Keys whose counters one sync reads back: its cost stays bounded however many keys are busy.
@@ -69,6 +70,17 @@ def redis_name(prefix: str, key: Hashable) -> str:
     """The key's counters in Redis: a fingerprint (keys are API-key labels, never secrets,
     but a fingerprint also keeps every name short)."""
     return f"{prefix}{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}"
+
+
+class SharedBudgetsSnapshot(TypedDict):
+    """The dashboard's `budgets` block, Redis or not."""
+
+    shared: bool
+    connected: bool
+    replicas: int
+    keys: int
+    last_sync_age_s: float | None
+    sync_interval_s: float
 
 
 @dataclass
@@ -255,7 +267,7 @@ class SharedBudgets:
         self.replicas_seen = max(replicas, 1)
         self.last_sync = now
 
-    def snapshot(self, now: float) -> dict[str, object]:
+    def snapshot(self, now: float) -> SharedBudgetsSnapshot:
         return {
             "shared": self.shared,
             "connected": self.connected(now),

@@ -22,14 +22,14 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, TypedDict
 from urllib.parse import urlsplit
 
 import redis
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from app.budgets.shared import WINDOW_S, SharedBudgets, SyncBatch
+from app.budgets.shared import WINDOW_S, SharedBudgets, SharedBudgetsSnapshot, SyncBatch
 
 log = logging.getLogger("sluice.budgets")
 
@@ -45,6 +45,20 @@ def safe_url(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return parts._replace(netloc=user + netloc).geturl()
+
+
+class Notice(TypedDict):
+    """What the dashboard's banner shows (`notices`)."""
+
+    level: Literal["warning", "error"]
+    text: str
+
+
+class RedisBudgetsSnapshot(SharedBudgetsSnapshot):
+    redis: str  # its URL, password hidden
+    redis_up: bool
+    syncs: dict[str, int]  # ok, error
+    last_error: str | None
 
 
 class RedisCounters:
@@ -157,7 +171,7 @@ class BudgetSync:
     def up(self) -> bool:
         return self.budgets.connected(trio.current_time())
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RedisBudgetsSnapshot:
         return {
             **self.budgets.snapshot(trio.current_time()),
             "redis": self.shown_url,
@@ -166,7 +180,7 @@ class BudgetSync:
             "last_error": self.last_error,
         }
 
-    def notices(self) -> list[dict[str, str]]:
+    def notices(self) -> list[Notice]:
         if self.up:
             return []
         since = (

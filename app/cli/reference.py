@@ -4,7 +4,8 @@
   the default the settings take when nothing sets the flag;
 - metrics: name, type, labels and help of every series, read off a fresh registry holding
   every collector a proxy and the supervisor of `--workers` register (`exported_registry`);
-- endpoints: the proxy's paths (its route tables) and the dashboard's (its URL map).
+- endpoints: the proxy's paths (its route tables) and the dashboard's (its URL map), and
+  the dashboard's snapshot, a row per type, read off its types (dashboard/schema.py).
 
 Words a table needs that the code does not hold (what an endpoint is for) sit in this module,
 keyed by what the code holds: a path the code serves without words here, or words for a path
@@ -40,6 +41,7 @@ from app.cli.command import build_parser
 from app.config import Settings
 from app.dashboard.app import DashboardSources, create_dashboard
 from app.dashboard.feed import DashboardFeed
+from app.dashboard.schema import snapshot_reference
 from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.metrics import Metrics
@@ -91,6 +93,7 @@ DASHBOARD_WORDS = {
     ("GET", "/static/<path:filename>"): "the page's scripts, styles and charts",
     ("GET", "/api/snapshot"): "one JSON snapshot; `?records_after=SEQ` leaves out the request "
     "log's records up to that one, `?counters=1` only what the process counts",
+    ("GET", "/api/schema"): "the snapshot's JSON schema, generated from its types (below)",
     ("GET", "/api/events"): "server-sent events: a snapshot at once, then one a second, the "
     "same bytes for every page; 503 past 32 pages",
     ("PUT", "/api/policy"): '`{"saturation": "wait"}` or `{"saturation": "bail-out"}`',
@@ -307,6 +310,11 @@ def endpoints_reference() -> str:
             "The dashboard (`--dashboard-port`, 8001); a write needs the admin token when one "
             "is set and is refused from another origin:",
             markdown_table(header, dashboard_routes()),
+            "The snapshot (`/api/snapshot`, described by `/api/schema`): times in seconds unless "
+            "a name says `_ms`, `null` where nothing is known yet, `?` after a field that is not "
+            "always there; `[]` is an item of a list, `{}` a value of a map whose keys are data "
+            "(URLs, model names, codes):",
+            snapshot_reference(),
         ]
     )
 

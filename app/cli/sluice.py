@@ -11,17 +11,18 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
-from app.budgets.shared import SharedBudgets
-from app.budgets.sync import BudgetCollector, BudgetSync
+from app.budgets.shared import SharedBudgets, SharedBudgetsSnapshot
+from app.budgets.sync import BudgetCollector, BudgetSync, RedisBudgetsSnapshot
 from app.config import Saturation, Settings
 from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
 from app.dashboard.feed import DashboardFeed
+from app.dashboard.model_rows import CACHE_COUNTERS, model_rows
 from app.dashboard.serving import serve_dashboard
+from app.dashboard.snapshot import Snapshot, backend_view
 from app.epp.door import EppDoor
 from app.epp.processor import EndpointPicker
 from app.fleet.backends import BackendPool
@@ -34,16 +35,15 @@ from app.http.client import UpstreamPool
 from app.http.fetch import Fetcher
 from app.http.relay_hub import RelayHub
 from app.http.server import HttpServer
-from app.kv_events.subscriber import subscribers_for
+from app.kv_events.subscriber import KvEventsSnapshot, subscribers_for
 from app.models import NO_MODEL
 from app.observe.access_log import AccessLog
-from app.observe.backend_stats import backend_rows
+from app.observe.backend_stats import backend_traffic
 from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
 from app.observe.metrics import Metrics
-from app.observe.model_stats import model_rows
 from app.observe.tracing import Tracer
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.model_preps import check_one_tokenizer
@@ -131,38 +131,38 @@ class Sluice:
         log.info("saturation policy is now %s", policy)
         self.preprocessor.saturation = policy
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         now = trio.current_time()
         traffic = self.metrics.traffic
-        backends = self.pool.snapshot(now)
+        rows = self.pool.snapshot(now)
         metrics = self.metrics
         codes = counts_by_two_labels(metrics.backend_requests, "backend", "code")
-        backend_rows(backends, codes, traffic.backends.snapshot(time.perf_counter()))
+        answered = traffic.backends.snapshot(time.perf_counter())
         requests = traffic.snapshot()
         preps = self.preprocessor.preps
         models = model_rows(
             self.catalog.directory(self.pool.backends),
-            backends,
+            rows,
             preps.describe(),
             preps.default.describe(),
             counts_by_two_labels(metrics.requests, "model", "code"),
-            {
-                name: counts_by_label(getattr(metrics, name), "model")
-                for name in ("l0_hits", "l0_misses", "l1_hits", "l1_misses")
-            },
+            {name: counts_by_label(getattr(metrics, name), "model") for name in CACHE_COUNTERS},
             requests["recent"],
         )
         kv_events = self.kv_event_snapshots()
         gate = self.router.gate
-        saturated = {b.url: gate.saturated(b) for b in self.pool.backends}
-        queued = {b.url: queued_ours(b, now) for b in self.pool.backends}
         held_with_room = self.metrics.admission.held_with_room_s
-        for backend in backends:
-            url = backend["url"]
-            backend["kv_events"] = kv_events.get(url)
-            backend["saturated"] = saturated.get(url)
-            backend["queued"] = queued.get(url, 0)
-            backend["held_with_room_s"] = round(held_with_room.get(url, 0.0), 6)
+        backends = [
+            backend_view(
+                row,
+                backend_traffic(backend.url, codes, answered),
+                kv_events.get(backend.url),
+                gate.saturated(backend),
+                queued_ours(backend, now),
+                held_with_room.get(backend.url, 0.0),
+            )
+            for row, backend in zip(rows, self.pool.backends, strict=True)
+        ]
         held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
         return {
             "time": now,
@@ -180,7 +180,7 @@ class Sluice:
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
 
-    def budgets_snapshot(self) -> dict[str, Any] | None:
+    def budgets_snapshot(self) -> RedisBudgetsSnapshot | SharedBudgetsSnapshot | None:
         if self.budget_sync is not None:
             return self.budget_sync.snapshot()
         buckets = self.router.buckets
@@ -189,7 +189,7 @@ class Sluice:
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
 
-    def kv_event_snapshots(self) -> dict[str, dict[str, Any]]:
+    def kv_event_snapshots(self) -> dict[str, KvEventsSnapshot]:
         now = trio.current_time()
         return {url: s.snapshot(now) for url, s in self.kv_subscribers.items()}
 

@@ -13,7 +13,7 @@ and the routing index forgets it. Errors are OpenAI-shaped JSON.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal, TypedDict
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -22,12 +22,21 @@ from quart_trio import QuartTrio
 
 from app.dashboard.answers import Answer, CheckWrite, json_object
 from app.errors import ClientError
+from app.fleet.backend_row import BackendRow
 from app.fleet.backends import Backend
 from app.routing.router import Router
 
 CONTROL_KEY = "SLUICE_BACKEND_CONTROL"
 MAX_BACKENDS = 64
 MAX_URL_CHARS = 2048
+
+
+class RemovedBackend(TypedDict):
+    """A backend that left the pool while it was being added."""
+
+    id: str
+    url: str
+    removed: Literal[True]
 
 
 def check_backend_url(url: Any) -> str:
@@ -58,10 +67,10 @@ class BackendControl:
         self.check = check
         self.timeout = timeout
 
-    def listing(self) -> list[dict[str, Any]]:
+    def listing(self) -> list[BackendRow]:
         return self.router.pool.snapshot(trio.current_time())
 
-    def describe(self, backend: Backend) -> dict[str, Any]:
+    def describe(self, backend: Backend) -> BackendRow | RemovedBackend:
         for entry in self.listing():
             if entry["id"] == backend.id:
                 return entry

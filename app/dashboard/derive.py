@@ -18,8 +18,10 @@ Series names (`series` in `/api/snapshot`, units in the name): `lag_p50_ms`, `la
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
+from app.dashboard.model_rows import CACHE_COUNTERS
+from app.dashboard.snapshot import Snapshot
+from app.observe.stalls import HistogramSummary
 from app.observe.timeseries import CounterWindow
 
 RATE_TICKS = 10  # rates and hit ratios shown as numbers: over the last 10 ticks
@@ -28,24 +30,24 @@ HISTOGRAM_TICKS = 60  # histograms on the page: the last 60 ticks
 PEAKS = ("threads_busy", "queued", "saturated_waiting", "fallback_busy")
 
 
-def _bucket_counts(summary: Mapping[str, Any] | None) -> list[float]:
+def _bucket_counts(summary: HistogramSummary | None) -> list[float]:
     if not summary:
         return []
     return [float(bucket["count"]) for bucket in summary.get("buckets", ())]
 
 
-def _bounds(summary: Mapping[str, Any] | None) -> list[float]:
+def _bounds(summary: HistogramSummary | None) -> list[float]:
     if not summary:
         return []
     return [float(b["le"]) for b in summary.get("buckets", ()) if b["le"] != "+Inf"]
 
 
-def _put_buckets(sample: dict[str, float], prefix: str, summary: Mapping[str, Any] | None) -> None:
+def _put_buckets(sample: dict[str, float], prefix: str, summary: HistogramSummary | None) -> None:
     for index, count in enumerate(_bucket_counts(summary)):
         sample[f"{prefix}.{index}"] = count
 
 
-def raw_sample(snapshot: Mapping[str, Any], peaks: Mapping[str, float]) -> dict[str, float]:
+def raw_sample(snapshot: Snapshot, peaks: Mapping[str, float]) -> dict[str, float]:
     """The snapshot's cumulative numbers, flattened; `peaks` are gauges' maxima this tick."""
     sample: dict[str, float] = {f"peak.{name}": float(peaks.get(name, 0.0)) for name in PEAKS}
     loop = snapshot.get("loop", {})
@@ -53,16 +55,19 @@ def raw_sample(snapshot: Mapping[str, Any], peaks: Mapping[str, float]) -> dict[
     _put_buckets(sample, "stall", loop.get("stalls"))
     sample["stalls"] = float(loop.get("stalls", {}).get("count", 0.0))
     pre = snapshot.get("preprocess", {})
-    for cache in ("l0", "l1"):
-        block = pre.get(cache) or {}
-        if "hits" in block:
-            sample[f"{cache}.hits"] = float(block["hits"])
-            sample[f"{cache}.misses"] = float(block["misses"])
+    l0 = pre.get("l0")
+    if l0:
+        sample["l0.hits"] = float(l0["hits"])
+        sample["l0.misses"] = float(l0["misses"])
+    l1 = pre.get("l1")
+    if l1 and "hits" in l1 and "misses" in l1:
+        sample["l1.hits"] = float(l1["hits"])
+        sample["l1.misses"] = float(l1["misses"])
     tokens = pre.get("tokens")
-    if isinstance(tokens, Mapping):
-        for key in ("prompt", "from_l0", "from_l1"):
-            if isinstance(tokens.get(key), int | float):
-                sample[f"tokens.{key}"] = float(tokens[key])
+    if tokens:
+        sample["tokens.prompt"] = float(tokens["prompt"])
+        sample["tokens.from_l0"] = float(tokens["from_l0"])
+        sample["tokens.from_l1"] = float(tokens["from_l1"])
     tokenize = snapshot.get("tokenize", {})
     for path, summary in tokenize.get("latency_by_path", {}).items():
         _put_buckets(sample, f"tok.{path}", summary)
@@ -80,8 +85,9 @@ def raw_sample(snapshot: Mapping[str, Any], peaks: Mapping[str, float]) -> dict[
         prefix = f"mod.{model['name']}"
         sample[f"{prefix}.requests"] = float(model["requests"]["total"])
         sample[f"{prefix}.errors"] = float(model["requests"]["errors"])
-        for counter, n in model["caches"].items():
-            sample[f"{prefix}.{counter}"] = float(n)
+        caches = model["caches"]
+        for counter in CACHE_COUNTERS:
+            sample[f"{prefix}.{counter}"] = float(caches[counter])
     return sample
 
 
@@ -89,7 +95,9 @@ def _pct(value: float | None) -> float | None:
     return None if value is None else value * 100
 
 
-def _lag_quantiles(window: CounterWindow, bounds: Sequence[float]) -> tuple[Any, Any]:
+def _lag_quantiles(
+    window: CounterWindow, bounds: Sequence[float]
+) -> tuple[float | None, float | None]:
     """p50 and p99 of the lag probes of the last tick, in ms."""
     if not bounds:
         return None, None
@@ -102,7 +110,7 @@ def _lag_quantiles(window: CounterWindow, bounds: Sequence[float]) -> tuple[Any,
     )
 
 
-def derive_point(window: CounterWindow, snapshot: Mapping[str, Any]) -> dict[str, float | None]:
+def derive_point(window: CounterWindow, snapshot: Snapshot) -> dict[str, float | None]:
     """One point of every series, from the window whose newest sample is `snapshot`'s."""
     lag_p50, lag_p99 = _lag_quantiles(window, _bounds(snapshot.get("loop", {}).get("lag")))
     point: dict[str, float | None] = {
@@ -130,8 +138,8 @@ def derive_point(window: CounterWindow, snapshot: Mapping[str, Any]) -> dict[str
 
 
 def _window_histogram(
-    window: CounterWindow, prefix: str, summary: Mapping[str, Any] | None
-) -> dict[str, Any] | None:
+    window: CounterWindow, prefix: str, summary: HistogramSummary | None
+) -> HistogramSummary | None:
     bounds = _bounds(summary)
     if not bounds:
         return None
@@ -139,7 +147,7 @@ def _window_histogram(
     return window.histogram(keys, bounds, HISTOGRAM_TICKS)
 
 
-def decorate(snapshot: dict[str, Any], window: CounterWindow) -> None:
+def decorate(snapshot: Snapshot, window: CounterWindow) -> None:
     """Add current rates and last-minute histograms to `snapshot` (in place)."""
     loop = snapshot.get("loop", {})
     tokenize = snapshot.get("tokenize", {})
@@ -153,12 +161,12 @@ def decorate(snapshot: dict[str, Any], window: CounterWindow) -> None:
         },
     }
     requests = snapshot.get("requests")
-    if isinstance(requests, dict):
+    if requests:
         requests["per_s"] = window.rate("req.total", RATE_TICKS)
         requests["errors_per_s"] = window.rate("req.errors", RATE_TICKS)
     for backend in snapshot.get("backends", ()):
         traffic = backend.get("traffic")
-        if isinstance(traffic, dict):
+        if traffic:
             url = backend["url"]
             traffic["requests_per_s"] = window.rate(f"be.{url}.requests", RATE_TICKS)
             traffic["errors_per_s"] = window.rate(f"be.{url}.errors", RATE_TICKS)
@@ -166,8 +174,11 @@ def decorate(snapshot: dict[str, Any], window: CounterWindow) -> None:
         prefix = f"mod.{model['name']}"
         model["requests"]["per_s"] = window.rate(f"{prefix}.requests", RATE_TICKS)
         model["requests"]["errors_per_s"] = window.rate(f"{prefix}.errors", RATE_TICKS)
-        for level in ("l0", "l1"):
-            hits, misses = f"{prefix}.{level}_hits", f"{prefix}.{level}_misses"
-            model["caches"][f"{level}_hit_pct"] = _pct(
-                window.ratio(hits, (hits, misses), RATE_TICKS)
-            )
+        caches = model["caches"]
+        caches["l0_hit_pct"] = _hit_pct(window, f"{prefix}.l0")
+        caches["l1_hit_pct"] = _hit_pct(window, f"{prefix}.l1")
+
+
+def _hit_pct(window: CounterWindow, prefix: str) -> float | None:
+    hits, misses = f"{prefix}_hits", f"{prefix}_misses"
+    return _pct(window.ratio(hits, (hits, misses), RATE_TICKS))

@@ -28,15 +28,16 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
-from typing import Any
 
 import trio
 
 from app.dashboard.backends_api import MAX_BACKENDS
 from app.dashboard.derive import HISTOGRAM_TICKS, decorate, derive_point, raw_sample
+from app.dashboard.snapshot import FeedSettings, Snapshot
 from app.fleet.traffic import TrafficSource
 from app.models import MAX_MODELS
-from app.observe.stalls import RateLimiter
+from app.observe.rate_limit import RateLimiter
+from app.observe.request_log import RequestRecord
 from app.observe.timeseries import Columns, CounterWindow
 
 log = logging.getLogger("sluice.dashboard")
@@ -47,7 +48,7 @@ MAX_SERIES = 16 + MAX_BACKENDS + MAX_MODELS
 # loop's lag), and the series' points carry their own time.
 QUIET_TICK_S = 5.0
 
-BuildSnapshot = Callable[[], dict[str, Any]]
+BuildSnapshot = Callable[[], Snapshot]
 # Gauges' maxima since the last call (read once a tick), so that short bursts still show.
 ReadOccupancy = Callable[[], Mapping[str, float]]
 
@@ -83,7 +84,7 @@ class RecordCache:
         # Stands for the list in the rest of the snapshot; no client can guess it.
         self.placeholder = f"recent-{uuid.uuid4().hex}"
 
-    def encode(self, records: list[Any], after: int = 0) -> bytes:
+    def encode(self, records: list[RequestRecord], after: int = 0) -> bytes:
         """The records (newest first) as a JSON list, those up to seq `after` left out."""
         kept: dict[int, bytes] = {}
         for record in records:
@@ -92,23 +93,18 @@ class RecordCache:
         self._by_seq = kept  # bounded by the log's own capacity
         return b"[" + b",".join(v for seq, v in kept.items() if seq > after) + b"]"
 
-    def serialise(self, snapshot: dict[str, Any], after: int = 0) -> bytes:
+    def serialise(self, snapshot: Snapshot, after: int = 0) -> bytes:
         """`to_json_bytes(snapshot)`, the request log spliced in from the cache: its records
         newer than seq `after` (a page has the rest; `requests.oldest_seq` says which of
         them it may drop)."""
-        requests = snapshot.get("requests")
-        if not isinstance(requests, dict) or not isinstance(requests.get("recent"), list):
-            return to_json_bytes(snapshot)
+        requests = snapshot["requests"]
         recent = requests["recent"]
-        requests["recent"] = self.placeholder
-        try:
-            text = to_json_bytes(snapshot)
-        finally:
-            requests["recent"] = recent
+        # Shallow copies: the snapshot itself keeps its records.
+        text = to_json_bytes({**snapshot, "requests": {**requests, "recent": self.placeholder}})
         return text.replace(f'"{self.placeholder}"'.encode(), self.encode(recent, after), 1)
 
 
-def to_json_bytes(snapshot: Mapping[str, Any]) -> bytes:
+def to_json_bytes(snapshot: Mapping[str, object]) -> bytes:
     """Strict JSON (a browser's JSON.parse refuses NaN): non-finite numbers become null."""
     try:
         text = json.dumps(snapshot, separators=(",", ":"), allow_nan=False)
@@ -117,7 +113,7 @@ def to_json_bytes(snapshot: Mapping[str, Any]) -> bytes:
     return text.encode()
 
 
-def _finite(value: Any) -> Any:
+def _finite(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
@@ -150,7 +146,7 @@ class DashboardFeed:
         self._traffic = traffic
         self.tick_s = tick_s
         # What a page is told of the proxy and this feed, besides how many pages listen.
-        self._about = {
+        self._about: FeedSettings = {
             "demo": demo,
             "write_needs_token": write_needs_token,
             "tick_s": tick_s,
@@ -170,9 +166,7 @@ class DashboardFeed:
         self._error_reports = RateLimiter(1, 60.0)
         self.pages = 0
 
-    def _complete(
-        self, snapshot: dict[str, Any], series_since: int | None = None
-    ) -> dict[str, Any]:
+    def _complete(self, snapshot: Snapshot, series_since: int | None = None) -> Snapshot:
         """The snapshot as a page gets it: with the whole series, or (`series_since`, a count
         of points appended) only the points appended since then, as `series_tail`."""
         decorate(snapshot, self._window)
@@ -284,11 +278,11 @@ class DashboardFeed:
     async def _publish_now(self) -> None:
         self._publish(self._build())
 
-    def _publish(self, snapshot: dict[str, Any]) -> None:
+    def _publish(self, snapshot: Snapshot) -> None:
         """The payload every page gets: what came since the last one."""
         self._complete(snapshot, self._published_points)
         payload = self._records.serialise(snapshot, self._published_seq)
-        self._published_seq = snapshot.get("requests", {}).get("total", 0)
+        self._published_seq = snapshot["requests"]["total"]
         self._published_points = self._columns.appended
         self._broadcast.publish(payload, trio.current_time())
 

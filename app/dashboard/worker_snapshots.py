@@ -22,9 +22,14 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import cast
 
-from app.observe.stalls import summarize_histogram
+from app.dashboard.snapshot import Snapshot
+from app.observe.request_log import RequestRecord
+from app.observe.stalls import StallRecord, summarize_histogram
+
+# The merge walks the snapshots as plain JSON (any key, any value); its result has their shape.
+JsonObject = Mapping[str, object]
 
 # Settings, the backends' own reports and the engines' (read by every worker alike).
 SAME = frozenset(
@@ -102,10 +107,10 @@ STALLS_SHOWN = 20
 SUMMARY_KEYS = frozenset({"buckets", "count", "sum", "p50", "p99"})
 
 
-def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def merge_snapshots(snapshots: Sequence[Snapshot]) -> Snapshot:
     """One snapshot of the same shape as each of `snapshots` (at least one)."""
-    merged = _merge_dicts(list(snapshots))
-    stalls = [
+    merged = cast(Snapshot, _merge_dicts(list(snapshots)))
+    stalls: list[StallRecord] = [
         {**stall, "worker": index}
         for index, snapshot in enumerate(snapshots)
         for stall in snapshot.get("loop", {}).get("recent", ())
@@ -116,7 +121,7 @@ def merge_snapshots(snapshots: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _merge_value(key: str, values: list[Any]) -> Any:
+def _merge_value(key: str, values: list[object]) -> object:
     first = values[0]
     if isinstance(first, Mapping):
         dicts = [v for v in values if isinstance(v, Mapping)]
@@ -139,9 +144,9 @@ def _merge_value(key: str, values: list[Any]) -> Any:
     return sum(numbers)
 
 
-def _merge_dicts(dicts: list[Mapping[str, Any]]) -> dict[str, Any]:
+def _merge_dicts(dicts: Sequence[JsonObject]) -> dict[str, object]:
     keys = list(OrderedDict.fromkeys(key for d in dicts for key in d))
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     for key in keys:
         values = [d[key] for d in dicts if key in d]
         present = [v for v in values if v is not None]
@@ -149,8 +154,8 @@ def _merge_dicts(dicts: list[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def _merge_by(field: str, lists: list[list[Any]]) -> list[dict[str, Any]]:
-    by_field: OrderedDict[str, list[Mapping[str, Any]]] = OrderedDict()
+def _merge_by(field: str, lists: list[list[object]]) -> list[dict[str, object]]:
+    by_field: OrderedDict[object, list[JsonObject]] = OrderedDict()
     for entries in lists:
         for entry in entries:
             if isinstance(entry, Mapping) and field in entry:
@@ -158,23 +163,41 @@ def _merge_by(field: str, lists: list[list[Any]]) -> list[dict[str, Any]]:
     return [_merge_dicts(entries) for entries in by_field.values()]
 
 
-def _merge_histogram(histograms: list[Mapping[str, Any]]) -> dict[str, Any]:
+def _bucket_edges_and_counts(histogram: JsonObject) -> tuple[list[object], list[float]]:
+    buckets = histogram["buckets"]
+    assert isinstance(buckets, list)
+    edges: list[object] = []
+    counts: list[float] = []
+    for bucket in buckets:
+        assert isinstance(bucket, Mapping)
+        edges.append(bucket["le"])
+        count = bucket["count"]
+        counts.append(float(count) if isinstance(count, int | float) else 0.0)
+    return edges, counts
+
+
+def _merge_histogram(histograms: list[JsonObject]) -> dict[str, object]:
     """Bucket counts added; count, sum, p50 and p99 from them; other keys as any dict's."""
-    edges = [bucket["le"] for bucket in histograms[0]["buckets"]]
-    if any([b["le"] for b in h["buckets"]] != edges for h in histograms):
+    read = [_bucket_edges_and_counts(h) for h in histograms]
+    edges = read[0][0]
+    if any(other != edges for other, _ in read):
         return dict(histograms[0])  # different bounds cannot be added (never expected)
-    counts = [sum(h["buckets"][i]["count"] for h in histograms) for i in range(len(edges))]
+    counts = [sum(each[i] for _, each in read) for i in range(len(edges))]
     cumulative: list[float] = []
     for count in counts:
         cumulative.append((cumulative[-1] if cumulative else 0.0) + count)
-    bounds = [float(edge) for edge in edges if edge != "+Inf"]
+    bounds = [float(edge) for edge in edges if isinstance(edge, int | float)]
     if len(cumulative) != len(bounds) + 1:
         return dict(histograms[0])
     others = _merge_dicts(
         [{k: v for k, v in h.items() if k not in SUMMARY_KEYS} for h in histograms]
     )
-    total = sum(float(h.get("sum") or 0.0) for h in histograms)
+    total = sum(_number(h.get("sum")) for h in histograms)
     return {**others, **summarize_histogram(bounds, cumulative, total)}
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 class RecordLog:
@@ -183,17 +206,17 @@ class RecordLog:
     def __init__(self, capacity: int = 200) -> None:
         self.capacity = capacity
         self._seq = 0
-        self._shown: deque[dict[str, Any]] = deque(maxlen=capacity)  # oldest first
+        self._shown: deque[RequestRecord] = deque(maxlen=capacity)  # oldest first
         # The newest seq taken from each (worker, incarnation): a restarted worker counts
         # from 1 again under a new incarnation.
         self._taken: dict[tuple[int, int], int] = {}
 
-    def update(self, worker: int, incarnation: int, recent: Sequence[Mapping[str, Any]]) -> None:
+    def update(self, worker: int, incarnation: int, recent: Sequence[RequestRecord]) -> None:
         """Take a worker's `requests.recent` (newest first); new records get the next seqs."""
         source = (worker, incarnation)
         taken = self._taken.get(source, 0)
         for record in reversed(recent):
-            seq = int(record.get("seq", 0))
+            seq = record["seq"]
             if seq <= taken:
                 continue
             taken = seq
@@ -209,5 +232,5 @@ class RecordLog:
         """That incarnation of the worker has exited: nothing more will come from it."""
         self._taken.pop((worker, incarnation), None)
 
-    def recent(self) -> list[dict[str, Any]]:
+    def recent(self) -> list[RequestRecord]:
         return list(reversed(self._shown))

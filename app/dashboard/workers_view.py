@@ -17,14 +17,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import httpx
 import trio
 
+from app.budgets.sync import Notice
 from app.config import Saturation
+from app.dashboard.snapshot import Snapshot, WorkerRow
 from app.dashboard.worker_snapshots import RecordLog, merge_snapshots
+from app.observe.request_trace import RequestsSnapshot
 from app.observe.worker_metrics import merge_worker_metrics
+from app.preprocess.pipeline import PreprocessSnapshot
 
 log = logging.getLogger("sluice.dashboard")
 
@@ -66,7 +70,7 @@ class WorkersView:
         self._headers = {"authorization": f"Bearer {token}"}
         self._records = RecordLog()
         # By worker: (incarnation, its latest snapshot, when it was read (monotonic)).
-        self._latest: dict[int, tuple[int, dict[str, Any], float]] = {}
+        self._latest: dict[int, tuple[int, Snapshot, float]] = {}
         self._rates: dict[int, float | None] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -91,7 +95,7 @@ class WorkersView:
                     headers=self._headers,
                 )
                 response.raise_for_status()
-                snapshot: dict[str, Any] = response.json()
+                snapshot: Snapshot = response.json()  # a worker's, `?counters=1`
         except (httpx.HTTPError, ValueError, trio.TooSlowError) as exc:
             log.debug("worker %d: no snapshot (%s)", worker.index, exc)
             return
@@ -108,9 +112,7 @@ class WorkersView:
         if snapshot.get("preprocess", {}).get("saturation") not in (None, self.saturation):
             await self._put_policy(worker, self.saturation)
 
-    def _rate(
-        self, index: int, incarnation: int, snapshot: dict[str, Any], now: float
-    ) -> float | None:
+    def _rate(self, index: int, incarnation: int, snapshot: Snapshot, now: float) -> float | None:
         previous = self._latest.get(index)
         if previous is None or previous[0] != incarnation or now <= previous[2]:
             return None
@@ -167,21 +169,26 @@ class WorkersView:
         totals = {"threads_busy": 0.0, "queued": 0.0, "saturated_waiting": 0.0}
         fallback = 0.0
         for _, snapshot, _ in self._latest.values():
-            threads = snapshot.get("preprocess", {}).get("threads") or {}
-            for key, name in (("busy", "threads_busy"), ("queued", "queued")):
-                totals[name] += float(threads.get(key) or 0)
-            totals["saturated_waiting"] += float(threads.get("saturated_waiting") or 0)
+            threads = snapshot.get("preprocess", {}).get("threads")
+            if threads:
+                totals["threads_busy"] += threads["busy"]
+                totals["queued"] += threads["queued"]
+                totals["saturated_waiting"] += threads["saturated_waiting"]
             fallback += 1.0 if snapshot.get("preprocess", {}).get("fallback_busy") else 0.0
         return {**totals, "fallback_busy": fallback}
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         now = time.time()
         live = [self._latest[w.index][1] for w in self.workers if w.index in self._latest]
-        merged: dict[str, Any] = merge_snapshots(live) if live else {}
+        # Before any worker answers, only what the supervisor knows itself: the page reads
+        # every block as one that may be missing.
+        merged = merge_snapshots(live) if live else cast(Snapshot, {})
         merged["time"] = trio.current_time()
         merged["wall_time"] = now
-        merged.setdefault("preprocess", {})["saturation"] = self.saturation
-        requests = merged.setdefault("requests", {})
+        merged.setdefault("preprocess", cast(PreprocessSnapshot, {}))["saturation"] = (
+            self.saturation
+        )
+        requests = merged.setdefault("requests", cast(RequestsSnapshot, {}))
         requests["recent"] = self._records.recent()
         rows = [self._row(worker, now) for worker in self.workers]
         merged["workers"] = {
@@ -194,10 +201,10 @@ class WorkersView:
         merged["notices"] = self._notices(now) + list({n["text"]: n for n in notices}.values())
         return merged
 
-    def _row(self, worker: WorkerState, now: float) -> dict[str, Any]:
+    def _row(self, worker: WorkerState, now: float) -> WorkerRow:
         latest = self._latest.get(worker.index)
-        snapshot = latest[1] if latest is not None and latest[0] == worker.incarnation else {}
-        loop = snapshot.get("loop", {})
+        snapshot = latest[1] if latest is not None and latest[0] == worker.incarnation else None
+        loop = snapshot.get("loop") if snapshot is not None else None
         return {
             "index": worker.index,
             "pid": worker.pid,
@@ -208,16 +215,16 @@ class WorkersView:
             "last_exit": worker.last_exit,
             "last_exit_ago_s": None if worker.last_exit_at is None else now - worker.last_exit_at,
             "restart_in_s": None if worker.restart_at is None else max(worker.restart_at - now, 0),
-            "requests_total": snapshot.get("requests", {}).get("total"),
+            "requests_total": snapshot.get("requests", {}).get("total") if snapshot else None,
             "requests_per_s": self._rates.get(worker.index) if snapshot else None,
-            "lag_max_recent_s": (loop.get("lag") or {}).get("max_recent"),
-            "stalls": (loop.get("stalls") or {}).get("count"),
-            "saturation": snapshot.get("preprocess", {}).get("saturation"),
+            "lag_max_recent_s": (loop.get("lag") or {}).get("max_recent") if loop else None,
+            "stalls": (loop.get("stalls") or {}).get("count") if loop else None,
+            "saturation": snapshot.get("preprocess", {}).get("saturation") if snapshot else None,
             "dashboard": worker.dashboard_url,
         }
 
-    def _notices(self, now: float) -> list[dict[str, str]]:
-        notices: list[dict[str, str]] = []
+    def _notices(self, now: float) -> list[Notice]:
+        notices: list[Notice] = []
         for worker in self.workers:
             if worker.state == "restarting" and worker.restart_at is not None:
                 notices.append(

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from app.fleet.engine_metrics import EngineLoad
+from app.fleet.backend_row import BackendRow
+from app.fleet.engine_metrics import EngineLoad, engine_block
 from app.fleet.room import EngineRoom, Seen
 from app.models import MAX_MODELS
 
@@ -440,7 +441,7 @@ class BackendPool:
             if b.healthy and b.tokenizer_state not in TRAFFIC_TOKENIZER_STATES
         }
 
-    def snapshot(self, now: float) -> list[dict[str, Any]]:
+    def snapshot(self, now: float) -> list[BackendRow]:
         return [
             {
                 "id": b.id,
@@ -458,7 +459,7 @@ class BackendPool:
                 "others_per_own": round(b.others_per_own, 3),
                 "reported_kv_usage": b.reported_kv_usage,
                 "room": b.room.snapshot(),
-                "engine": _engine_block(b.engine),
+                "engine": engine_block(b.engine),
                 "consecutive_failures": max(
                     (breaker.consecutive_failures for breaker in b.breakers.values()), default=0
                 ),
@@ -473,18 +474,3 @@ class BackendPool:
             }
             for b in self.backends
         ]
-
-
-def _engine_block(load: EngineLoad | None) -> dict[str, Any] | None:
-    if load is None:
-        return None
-    return {
-        "name": load.name,
-        "running": load.running,
-        "waiting": load.waiting,
-        "kv_cache_usage": load.kv_cache_usage,
-        "prefix_cache_hit_rate": load.prefix_cache_hit_rate,
-        "restarted": load.restarted,
-        "queue_wait_s": load.queue_wait_s,
-        "step_s": load.step_s,
-    }

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 EngineName = Literal["vllm", "sglang", "llamacpp", "tgi"]
 
@@ -151,6 +151,34 @@ class EngineLoad:
     # requests that finished had waited in its queue, and the mean gap between two tokens.
     queue_wait_s: float | None = None
     step_s: float | None = None
+
+
+class EngineBlock(TypedDict):
+    """A backend's `engine` block in the dashboard's snapshot: its `EngineLoad`."""
+
+    name: EngineName
+    running: int | None
+    waiting: int | None
+    kv_cache_usage: float | None
+    prefix_cache_hit_rate: float | None
+    restarted: bool
+    queue_wait_s: float | None
+    step_s: float | None
+
+
+def engine_block(load: EngineLoad | None) -> EngineBlock | None:
+    if load is None:
+        return None
+    return {
+        "name": load.name,
+        "running": load.running,
+        "waiting": load.waiting,
+        "kv_cache_usage": load.kv_cache_usage,
+        "prefix_cache_hit_rate": load.prefix_cache_hit_rate,
+        "restarted": load.restarted,
+        "queue_wait_s": load.queue_wait_s,
+        "step_s": load.step_s,
+    }
 
 
 def samples(text: str, name: str) -> Iterator[Sample]:

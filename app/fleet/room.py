@@ -27,9 +27,21 @@ Design rules (app/README.md, *Admission*, tells what each one prevents):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 RoomBasis = Literal["unknown", "stated", "seen-full"]
+
+
+class RoomSnapshot(TypedDict):
+    """An engine's room as the dashboard shows it."""
+
+    room: int | None  # None: unknown, unbounded
+    basis: RoomBasis
+    why: str
+    most: int  # the most it was seen running
+    provisional: bool  # the room from before a restart, until it shows otherwise
+
+
 # Reports in a row (0.5 s apart while traffic flows) that must show an engine refusing at
 # its most before its room is taken to be that most.
 REFUSALS_TO_LEARN = 2
@@ -134,7 +146,7 @@ class EngineRoom:
         self.refusals = 0
         self.provisional = False
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RoomSnapshot:
         return {
             "room": self.room,
             "basis": self.basis,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from app.kv_events.wire import (
     MEDIUM_GPU,
@@ -53,6 +53,23 @@ FULL_ATTENTION = "full_attention"
 
 Continuity = Literal["first", "next", "gap", "restart"]
 Source = Literal["events", "predicted"]
+
+
+class KvEventsState(TypedDict):
+    """What one backend's KV events did to the index, for the dashboard."""
+
+    source: Source  # what the index of it stands on now
+    silence: str | None  # why it stands on prediction alone
+    last_seq: int | None
+    batches: int
+    events: dict[str, int]  # by kind
+    blocks: dict[str, int]  # by outcome: learned, confirmed, removed, unknown, ...
+    restarts: int
+    gaps: dict[str, int]  # replayed, rebuilt
+    bad_messages: int
+    mapped_blocks: int
+    max_mapped_blocks: int
+    last_lag_s: float | None  # the last batch's, from the engine's timestamp
 
 
 # One engine block, followed: (tail, leftover, completed). `tail`: the Sluice hash of the
@@ -267,7 +284,7 @@ class BackendKvEvents:
             return "no event yet"
         return None
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> KvEventsState:
         return {
             "source": self.source(now),
             "silence": self.silence(now),

@@ -16,14 +16,13 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import trio
 import zmq
 
 from app.config import Settings
 from app.fleet.backends import BackendPool
-from app.kv_events.index import BackendKvEvents
+from app.kv_events.index import BackendKvEvents, KvEventsState
 from app.kv_events.wire import (
     BadMessage,
     decode_batch,
@@ -44,6 +43,13 @@ MAX_REPLAY = 10_000
 SILENCE_CHECK_INTERVAL = 1.0
 # Bad messages are logged the first time and then once per this many.
 LOG_EVERY_BAD = 1000
+
+
+class KvEventsSnapshot(KvEventsState):
+    """A backend's `kv_events` block in the dashboard's snapshot."""
+
+    endpoint: str
+    replay_endpoint: str | None
 
 
 class KvEventSubscriber:
@@ -156,7 +162,7 @@ class KvEventSubscriber:
             close_socket(dealer)
         return applied
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> KvEventsSnapshot:
         return {
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from app.models import NO_MODEL
 
@@ -23,6 +23,31 @@ MAX_TENANTS = 256
 MAX_WAITS = 1024
 OTHER = "other"
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class KeyShare(TypedDict):
+    """An API key's part of what left a model's queue over the window (counts, so that
+    several workers' add up; the page divides by what left in all)."""
+
+    weight: float
+    asked: int
+    left: int
+    fair_left: float  # its max-min fair number of what left
+
+
+class ModelAdmission(TypedDict):
+    held: int
+    wait_p50_s: float | None  # of its last held requests
+    wait_p99_s: float | None
+    shed: dict[str, int]  # by reason
+    keys: dict[str, KeyShare]  # by key's label
+
+
+class AdmissionSnapshot(TypedDict):
+    """The `admission` block of the dashboard's snapshot."""
+
+    window_s: int
+    models: dict[str, ModelAdmission]
 
 
 @dataclass
@@ -94,7 +119,7 @@ class AdmissionStats:
     def forget(self, backend: str) -> None:
         self.held_with_room_s.pop(backend, None)
 
-    def snapshot(self, held: Mapping[str, int], now: float) -> dict[str, Any]:
+    def snapshot(self, held: Mapping[str, int], now: float) -> AdmissionSnapshot:
         """Per model: held now, wait p50/p99 of its last held requests, shed by reason; per
         key over the window: requests it sent, those that left, and its fair number of them."""
         asked: dict[str, dict[str, int]] = {}
@@ -127,9 +152,8 @@ class AdmissionStats:
 
 def _shares(
     asked: Mapping[str, int], left: Mapping[str, int], weights: Mapping[str, float]
-) -> dict[str, dict[str, float]]:
-    """By key: what it asked and got, and its fair number of what left (counts, so the
-    snapshots of several workers add up; the page divides by what left in all)."""
+) -> dict[str, KeyShare]:
+    """By key: what it asked and got, and its fair number of what left."""
     fair = fair_shares(asked, weights, sum(left.values()))
     return {
         tenant: {

@@ -3,7 +3,7 @@ why the router sent requests there. Pure: the caller passes `now`.
 
 Requests and errors per backend are not counted here: `sluice_backend_requests_total
 {backend,code}` already counts every exchange, the failed tries that were retried elsewhere
-included, and `backend_rows` reads it. What only a finished request knows (when its first
+included, and `backend_traffic` reads it. What only a finished request knows (when its first
 byte left, which route reason won) is recorded here, for the backend that answered.
 
 Bounded everywhere: backends (the pool is fixed, but a cap costs nothing), samples per
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired, TypedDict
 
 OTHER = "other"
 
@@ -28,6 +28,28 @@ def quantile(ordered: Sequence[float], q: float) -> float | None:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class AnsweredStats(TypedDict):
+    """What the requests a backend answered say (over `ttft_window_s` for the TTFTs)."""
+
+    answered: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    ttft_samples: int
+    ttft_window_s: float | None  # None: it answered none yet
+    route_reasons: dict[str, int]
+
+
+class BackendTraffic(AnsweredStats):
+    """A backend's `traffic` block in the dashboard's snapshot."""
+
+    requests_total: int
+    errors_total: int  # no answer, or a 5xx
+    codes: dict[str, int]
+    # Added by the dashboard's feed: over its last ticks.
+    requests_per_s: NotRequired[float | None]
+    errors_per_s: NotRequired[float | None]
 
 
 @dataclass
@@ -67,9 +89,9 @@ class BackendStats:
                 reason = OTHER
             reasons[reason] = reasons.get(reason, 0) + 1
 
-    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+    def snapshot(self, now: float) -> dict[str, AnsweredStats]:
         """By backend URL: TTFT p50/p99 over the window, how many samples, route reasons."""
-        result: dict[str, dict[str, Any]] = {}
+        result: dict[str, AnsweredStats] = {}
         for url, stats in self._backends.items():
             recent = sorted(t for when, t in stats.samples if now - when <= self.window_s)
             result[url] = {
@@ -88,24 +110,29 @@ def is_error_code(code: str) -> bool:
     return code == "error" or code.startswith("5")
 
 
-def backend_rows(
-    backends: Sequence[dict[str, Any]],
+def backend_traffic(
+    url: str,
     codes: Mapping[str, Mapping[str, float]],
-    stats: Mapping[str, dict[str, Any]],
-) -> None:
-    """Add a `traffic` block to each backend of `BackendPool.snapshot` (in place)."""
-    for backend in backends:
-        url = backend["url"]
-        by_code = {code: int(n) for code, n in codes.get(url, {}).items()}
-        backend["traffic"] = {
-            "requests_total": sum(by_code.values()),
-            "errors_total": sum(n for code, n in by_code.items() if is_error_code(code)),
-            "codes": by_code,
-            **stats.get(url, _EMPTY),
-        }
+    stats: Mapping[str, AnsweredStats],
+) -> BackendTraffic:
+    """A backend's `traffic` block: `codes` by URL from `sluice_backend_requests_total`,
+    `stats` from `BackendStats.snapshot`."""
+    by_code = {code: int(n) for code, n in codes.get(url, {}).items()}
+    answered = stats.get(url, _NONE_ANSWERED)
+    return {
+        "requests_total": sum(by_code.values()),
+        "errors_total": sum(n for code, n in by_code.items() if is_error_code(code)),
+        "codes": by_code,
+        "answered": answered["answered"],
+        "ttft_p50_s": answered["ttft_p50_s"],
+        "ttft_p99_s": answered["ttft_p99_s"],
+        "ttft_samples": answered["ttft_samples"],
+        "ttft_window_s": answered["ttft_window_s"],
+        "route_reasons": dict(answered["route_reasons"]),
+    }
 
 
-_EMPTY: dict[str, Any] = {
+_NONE_ANSWERED: AnsweredStats = {
     "answered": 0,
     "ttft_p50_s": None,
     "ttft_p99_s": None,

@@ -10,7 +10,6 @@ alerts need no "absent" case.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -19,7 +18,8 @@ BLOCK_OUTCOMES = ("learned", "confirmed", "removed", "unknown", "unmapped", "ski
 GAP_OUTCOMES = ("replayed", "rebuilt")
 SOURCES = ("events", "predicted")
 
-Snapshots = Callable[[], Mapping[str, Mapping[str, Any]]]
+# By backend URL, each subscriber's `snapshot` (app/kv_events/subscriber.py's KvEventsSnapshot).
+Snapshots = Callable[[], Mapping[str, Mapping[str, object]]]
 Family = type[CounterMetricFamily] | type[GaugeMetricFamily]
 
 # Each series: its name and help, its kind, the snapshot key it reads, and the label it spreads
@@ -106,9 +106,10 @@ class KvEventCollector:
             for url, snapshot in snapshots.items():
                 value = snapshot[key]
                 if spread is None:
-                    if value is not None:
+                    if isinstance(value, int | float):
                         metric.add_metric([url], value)
                     continue
+                assert isinstance(value, Mapping)
                 for label in spread[1]:
                     metric.add_metric([url, label], value.get(label, 0))
             yield metric

@@ -35,13 +35,14 @@ import time
 from pathlib import Path
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import TypedDict
 
 import trio
 from prometheus_client import Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from app.observe.metrics import Metrics
+from app.observe.rate_limit import RateLimiter
 from app.observe.stack_capture import LoopStackCapture
 from app.observe.stall_causes import (
     BLOCKING,
@@ -54,8 +55,9 @@ from app.observe.stall_causes import (
 from app.observe.stalls import (
     BoundedLabels,
     Frame,
-    RateLimiter,
+    HistogramSummary,
     RecentMax,
+    StallRecord,
     StallRing,
     format_stall_report,
     frames_of_task,
@@ -65,6 +67,33 @@ from app.observe.stalls import (
 from app.observe.thread_clocks import ThreadClocks
 
 log = logging.getLogger("sluice.stalls")
+
+
+class LagSummary(HistogramSummary):
+    max_recent: float  # the worst probe of the last `max_recent_window_s`
+    max_recent_window_s: float
+
+
+class StallSummary(HistogramSummary):
+    by_task: dict[str, float]
+    by_cause: dict[str, float]
+
+
+class LoopSnapshot(TypedDict):
+    """The `loop` block of the dashboard's snapshot."""
+
+    threshold_ms: float
+    probe_interval_ms: float
+    instrument: bool
+    stacks: bool
+    stacks_off_reason: str | None
+    stack_dumps: int
+    causes: bool
+    causes_off_reason: str | None
+    lag: LagSummary
+    stalls: StallSummary
+    recent: list[StallRecord]  # newest first
+
 
 PROBE_INTERVAL_S = 0.005
 # A tick costs ~0.15 ms of CPU here, mostly the wake-up itself: at 5 ms while requests
@@ -244,14 +273,18 @@ class LoopMonitor:
         """
         return _Phase(self, name)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> LoopSnapshot:
         """Everything the dashboard shows about the loop, JSON-serialisable."""
-        lag = _summarize(self._metrics.loop_lag_seconds)
-        lag["max_recent"] = self._recent_lag.value(perf_counter())
-        lag["max_recent_window_s"] = RECENT_LAG_WINDOW_S
-        stalls = _summarize(self._metrics.loop_stall_seconds)
-        stalls["by_task"] = _counts_by_label(self._metrics.loop_stalls, "task")
-        stalls["by_cause"] = _counts_by_label(self._metrics.loop_stalls, "cause")
+        lag: LagSummary = {
+            **_summarize(self._metrics.loop_lag_seconds),
+            "max_recent": self._recent_lag.value(perf_counter()),
+            "max_recent_window_s": RECENT_LAG_WINDOW_S,
+        }
+        stalls: StallSummary = {
+            **_summarize(self._metrics.loop_stall_seconds),
+            "by_task": _counts_by_label(self._metrics.loop_stalls, "task"),
+            "by_cause": _counts_by_label(self._metrics.loop_stalls, "cause"),
+        }
         return {
             "threshold_ms": self._threshold_s * 1000,
             "probe_interval_ms": self._probe_interval_s * 1000,
@@ -263,7 +296,7 @@ class LoopMonitor:
             "causes_off_reason": self._causes_off_reason,
             "lag": lag,
             "stalls": stalls,
-            "recent": [record.to_json() for record in self._ring.recent()],
+            "recent": self._ring.recent(),
         }
 
     async def _probe(self) -> None:
@@ -415,7 +448,7 @@ class LoopMonitor:
         return self._phase_name if in_window else None
 
 
-def _summarize(histogram: Histogram) -> dict[str, Any]:
+def _summarize(histogram: Histogram) -> HistogramSummary:
     bounds: list[float] = []
     cumulative: list[float] = []
     total = 0.0

@@ -8,15 +8,30 @@ the page shows cannot disagree.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from prometheus_client import Counter, Histogram
 
 from app.observe.metrics import TOKENIZE_BUCKETS, Metrics
-from app.observe.stalls import summarize_histogram
+from app.observe.stalls import HistogramSummary, summarize_histogram
 
 
-def summarize_by_label(histogram: Histogram, label: str | None) -> dict[str, dict[str, Any]]:
+class SaturatedCounts(TypedDict):
+    """Saturated requests since start, by what they did."""
+
+    waited: int
+    bailed_out: int
+
+
+class TokenizeSummary(TypedDict):
+    """The `tokenize` block of the dashboard's snapshot."""
+
+    latency_by_path: dict[str, HistogramSummary]  # l0, l1, thread, fallback, inline
+    template: HistogramSummary  # template render time
+    saturated: SaturatedCounts
+
+
+def summarize_by_label(histogram: Histogram, label: str | None) -> dict[str, HistogramSummary]:
     """One summary per value of `label` (other labels added together); with `label=None`,
     one summary under the key "" for the whole histogram."""
     bounds: list[float] = []
@@ -67,7 +82,7 @@ def counts_by_two_labels(counter: Counter, outer: str, inner: str) -> dict[str, 
     return totals
 
 
-def tokenize_summary(metrics: Metrics) -> dict[str, Any]:
+def tokenize_summary(metrics: Metrics) -> TokenizeSummary:
     """Tokenization latency by path, template render time, and saturated requests."""
     by_path = summarize_by_label(metrics.tokenize_seconds, "path")
     # Labelled by model, the histogram has no series before the first render.

@@ -10,7 +10,7 @@ whatever the client sends.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol, TypedDict
+from typing import NotRequired, Protocol, TypedDict
 
 MAX_TEXT = 96  # characters kept of a client-chosen string (model, request id)
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": no response was finished
@@ -36,6 +36,7 @@ class RequestRecord(TypedDict):
     ttft_ms: float | None  # until the first body byte went to the client
     duration_ms: float
     client_gone: bool  # the client disconnected before the response was complete
+    worker: NotRequired[int]  # a supervisor's merged log: the worker that served it
 
 
 def clip(text: object) -> str | None:

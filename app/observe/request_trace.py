@@ -16,10 +16,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from app.observe.backend_stats import BackendStats
 from app.observe.request_log import CLIENT_GONE_STATUS, RequestLog, RequestRecord, clip
+
+
+class RequestRates(TypedDict):
+    """Added by the dashboard's feed, over its last ticks."""
+
+    per_s: NotRequired[float | None]
+    errors_per_s: NotRequired[float | None]
+
+
+class RequestsSnapshot(RequestRates):
+    """The `requests` block of the dashboard's snapshot: the request log and its counts."""
+
+    total: int
+    by_class: dict[str, int]  # 2xx, 4xx, 5xx, client_gone
+    capacity: int
+    oldest_seq: int  # the log's oldest record (total + 1: none)
+    recent: list[RequestRecord]  # newest first
 
 
 class TimingLike(Protocol):
@@ -76,13 +93,13 @@ class TrafficRecorder:
         if trace.backend is not None:
             self.backends.record(trace.backend, now, trace.ttft_s, trace.route_reason)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RequestsSnapshot:
         log = self.log
         return {
             "total": log.total,
             "by_class": dict(log.by_class),
             "capacity": log.capacity,
-            "oldest_seq": log.total - len(log) + 1,  # the log's oldest record (total + 1: none)
+            "oldest_seq": log.total - len(log) + 1,
             "recent": log.recent(),
         }
 

@@ -3,7 +3,6 @@
 - `frames_of_task` keeps the frames of one task from the loop thread's stack and proves the
   stack was taken inside it; `stall_stage` names the stage of Sluice's own code it shows.
 - `StallRing` keeps the last N distinct stalls, folding equal ones into a count.
-- `RateLimiter` lets a few reports a minute through (Seastar allows 5) and counts the rest.
 - `BoundedLabels` caps Prometheus label cardinality for unbounded task names.
 - `summarize_histogram` and `RecentMax` turn raw numbers into what a dashboard shows.
 
@@ -14,8 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NotRequired, TypedDict
 
 from app.observe.stall_causes import BLOCKING, GIL_WAIT, PREEMPTED, UNKNOWN
 
@@ -66,11 +64,12 @@ def stall_stage(frames: Sequence[Frame] | None, phase: str | None, package_dir: 
     return OUTSIDE_APP if frames else NO_STACK
 
 
-@dataclass
-class StallRecord:
+class StallRecord(TypedDict):
+    """A distinct stall, as the ring keeps it and the dashboard lists it (`loop.recent`)."""
+
     task: str | None
     phase: str | None
-    stack: tuple[str, ...]
+    stack: list[str]  # innermost frame first
     cause: str
     count: int
     first_time: float
@@ -79,20 +78,22 @@ class StallRecord:
     max_duration_s: float
     # How the latest occurrence's time went, by cause (stall_causes.CauseSplit.to_json).
     last_split_s: dict[str, float] | None
+    worker: NotRequired[int]  # a supervisor's merged view: the worker that saw it
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "task": self.task,
-            "phase": self.phase,
-            "stack": list(self.stack),
-            "cause": self.cause,
-            "count": self.count,
-            "first_time": self.first_time,
-            "last_time": self.last_time,
-            "last_duration_s": self.last_duration_s,
-            "max_duration_s": self.max_duration_s,
-            "last_split_s": self.last_split_s,
-        }
+
+class HistogramBucket(TypedDict):
+    le: float | str  # the bucket's upper bound; "+Inf" for the last
+    count: float  # observations in this bucket alone (not cumulative)
+
+
+class HistogramSummary(TypedDict):
+    """A histogram as the dashboard shows it (`summarize_histogram`)."""
+
+    buckets: list[HistogramBucket]
+    count: float
+    sum: float
+    p50: float | None
+    p99: float | None
 
 
 class StallRing:
@@ -123,46 +124,36 @@ class StallRing:
         key = (task, phase, tuple(stack), cause)
         record = self._records.get(key)
         if record is None:
-            record = StallRecord(
-                task, phase, tuple(stack), cause, 0, time, time, duration_s, duration_s, split
-            )
+            record = {
+                "task": task,
+                "phase": phase,
+                "stack": list(stack),
+                "cause": cause,
+                "count": 0,
+                "first_time": time,
+                "last_time": time,
+                "last_duration_s": duration_s,
+                "max_duration_s": duration_s,
+                "last_split_s": split,
+            }
             self._records[key] = record
             if len(self._records) > self._capacity:
                 self._records.popitem(last=False)
         else:
             self._records.move_to_end(key)
-        record.count += 1
-        record.last_time = time
-        record.last_duration_s = duration_s
-        record.max_duration_s = max(record.max_duration_s, duration_s)
-        record.last_split_s = split
+        record["count"] += 1
+        record["last_time"] = time
+        record["last_duration_s"] = duration_s
+        record["max_duration_s"] = max(record["max_duration_s"], duration_s)
+        record["last_split_s"] = split
         return record
 
     def recent(self) -> list[StallRecord]:
-        """Newest first."""
-        return list(reversed(self._records.values()))
+        """Newest first, each a copy: the ring updates its own records in place."""
+        return [record.copy() for record in reversed(self._records.values())]
 
     def __len__(self) -> int:
         return len(self._records)
-
-
-class RateLimiter:
-    """At most `limit` admissions in any `period_s` window (sliding)."""
-
-    def __init__(self, limit: int, period_s: float) -> None:
-        self._period_s = period_s
-        self._admitted: deque[float] = deque(maxlen=limit)
-        self._suppressed = 0
-
-    def admit(self, now: float) -> int | None:
-        """None when over the limit; otherwise how many were refused since the last admission."""
-        admitted = self._admitted
-        if len(admitted) == admitted.maxlen and now - admitted[0] < self._period_s:
-            self._suppressed += 1
-            return None
-        admitted.append(now)
-        suppressed, self._suppressed = self._suppressed, 0
-        return suppressed
 
 
 class BoundedLabels:
@@ -229,13 +220,13 @@ def estimate_quantile(
 
 def summarize_histogram(
     bounds: Sequence[float], cumulative: Sequence[float], total_sum: float
-) -> dict[str, Any]:
+) -> HistogramSummary:
     """Per-bucket (not cumulative) counts, count, sum, p50 and p99, ready for JSON."""
     if len(cumulative) != len(bounds) + 1:
         raise ValueError("cumulative needs one count per bound plus +Inf")
     edges: list[float | str] = [*bounds, "+Inf"]
     previous = 0.0
-    buckets = []
+    buckets: list[HistogramBucket] = []
     for edge, running in zip(edges, cumulative, strict=True):
         buckets.append({"le": edge, "count": running - previous})
         previous = running
@@ -254,29 +245,29 @@ def format_stall_report(record: StallRecord, duration_s: float, suppressed: int)
     Only a `blocking` stall is said to be "in" its task; the GIL or the OS stalled the loop
     "during" a task that is not at fault.
     """
-    split = record.last_split_s
-    if record.cause == GIL_WAIT and split is not None:
+    split = record["last_split_s"]
+    if record["cause"] == GIL_WAIT and split is not None:
         cause = f" (gil-wait: another thread held the GIL for {split[GIL_WAIT] * 1e3:.1f} ms)"
-    elif record.cause == PREEMPTED and split is not None:
+    elif record["cause"] == PREEMPTED and split is not None:
         cause = (
             f" (preempted: the OS ran other work for {split[PREEMPTED] * 1e3:.1f} ms;"
             " not the task's doing)"
         )
     else:
-        cause = f" ({record.cause})"
-    where = "in" if record.cause in (BLOCKING, UNKNOWN) else "during"
-    task = f"task {record.task!r}" if record.task is not None else "an unknown task"
-    phase = f" in phase {record.phase}" if record.phase else ""
+        cause = f" ({record['cause']})"
+    where = "in" if record["cause"] in (BLOCKING, UNKNOWN) else "during"
+    task = f"task {record['task']!r}" if record["task"] is not None else "an unknown task"
+    phase = f" in phase {record['phase']}" if record["phase"] else ""
     shares = (
         "; " + ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in split.items())
         if split is not None
         else ""
     )
-    seen = f" (seen {record.count} times)" if record.count > 1 else ""
+    seen = f" (seen {record['count']} times)" if record["count"] > 1 else ""
     dropped = f"; {suppressed} reports suppressed before this one" if suppressed else ""
     stack = (
-        "\n  ".join(["stack, innermost first:", *record.stack])
-        if record.stack
+        "\n  ".join(["stack, innermost first:", *record["stack"]])
+        if record["stack"]
         else "stack not captured"
     )
     return (

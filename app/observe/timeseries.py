@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from itertools import islice
-from typing import Any
 
-from app.observe.stalls import summarize_histogram
+from app.observe.stalls import HistogramSummary, summarize_histogram
 
 Sample = Mapping[str, float]
 Point = Mapping[str, float | None]
+# Column-wise points as the dashboard sends them: `t` (Unix time) and one list per series.
+Series = dict[str, list[float | None]]
 
 
 class CounterWindow:
@@ -81,7 +82,9 @@ class CounterWindow:
     def latest(self, key: str) -> float | None:
         return self._samples[-1][1].get(key) if self._samples else None
 
-    def histogram(self, keys: Sequence[str], bounds: Sequence[float], ticks: int) -> dict[str, Any]:
+    def histogram(
+        self, keys: Sequence[str], bounds: Sequence[float], ticks: int
+    ) -> HistogramSummary:
         """The histogram of what was observed over the last `ticks` ticks.
 
         `keys` name the per-bucket (not cumulative) counts, one per bound plus +Inf, as
@@ -130,13 +133,13 @@ class Columns:
     def __len__(self) -> int:
         return len(self._t)
 
-    def to_json(self) -> dict[str, list[float | None]]:
+    def to_json(self) -> Series:
         return self.tail(len(self._t))
 
-    def tail(self, points: int) -> dict[str, list[float | None]]:
+    def tail(self, points: int) -> Series:
         """The newest `points` points (at most all there are), column-wise like `to_json`."""
         start = max(len(self._t) - max(points, 0), 0)
-        columns: dict[str, list[float | None]] = {"t": list(islice(self._t, start, None))}
+        columns: Series = {"t": list(islice(self._t, start, None))}
         for name, column in self._columns.items():
             columns[name] = list(islice(column, start, None))
         return columns

@@ -13,8 +13,8 @@ one `TokenCaches`, bounded once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypedDict
 
 from app.config import ModelConfig, Settings
 from app.errors import ConfigError
@@ -33,6 +33,11 @@ from app.preprocess.tokenization import TokenCaches, Tokenization
 from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLoadError, load_tokenizer
 
 
+class ModelDescription(TypedDict):
+    tokenizer: str  # where it was loaded from
+    chat_template: str | None  # where its template came from
+
+
 @dataclass(frozen=True, eq=False)
 class ModelPrep:
     loaded: LoadedTokenizer
@@ -41,7 +46,7 @@ class ModelPrep:
     spec: RenderSpec
     tokens: Tokenization
 
-    def describe(self) -> dict[str, str | None]:
+    def describe(self) -> ModelDescription:
         return {
             "tokenizer": self.loaded.source,
             "chat_template": self.template.origin if self.template else None,
@@ -127,7 +132,7 @@ class ModelPreps:
             self.default.spec, self._specs, models, allowed, self._settings.max_model_len
         )
 
-    def describe(self) -> Mapping[str, dict[str, str | None]]:
+    def describe(self) -> dict[str, ModelDescription]:
         """Tokenizer and template of each configured model (others use the default's)."""
         return {name: prep.describe() for name, prep in self.by_model.items()}
 

@@ -31,18 +31,18 @@ from array import array
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from prometheus_client import Gauge
 
-from app.config import Saturation, Settings
+from app.config import Saturation, Settings, TokenizeMode
 from app.errors import ClientError
 from app.models import NO_MODEL, ModelDirectory
 from app.observe.metrics import Metrics
 from app.preprocess import length_gate
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
 from app.preprocess.json_bodies import nested_too_deeply
-from app.preprocess.model_preps import ModelPrep, ModelPreps
+from app.preprocess.model_preps import ModelDescription, ModelPrep, ModelPreps
 from app.preprocess.rendering import (
     RENDER_ON_LOOP_BUDGET,
     RenderedRequest,
@@ -52,7 +52,11 @@ from app.preprocess.rendering import (
 )
 from app.preprocess.request_bodies import ROUTING_RENDERS, Kind
 from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
-from app.preprocess.tokenization import dispatcher_snapshot
+from app.preprocess.tokenization import (
+    DispatcherSnapshot,
+    TokenizerSnapshot,
+    dispatcher_snapshot,
+)
 from app.preprocess.tokenizer_loading import (
     LoadedTokenizer,
     TokenizerLike,
@@ -69,6 +73,31 @@ PARSE_ON_LOOP_BYTES = 64 * 1024
 # A long prompt's proof counts its chunks this many pieces at a time, in parallel on the
 # tokenizer's threads: a 12 MB prompt proven too long in half the time on 2 cores.
 COUNT_PIECES = 8
+
+
+class RenderOnLoop(TypedDict):
+    """What a render may cost on the event loop, and what the default's costs."""
+
+    budget_seconds: float
+    base_seconds: float
+    per_message_seconds: float
+    per_char_seconds: float
+
+
+class RenderSnapshot(DispatcherSnapshot):
+    fallback_busy: bool
+
+
+class PreprocessSnapshot(ModelDescription, TokenizerSnapshot):
+    """The `preprocess` block of the dashboard's snapshot (tokenizer and chat template:
+    the default's)."""
+
+    mode: TokenizeMode
+    saturation: Saturation  # the policy in force
+    tokenizers: int  # distinct, loaded
+    models: dict[str, ModelDescription]  # configured models
+    render_on_loop: RenderOnLoop | None
+    render: RenderSnapshot  # the template render workers
 
 
 @dataclass(slots=True)
@@ -309,7 +338,7 @@ class Preprocessor:
         """The tokenizer dispatcher's busiest moments since the last call (Dispatcher)."""
         return self._threads.take_peaks()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> PreprocessSnapshot:
         """Caches, queues and policy, for the dashboard; tokenizer and template are the
         default's (`models` has each configured model's)."""
         renders, default = self._renders, self.preps.default
@@ -319,7 +348,7 @@ class Preprocessor:
             "saturation": renders.saturation,
             **default.describe(),
             "tokenizers": self.preps.tokenizers,
-            "models": dict(self.preps.describe()),
+            "models": self.preps.describe(),
             "render_on_loop": None
             if cost is None
             else {
@@ -328,7 +357,7 @@ class Preprocessor:
                 "per_message_seconds": cost.per_message,
                 "per_char_seconds": cost.per_char,
             },
-            "render": dispatcher_snapshot(renders) | {"fallback_busy": renders.fallback_busy},
+            "render": {**dispatcher_snapshot(renders), "fallback_busy": renders.fallback_busy},
             **default.tokens.snapshot(),
         }
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import time
 from array import array
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from app.config import Settings
 from app.models import NO_MODEL
@@ -51,6 +51,54 @@ FALLBACK_MAX_CHARS = 8192
 PATHS = {"offloaded": "thread", "fallback": "fallback", "inline": "inline"}
 
 
+class TokenCounts(TypedDict):
+    """Prompt tokens since start, and those served from each cache."""
+
+    prompt: int
+    from_l0: int
+    from_l1: int
+
+
+class DispatcherSnapshot(TypedDict):
+    """A pool of workers (tokenizer threads, render processes) right now."""
+
+    total: int
+    busy: int
+    queued: int
+    queue_limit: int
+    saturated_waiting: int
+
+
+class L0Snapshot(TypedDict):
+    entries: int
+    memory_bytes: int
+    max_entries: int
+    max_bytes: int
+    max_text_bytes: int
+    hits: int
+    misses: int
+
+
+class L1Snapshot(TypedDict):
+    enabled: bool
+    unavailable_reason: str | None
+    # With an L1 cache at all:
+    entries: NotRequired[int]
+    memory_bytes: NotRequired[int]
+    max_bytes: NotRequired[int]
+    hits: NotRequired[int]
+    misses: NotRequired[int]
+    mismatches: NotRequired[int]  # results that differed from a full encode, discarded
+
+
+class TokenizerSnapshot(TypedDict):
+    threads: DispatcherSnapshot
+    fallback_busy: bool
+    tokens: TokenCounts
+    l0: L0Snapshot
+    l1: L1Snapshot
+
+
 class TokenCaches:
     """L0 and the L1 store shared by every tokenizer, and the prompt tokens they served."""
 
@@ -60,7 +108,7 @@ class TokenCaches:
         self.l1_caches: list[L1Cache] = []  # one per tokenizer whose L1 can work
         self.namespaces = 0
         # Prompt tokens counted, and how many of them came from each cache, for the dashboard.
-        self.tokens = {"prompt": 0, "from_l0": 0, "from_l1": 0}
+        self.tokens: TokenCounts = {"prompt": 0, "from_l0": 0, "from_l1": 0}
 
     def new_namespace(self) -> int:
         self.namespaces += 1
@@ -181,24 +229,22 @@ class Tokenization:
             return False, self._facts.l1_unavailable
         return self._l1.disabled_reason is None, self._l1.disabled_reason
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> TokenizerSnapshot:
         """The shared caches, and this tokenizer's L1 state."""
         caches, l0 = self.caches, self._l0
         enabled, reason = self.l1_state()
-        l1: dict[str, Any] = {"enabled": enabled, "unavailable_reason": reason}
+        l1: L1Snapshot = {"enabled": enabled, "unavailable_reason": reason}
         if caches.l1_caches:
-            l1 |= {
-                "entries": len(caches.l1),
-                "memory_bytes": caches.l1.memory_bytes,
-                "max_bytes": caches.l1.max_bytes,
-                "hits": sum(c.hits for c in caches.l1_caches),
-                "misses": sum(c.misses for c in caches.l1_caches),
-                "mismatches": sum(c.mismatches for c in caches.l1_caches),
-            }
+            l1["entries"] = len(caches.l1)
+            l1["memory_bytes"] = caches.l1.memory_bytes
+            l1["max_bytes"] = caches.l1.max_bytes
+            l1["hits"] = sum(c.hits for c in caches.l1_caches)
+            l1["misses"] = sum(c.misses for c in caches.l1_caches)
+            l1["mismatches"] = sum(c.mismatches for c in caches.l1_caches)
         return {
             "threads": dispatcher_snapshot(self.dispatcher),
             "fallback_busy": self.dispatcher.fallback_busy,
-            "tokens": dict(self._tokens),
+            "tokens": self._tokens.copy(),
             "l0": {
                 "entries": len(l0),
                 "memory_bytes": l0.memory_bytes,
@@ -212,7 +258,7 @@ class Tokenization:
         }
 
 
-def dispatcher_snapshot(dispatcher: Dispatcher) -> dict[str, int]:
+def dispatcher_snapshot(dispatcher: Dispatcher) -> DispatcherSnapshot:
     return {
         "total": dispatcher.workers,
         "busy": dispatcher.workers_busy,

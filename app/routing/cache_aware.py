@@ -31,7 +31,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from app.fleet.backends import Backend
 from app.routing.balance import Balance, least_loaded
@@ -260,7 +260,7 @@ class CacheAware:
             totals[name] = totals.get(name, 0) + self.index.blocks(holder)
         return totals
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> CacheAwareSnapshot:
         return {
             "cache_threshold": self.cache_threshold,
             "balance_abs_threshold": self.balance.abs_threshold,
@@ -282,3 +282,31 @@ class CacheAware:
                 "corrected_blocks": self.corrected_blocks,
             },
         }
+
+
+class IndexStats(TypedDict):
+    blocks: int
+    max_blocks: int
+    block_size: int
+    evictions: int
+    by_backend: dict[str, int]  # entries by backend id, every model's together
+
+
+class PredictionStats(TypedDict):
+    outcomes: dict[str, int]  # hit, miss, false-hit, surprise-hit, unreported
+    predicted_cached_tokens: int
+    reported_cached_tokens: int
+    mean_predicted_hit: float
+    mean_reported_hit: float
+    corrections: int
+    corrected_blocks: int
+
+
+class CacheAwareSnapshot(TypedDict):
+    """`routing.cache_aware` in the dashboard's snapshot: the index and its predictions."""
+
+    cache_threshold: float
+    balance_abs_threshold: float
+    balance_rel_threshold: float
+    index: IndexStats
+    prediction: PredictionStats

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import NotRequired, Protocol, TypedDict
 
 import trio
 
@@ -32,7 +32,7 @@ from app.models import NO_MODEL
 from app.observe.metrics import Metrics
 from app.routing.admission import ANYONE, Admission
 from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, chain_hashes
-from app.routing.cache_aware import CacheAware
+from app.routing.cache_aware import CacheAware, CacheAwareSnapshot
 from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.gate import Gate, GateLimits
 from app.routing.policies import RoutingParams, make_policy
@@ -341,10 +341,10 @@ class Router:
             events.clear()
         self.metrics.forget_backend(backend.url)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> RoutingSnapshot:
         gate = self.gate
         limits = gate.limits
-        snapshot: dict[str, Any] = {
+        snapshot: RoutingSnapshot = {
             "policy": self.policy.name,
             "admission": {
                 "max_inflight_per_backend": limits.ceiling,
@@ -381,3 +381,28 @@ async def block_hashes_in_slices(tokens: Sequence[int]) -> list[int]:
         previous = hashes[-1] if hashes else ROOT_HASH
         hashes += chain_hashes(previous, tokens[start : start + HASH_SLICE_TOKENS])
     return hashes
+
+
+class GateSnapshot(TypedDict):
+    """The gate's limits and what it holds (`routing.admission`)."""
+
+    max_inflight_per_backend: int | None
+    max_kv_usage: float
+    max_queued_per_backend: int
+    held: int
+    held_by_model: dict[str, int]
+    max_held: int
+    max_held_per_key: int
+    timeout_s: float
+    saturated: dict[str, str]  # by backend URL: why (full, kv, ceiling)
+    tokens_per_minute: int | None
+    api_keys: int  # (key, model) budgets held
+    rejected: dict[str, int]  # by reason
+
+
+class RoutingSnapshot(TypedDict):
+    """The `routing` block of the dashboard's snapshot."""
+
+    policy: str
+    admission: GateSnapshot
+    cache_aware: NotRequired[CacheAwareSnapshot]  # with that policy only

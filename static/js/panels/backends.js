@@ -192,7 +192,7 @@ export function createBackendsPanel(root) {
     if (block) {
       const parts = Object.entries(block)
         .filter(([, v]) => typeof v !== "object" || v === null)
-        .map(([k, v]) => `${k.replaceAll("_", " ")}: ${typeof v === "number" && !Number.isInteger(v) ? v.toFixed(3) : v}`);
+        .map(([name, v]) => `${name.replaceAll("_", " ")}: ${typeof v === "number" && !Number.isInteger(v) ? v.toFixed(3) : v}`);
       routing.textContent = `Routing (${snapshot.policy}): ${parts.join(" · ")}`;
     }
     chart.update(snapshot.series);

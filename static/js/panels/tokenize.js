@@ -54,7 +54,7 @@ export function createTokenizePanel(root) {
     stats.set("waited", count(saturated.waited));
     stats.set("bailed", count(saturated.bailed_out));
     const render = pre.render;
-    const workers = render ? render.total ?? render.workers : null;
+    const workers = render ? render.total : null;
     stats.set(
       "render",
       render ? `${count(render.busy)} / ${count(workers)} busy, ${count(render.queued)} queued` : DASH,

@@ -1,5 +1,6 @@
-"""Each model's pool as the dashboard shows it: health, load and hit rates. Pure: the caller
-passes the snapshot's backends, the directory and the counters.
+"""Each model's row in the dashboard's snapshot: its pool's health and load, its requests
+and hit rates. Pure: the caller passes the pool's backend rows, the directory and the
+counters.
 
 A pool's health and load come from its backends' rows (`BackendPool.snapshot`): how many
 take its traffic, its breakers, requests in flight, and what their engines report about
@@ -13,10 +14,60 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from statistics import fmean
-from typing import Any
+from typing import Literal, NotRequired, TypedDict
 
+from app.fleet.backend_row import BackendRow
 from app.models import ModelDirectory
 from app.observe.backend_stats import is_error_code, quantile
+from app.observe.request_log import RequestRecord
+from app.observe.request_trace import RequestRates
+from app.preprocess.model_preps import ModelDescription
+
+CacheCounter = Literal["l0_hits", "l0_misses", "l1_hits", "l1_misses"]
+CACHE_COUNTERS: tuple[CacheCounter, ...] = ("l0_hits", "l0_misses", "l1_hits", "l1_misses")
+
+
+class ModelPool(TypedDict):
+    backends: list[str]  # ids
+    healthy_backends: int
+    serving_backends: int  # healthy, its breaker for this model not open
+    breakers_open: int
+    inflight: int
+    engines: list[str]  # names
+    engine_running: int | None  # summed over the backends that report it
+    engine_waiting: int | None
+    engine_kv_cache_usage: float | None  # means
+    engine_prefix_cache_hit_rate: float | None
+
+
+class ModelRequests(RequestRates):
+    total: int
+    errors: int
+    codes: dict[str, int]
+    ttft_p50_ms: float | None  # over the request log's last records
+    ttft_p99_ms: float | None
+
+
+class ModelCaches(TypedDict):
+    l0_hits: int
+    l0_misses: int
+    l1_hits: int
+    l1_misses: int
+    # Added by the dashboard's feed: over its last ticks.
+    l0_hit_pct: NotRequired[float | None]
+    l1_hit_pct: NotRequired[float | None]
+
+
+class ModelRow(ModelDescription):
+    """A served model in the dashboard's `models` list."""
+
+    name: str
+    aliases: list[str]
+    configured: bool
+    max_model_len: int | None  # its window
+    pool: ModelPool
+    requests: ModelRequests
+    caches: ModelCaches
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -29,10 +80,10 @@ def _sum(values: Sequence[int | None]) -> int | None:
     return sum(known) if known else None
 
 
-def pool_summary(model: str, backends: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def pool_summary(model: str, backends: Sequence[BackendRow]) -> ModelPool:
     """Health and load of one model's pool, from its backends' snapshot rows."""
     members = [b for b in backends if model in b["serves"]]
-    engines = [b["engine"] for b in members if b.get("engine")]
+    engines = [b["engine"] for b in members if b["engine"] is not None]
     breakers = [b["breakers"].get(model, "closed") for b in members]
     return {
         "backends": [b["id"] for b in members],
@@ -54,29 +105,30 @@ def pool_summary(model: str, backends: Sequence[Mapping[str, Any]]) -> dict[str,
 
 def model_rows(
     directory: ModelDirectory,
-    backends: Sequence[Mapping[str, Any]],
-    described: Mapping[str, Mapping[str, Any]],
-    default: Mapping[str, Any],
+    backends: Sequence[BackendRow],
+    described: Mapping[str, ModelDescription],
+    default: ModelDescription,
     requests: Mapping[str, Mapping[str, float]],
     caches: Mapping[str, Mapping[str, float]],
-    recent: Sequence[Mapping[str, Any]],
-) -> list[dict[str, Any]]:
+    recent: Sequence[RequestRecord],
+) -> list[ModelRow]:
     """One row per served model. `described`: tokenizer and template of configured models
     (`default` for the rest); `requests`: {model: {code: n}}; `caches`: {counter (l0_hits,
     l0_misses, l1_hits, l1_misses): {model: n}}; `recent`: the request log."""
     aliases: dict[str, list[str]] = {}
     for alias, target in sorted(directory.aliases.items()):
         aliases.setdefault(target, []).append(alias)
-    rows = []
+    rows: list[ModelRow] = []
     for name in sorted(directory.served):
         by_code = {code: int(n) for code, n in requests.get(name, {}).items()}
         ttft = sorted(r["ttft_ms"] for r in recent if r["model"] == name and r["ttft_ms"])
+        hits = {counter: int(caches.get(counter, {}).get(name, 0)) for counter in CACHE_COUNTERS}
         rows.append(
             {
                 "name": name,
                 "aliases": aliases.get(name, []),
                 "configured": name in described,
-                **dict(described.get(name, default)),
+                **described.get(name, default),
                 "max_model_len": directory.windows.get(name),
                 "pool": pool_summary(name, backends),
                 "requests": {
@@ -87,7 +139,10 @@ def model_rows(
                     "ttft_p99_ms": quantile(ttft, 0.99),
                 },
                 "caches": {
-                    counter: int(by_model.get(name, 0)) for counter, by_model in caches.items()
+                    "l0_hits": hits["l0_hits"],
+                    "l0_misses": hits["l0_misses"],
+                    "l1_hits": hits["l1_hits"],
+                    "l1_misses": hits["l1_misses"],
                 },
             }
         )
