@@ -131,29 +131,24 @@ class EndpointPicker:
         phase = "request_headers"
         if not first.request_headers.end_of_stream:
             phase = "request_body"
-            refused = await self._read_body(stream, state)
-            if refused is not None:
-                await self._refuse(stream, state, refused)
-                return
-        body = b"".join(state.body)
-        body_at = time.perf_counter()
         try:
+            if phase == "request_body":
+                await self._read_body(stream, state)
+            body = b"".join(state.body)
+            body_at = time.perf_counter()
+            # Bad input, a subset with nothing eligible, a budget spent, nothing to serve it.
             facts = await self._facts(state, endpoint, context, head, body)
-        except (ClientError, Refused) as exc:  # bad input; a subset with nothing eligible
-            await self._refuse(stream, state, exc)
+            started = time.perf_counter()
+            decision = context.decision = await self.decider.decide(facts)
+        except (ClientError, Refused) as refusal:
+            await self._refuse(stream, state, refusal)
             return
-        started = time.perf_counter()
-        verdict = await self.decider.decide(facts)
-        if isinstance(verdict, Refused):
-            await self._refuse(stream, state, verdict)
-            return
-        decision = context.decision = verdict
         self._count_decision(context, decision, started)
         await self._route(stream, state, decision, phase, body, context, body_at)
         await self._follow_answer(stream, state, context)
 
-    async def _read_body(self, stream: MessageStream, state: _Stream) -> ClientError | None:
-        """The request body, whole (a 413 `ClientError` past --max-body-bytes)."""
+    async def _read_body(self, stream: MessageStream, state: _Stream) -> None:
+        """The request body, whole. Raises a 413 `ClientError` past --max-body-bytes."""
         while True:
             message = await _receive(stream)
             if message is None:
@@ -161,7 +156,7 @@ class EndpointPicker:
             kind = message.WhichOneof("request")
             if kind == "request_trailers":
                 state.trailers = True
-                return None
+                return
             if kind != "request_body":
                 raise GrpcError(
                     StatusCode.INVALID_ARGUMENT, f"{kind} while the request body was awaited"
@@ -169,14 +164,14 @@ class EndpointPicker:
             chunk = message.request_body.body
             state.size += len(chunk)
             if state.size > self.max_body_bytes:
-                return ClientError(
+                raise ClientError(
                     f"Request body exceeds {self.max_body_bytes} bytes.",
                     code="request_too_large",
                     status=413,
                 )
             state.body.append(chunk)
             if message.request_body.end_of_stream:
-                return None
+                return
 
     async def _facts(
         self,

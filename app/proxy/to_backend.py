@@ -104,10 +104,10 @@ class Forwarder:
         assert context.facts is not None
         timing = context.timing
         route_started = timing.routing_at = time.perf_counter()
-        verdict = await self.decider.decide(context.facts)
-        if isinstance(verdict, Refused):
-            return Opened(error_reply(verdict))
-        decision = context.decision = verdict
+        try:
+            decision = context.decision = await self.decider.decide(context.facts)
+        except Refused as refusal:
+            return Opened(error_reply(refusal))
         timing.queue = decision.waited
         timing.routed_at = time.perf_counter()
         timing.route = timing.routed_at - route_started - decision.waited

@@ -4,7 +4,7 @@ first, or why not, out. No HTTP and no gRPC inside.
 The proxy (app/proxy/) and the endpoint picker (app/epp/) each turn what arrived into
 `RequestFacts` and a `RequestContext`, then call, in this order:
 
-    verdict = await decider.decide(facts)      # held here while every engine is full
+    decision = await decider.decide(facts)     # held here while every engine is full
     decider.started(decision)                  # the answer's first byte: the engine runs it
     decider.served_by(decision, backend)       # a fallback served it (a retry, theirs or ours)
     decider.complete(context)                  # the answer ended, with the usage it reported
@@ -13,8 +13,8 @@ The proxy (app/proxy/) and the endpoint picker (app/epp/) each turn what arrived
 admission, fair queue and late binding, the routing policy), and orders up to `FALLBACKS`
 other backends of the pool behind the chosen one: those with room first, the least loaded
 first. Only the primary is reserved; whichever endpoint serves the request takes the
-reservation over. A refusal (`Refused`: 429 over a budget or shed, 503 nothing to serve it)
-is returned, not raised, so each door answers it in its own protocol.
+reservation over. A refusal is raised (`Refused`: 429 over a budget or shed, 503 nothing to
+serve it); each door answers it in its own protocol through `app.errors.answer_for`.
 """
 
 from __future__ import annotations
@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import trio
 
-from app.errors import Refused
 from app.fleet.backends import Backend, BackendPool
 from app.observe.request_trace import RequestTrace
 from app.observe.spans import TraceContext
 from app.observe.timing import Timing
 from app.routing.admission import ANYONE, Admission
 from app.routing.decision import Decision, RouteRequest
-from app.routing.refusal import Overloaded, no_backend
+from app.routing.refusal import no_backend
 from app.routing.router import Router
 from app.routing.usage import Usage
 
@@ -77,24 +76,16 @@ class Decider:
         self.router = router
         self.pool = pool
 
-    async def decide(
-        self, facts: RequestFacts, exclude: tuple[Backend, ...] = ()
-    ) -> Decision | Refused:
-        """A decision reserved on its primary, with its fallbacks; or the refusal."""
+    async def decide(self, facts: RequestFacts, exclude: tuple[Backend, ...] = ()) -> Decision:
+        """A decision reserved on its primary, with its fallbacks. Raises `Refused`."""
         route = facts.route
-        try:
-            if not exclude:
-                self.router.admit(
-                    facts.admission.tenant,
-                    route.model,
-                    facts.prompt_tokens,
-                    facts.tokens_per_minute,
-                )
-            decision = await self.router.choose(route, exclude, facts.admission)
-        except Overloaded as refusal:
-            return refusal
+        if not exclude:
+            self.router.admit(
+                facts.admission.tenant, route.model, facts.prompt_tokens, facts.tokens_per_minute
+            )
+        decision = await self.router.choose(route, exclude, facts.admission)
         if decision is None:
-            return no_backend(route.model, self.pool.tokenizer_refusals())
+            raise no_backend(route.model, self.pool.tokenizer_refusals())
         decision.fallbacks = self._fallbacks(decision.backend, route, exclude)
         return decision
 
