@@ -6,8 +6,9 @@ same value, primary first; the request body given back whole in full-duplex mode
 mode), the subset hint obeyed (503 when none of it is eligible), the conformance hooks,
 bad input answered as the proxy answers it (as an ImmediateResponse), a shed request's 429
 with Retry-After, the served endpoint read back (the reservation moves to a fallback), the
-answer followed (first byte, usage, status, the request log), and a stream that is not
-ext_proc's refused with INVALID_ARGUMENT.
+answer followed (first byte, usage, status, the request log), a stream that is not
+ext_proc's refused with INVALID_ARGUMENT, and the body chunks the picker reads and writes
+by hand byte for byte protobuf's own.
 """
 
 from __future__ import annotations
@@ -317,3 +318,23 @@ async def test_a_stream_that_begins_with_a_body_is_refused(fleet: RunningSluice)
     with pytest.raises(GrpcError) as refused:
         await picker.process(stream)
     assert refused.value.code == StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 20_000])
+@pytest.mark.parametrize("end", [False, True])
+def test_body_chunks_read_and_written_by_hand_are_protobufs_own(size: int, end: bool) -> None:
+    body = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    for phase in ("request_body", "response_body"):
+        expected = ProcessingResponse()
+        chunk = getattr(expected, phase).response.body_mutation.streamed_response
+        chunk.body, chunk.end_of_stream = body, end
+        assert ext_proc.streamed(phase, body, end) == expected.SerializeToString()
+    request = ProcessingRequest()
+    request.response_body.body, request.response_body.end_of_stream = body, end
+    data = request.SerializeToString()
+    assert ext_proc.response_body_chunk(data) == (body, end)
+    # Anything else, or anything more, is left to protobuf.
+    request.metadata_context.filter_metadata["envoy.lb"].update({"a": "b"})
+    assert ext_proc.response_body_chunk(request.SerializeToString()) is None
+    assert ext_proc.response_body_chunk(data[:-1]) is None
+    assert ext_proc.response_body_chunk(headers_message().SerializeToString()) is None

@@ -38,7 +38,10 @@ class FrameType(enum.IntEnum):
     CONTINUATION = 0x9
 
 
-class Flag(enum.IntFlag):
+class Flag:
+    """Frame flags, as plain ints: an IntFlag's `&` builds a new member each time, and a
+    DATA frame is tested against them on every read."""
+
     END_STREAM = 0x1  # DATA, HEADERS
     ACK = 0x1  # SETTINGS, PING
     END_HEADERS = 0x4

@@ -259,32 +259,22 @@ class EndpointPicker:
         assert decision is not None
         code = "error"
         try:
-            while (message := await _receive(stream)) is not None:
+            while (data := await stream.receive()) is not None:
+                chunk = ext_proc.response_body_chunk(data)  # most messages: read by hand
+                if chunk is not None:
+                    await self._body_chunk(stream, state, decision, *chunk)
+                    continue
+                message = _parse(data)
                 kind = message.WhichOneof("request")
                 if kind == "response_headers":
                     decision = context.decision = self._served(message, decision)
-                    headers = ext_proc.headers_of(message.response_headers)
-                    status = int(_header(headers, b":status") or b"0")
-                    state.answer.status, code = status, str(status)
-                    answered = True
+                    status = await self._answer_headers(stream, state, context, message)
+                    state.answer.status, code, answered = status, str(status), True
                     if status in FAULT_STATUSES:
                         failure = f"answered {status}"
-                    # What the proxy's answers carry too (the design's contract).
-                    route = f"{self.decider.router.policy.name}:{decision.reason}"
-                    extra = [
-                        ("x-sluice-backend", decision.backend.url.encode()),
-                        ("x-sluice-route", route.encode()),
-                        ("server-timing", context.timing.header()),
-                    ]
-                    if context.request_id:
-                        extra.append(("x-request-id", context.request_id))
-                    if state.test_selection:
-                        extra.append((ext_proc.TEST_SERVED, decision.backend.endpoint.encode()))
-                    await stream.send(ext_proc.proceed("response_headers", extra))
-                    if message.response_headers.end_of_stream:
-                        state.answer.complete = True
                 elif kind == "response_body":
-                    await self._body_chunk(stream, state, decision, message.response_body)
+                    body = message.response_body
+                    await self._body_chunk(stream, state, decision, body.body, body.end_of_stream)
                 elif kind == "response_trailers":
                     await stream.send(ext_proc.proceed("response_trailers"))
                     state.answer.complete = True
@@ -300,19 +290,41 @@ class EndpointPicker:
             elif answered:
                 self.pool.request_succeeded(backend, model)
 
+    async def _answer_headers(
+        self, stream: MessageStream, state: _Stream, context: RequestContext, message: Any
+    ) -> int:
+        """The response's headers go on with what the proxy's answers carry too (the
+        design's contract); their status."""
+        decision = context.decision
+        assert decision is not None
+        headers = ext_proc.headers_of(message.response_headers)
+        route = f"{self.decider.router.policy.name}:{decision.reason}"
+        extra = [
+            ("x-sluice-backend", decision.backend.url.encode()),
+            ("x-sluice-route", route.encode()),
+            ("server-timing", context.timing.header()),
+        ]
+        if context.request_id:
+            extra.append(("x-request-id", context.request_id))
+        if state.test_selection:
+            extra.append((ext_proc.TEST_SERVED, decision.backend.endpoint.encode()))
+        await stream.send(ext_proc.proceed("response_headers", extra))
+        if message.response_headers.end_of_stream:
+            state.answer.complete = True
+        return int(_header(headers, b":status") or b"0")
+
     async def _body_chunk(
-        self, stream: MessageStream, state: _Stream, decision: Decision, body: Any
+        self, stream: MessageStream, state: _Stream, decision: Decision, chunk: bytes, end: bool
     ) -> None:
-        chunk: bytes = body.body
-        if chunk and state.answer.first_byte_at is None:
-            state.answer.first_byte_at = time.perf_counter()
-            self.decider.started(decision)
         if chunk:
+            if state.answer.first_byte_at is None:
+                state.answer.first_byte_at = time.perf_counter()
+                self.decider.started(decision)
             state.tail = (state.tail + chunk)[-TAIL_BYTES:]
-        if body.end_of_stream:
+        if end:
             state.answer.complete = True
         if state.duplex:
-            await stream.send(ext_proc.streamed("response_body", chunk, body.end_of_stream))
+            await stream.send(ext_proc.streamed("response_body", chunk, end))
         else:
             await stream.send(ext_proc.proceed("response_body"))
 
@@ -348,8 +360,10 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 
 async def _receive(stream: MessageStream) -> Any:
     data = await stream.receive()
-    if data is None:
-        return None
+    return None if data is None else _parse(data)
+
+
+def _parse(data: bytes) -> Any:
     try:
         return ProcessingRequest.FromString(data)
     except Exception as exc:  # protobuf's DecodeError: a message that is not ext_proc's
