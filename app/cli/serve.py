@@ -8,6 +8,7 @@ then cancel everything and exit 0. A second signal cancels at once.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -16,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import httpx
 import trio
 
 from app.cli.allocator import fix_mmap_threshold
@@ -26,6 +26,7 @@ from app.config import ConfigError, Settings
 from app.dashboard.app import DashboardSources
 from app.dashboard.serving import serve_dashboard
 from app.dashboard.workers_view import WorkersView
+from app.http.fetch import Fetcher
 from app.preprocess.chat_template import TemplateLoadError
 from app.preprocess.tokenizer_loading import TokenizerLoadError
 from app.sim.server import create_sim_app, serve_sim
@@ -58,9 +59,8 @@ async def supervised_main(settings: Settings) -> None:
         )
     async with trio.open_nursery() as nursery:
         await nursery.start(_forward_signals, supervisor)
-        # Building a client loads CA certificates (~30 ms): not on the loop.
-        client = await trio.to_thread.run_sync(make_workers_client, settings)
-        async with client:
+        client = Fetcher(connect_timeout=settings.health_check_timeout)
+        async with contextlib.aclosing(client):
             view = WorkersView(
                 supervisor.workers, client, supervisor.worker_token, supervisor.saturation
             )
@@ -97,11 +97,6 @@ async def _forward_signals(
             supervisor.shutdown.set()
 
 
-def make_workers_client(settings: Settings) -> httpx.AsyncClient:
-    """For the supervisor's reads of its workers' snapshots and its writes of their policy."""
-    return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
-
-
 def _configure_logging(level: str, worker: int | None = None) -> None:
     who = "" if worker is None else f"[worker {worker}] "
     logging.basicConfig(
@@ -109,8 +104,6 @@ def _configure_logging(level: str, worker: int | None = None) -> None:
         format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # One line per forwarded request is the access log's job, not the client library's.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def run_until_stopped(
