@@ -1,36 +1,26 @@
 """One client connection on the server's side, as h11 keeps one: state and events in,
-decisions out. No I/O and no clock: the server (server.py) reads, writes and runs the timer,
-tells the connection what arrived and what happened (and when), and acts on what it answers.
+decisions out, no I/O and no clock (server.py reads, writes, runs the timer and acts).
 
 Design rules (h11's `_state.py` is the model):
-1. Two machines, each a table: the client's request as it is read (`Reading`,
-   `READING_TRANSITIONS`) and the server's answer (`Answering`, `ANSWER_TRANSITIONS`). An
-   event a table does not list for the state its machine is in is a bug of ours and raises
-   `StateError`; only `_read` and `_answer` move a machine by an event.
-2. Where one machine's state decides the other's, the joint state is in `COUPLED`, applied
-   after the events that can reach it (input ending, an answer ending); nothing else couples
-   them. There are no flags beside the two states: whatever the server asks is read off them
-   (whether another request may be read, whether the answer in progress is the last,
-   whether the client waits for 100 Continue, whether its body was read, when it expires).
-3. What the bytes are (the unread buffer, the request body's decoder) is data, not state: the
-   head and body readers are pure (request_head.py, framing.py) and are fed `unread`.
-4. A decision that is bytes (a refusal, 100 Continue, the 408 for a head left unfinished)
-   comes out as bytes once the states have moved; the server sends them. Closing (`closed`)
-   is the server's to act on: it stops reading, and cancels an answer in progress when the
-   client left or the server shut down.
+1. Two machines, each a table: the request as it is read (`READING_TRANSITIONS`) and the
+   answer (`ANSWER_TRANSITIONS`). An event a table does not list for its machine's state is
+   a bug of ours (`StateError`); only `_read` and `_answer` move a machine by an event.
+2. One machine moves the other only through `COUPLED` (joint states, applied after the
+   events that can reach them). No flags beside the two states: whatever the server asks
+   (may another request be read, is this answer the last, does the client wait for 100
+   Continue, was its body read, when does it expire) is read off them.
+3. The bytes (the unread buffer, the body's decoder) are data, not state, fed to the pure
+   readers (request_head.py, framing.py). A decision that is bytes (a refusal, 100
+   Continue, a late head's 408) comes out once the states have moved; the server sends it.
 
-    the request (Reading)                    the answer (Answering)
-    IDLE       nothing of a head yet          WAITING    no whole head to answer yet
-    HEAD       part of a head has arrived     ANSWERING  a head is being answered
-    EXPECTING  the client waits for 100       LAST       the same, and the connection
-               Continue before its body                  ends after this answer
-    BODY       its body is arriving           CLOSED     nothing more is read or answered
-    DONE       read to the end of its body
-    ENDED      the client's input ended
+    Reading    IDLE nothing of a head yet · HEAD part of one · EXPECTING the client waits
+               for 100 Continue · BODY its body is arriving · DONE read whole · ENDED the
+               client's input ended
+    Answering  WAITING no whole head yet · ANSWERING · LAST the connection's last answer ·
+               CLOSED nothing more is read or answered
 
-When it expires (`expiry`): WAITING with nothing of a head, the keep-alive timeout after the
-last answer; WAITING with part of a head, the read timeout from its first byte (then a 408);
-while answering, never (the server's timer looks again a timeout period later).
+Expiry: WAITING, nothing of a head: the keep-alive timeout after the last answer; part of a
+head: the read timeout from its first byte, with a 408; while answering, never.
 """
 
 from __future__ import annotations
