@@ -79,40 +79,49 @@ class AnswerEvent(enum.Enum):
 
 IDLE, HEAD, EXPECTING, BODY, DONE, ENDED = Reading
 WAITING, ANSWERING, LAST, CLOSED = Answering
-R, A = ReadEvent, AnswerEvent
 
 _HEADS = {
-    R.HEAD_WHOLE: BODY,
-    R.HEAD_EXPECTING: EXPECTING,
-    R.HEAD_ALONE: DONE,
-    R.END_OF_INPUT: ENDED,
+    ReadEvent.HEAD_WHOLE: BODY,
+    ReadEvent.HEAD_EXPECTING: EXPECTING,
+    ReadEvent.HEAD_ALONE: DONE,
+    ReadEvent.END_OF_INPUT: ENDED,
 }
 READING_TRANSITIONS: dict[Reading, dict[ReadEvent, Reading]] = {
     # A pipelined head may be whole behind the last answer, without ever being partial.
-    IDLE: {R.HEAD_BEGAN: HEAD, **_HEADS},
+    IDLE: {ReadEvent.HEAD_BEGAN: HEAD, **_HEADS},
     HEAD: _HEADS,
     EXPECTING: {
-        R.CONTINUE_SENT: BODY,
-        R.BODY_BYTES: BODY,  # the client did not wait
-        R.BODY_WHOLE: DONE,
-        R.END_OF_INPUT: ENDED,
+        ReadEvent.CONTINUE_SENT: BODY,
+        ReadEvent.BODY_BYTES: BODY,  # the client did not wait
+        ReadEvent.BODY_WHOLE: DONE,
+        ReadEvent.END_OF_INPUT: ENDED,
     },
-    BODY: {R.BODY_WHOLE: DONE, R.END_OF_INPUT: ENDED},
-    DONE: {R.END_OF_INPUT: ENDED},
-    ENDED: {R.END_OF_INPUT: ENDED},
+    BODY: {ReadEvent.BODY_WHOLE: DONE, ReadEvent.END_OF_INPUT: ENDED},
+    DONE: {ReadEvent.END_OF_INPUT: ENDED},
+    ENDED: {ReadEvent.END_OF_INPUT: ENDED},
 }
 
-_ENDINGS = {A.FAILED: CLOSED, A.PEER_LEFT: CLOSED}
+_ENDINGS = {AnswerEvent.FAILED: CLOSED, AnswerEvent.PEER_LEFT: CLOSED}
 ANSWER_TRANSITIONS: dict[Answering, dict[AnswerEvent, Answering]] = {
     WAITING: {
-        A.REQUEST: ANSWERING,
-        A.REFUSED: CLOSED,
-        A.EXPIRED: CLOSED,
-        A.PEER_LEFT: CLOSED,
-        A.SHUTDOWN: CLOSED,
+        AnswerEvent.REQUEST: ANSWERING,
+        AnswerEvent.REFUSED: CLOSED,
+        AnswerEvent.EXPIRED: CLOSED,
+        AnswerEvent.PEER_LEFT: CLOSED,
+        AnswerEvent.SHUTDOWN: CLOSED,
     },
-    ANSWERING: {A.MUST_CLOSE: LAST, A.SHUTDOWN: LAST, A.ANSWERED: WAITING, **_ENDINGS},
-    LAST: {A.MUST_CLOSE: LAST, A.SHUTDOWN: LAST, A.ANSWERED: CLOSED, **_ENDINGS},
+    ANSWERING: {
+        AnswerEvent.MUST_CLOSE: LAST,
+        AnswerEvent.SHUTDOWN: LAST,
+        AnswerEvent.ANSWERED: WAITING,
+        **_ENDINGS,
+    },
+    LAST: {
+        AnswerEvent.MUST_CLOSE: LAST,
+        AnswerEvent.SHUTDOWN: LAST,
+        AnswerEvent.ANSWERED: CLOSED,
+        **_ENDINGS,
+    },
     # Whatever still happens to a closed connection changes nothing.
     CLOSED: {event: CLOSED for event in AnswerEvent},
 }
@@ -226,7 +235,7 @@ class ClientConnection:
         if data:
             self.unread += data
             return
-        self._read(R.END_OF_INPUT)
+        self._read(ReadEvent.END_OF_INPUT)
         self._settle()
 
     def next_request(self, now: float) -> RequestHead | None:
@@ -238,18 +247,18 @@ class ClientConnection:
         if head is None:
             if self.unread and self.reading is IDLE:  # empty lines before a head do not count
                 self._head_started = now
-                self._read(R.HEAD_BEGAN)
+                self._read(ReadEvent.HEAD_BEGAN)
             return None
         body = self._body = head.body_decoder()
-        self._answer(A.REQUEST)
+        self._answer(AnswerEvent.REQUEST)
         if body.done:
-            self._read(R.HEAD_ALONE)
+            self._read(ReadEvent.HEAD_ALONE)
         elif head.expects_continue and not self.unread:
-            self._read(R.HEAD_EXPECTING)
+            self._read(ReadEvent.HEAD_EXPECTING)
         else:
-            self._read(R.HEAD_WHOLE)
+            self._read(ReadEvent.HEAD_WHOLE)
         if not head.keep_alive:
-            self._answer(A.MUST_CLOSE)
+            self._answer(AnswerEvent.MUST_CLOSE)
         return head
 
     def continue_reply(self) -> bytes:
@@ -257,7 +266,7 @@ class ClientConnection:
         (once), else nothing."""
         if self.reading is not EXPECTING:
             return b""
-        self._read(R.CONTINUE_SENT)
+        self._read(ReadEvent.CONTINUE_SENT)
         return CONTINUE
 
     def take_body(self) -> list[bytes]:
@@ -271,39 +280,39 @@ class ClientConnection:
         self.unread = body.leftover
         body.leftover = b""
         if body.done:
-            self._read(R.BODY_WHOLE)
+            self._read(ReadEvent.BODY_WHOLE)
         elif reading is EXPECTING:
-            self._read(R.BODY_BYTES)
+            self._read(ReadEvent.BODY_BYTES)
         return pieces
 
     # --- what happened -------------------------------------------------------------------------
 
     def must_close(self) -> None:
         """The answer being made ends the connection (its framing or the request says so)."""
-        self._answer(A.MUST_CLOSE)
+        self._answer(AnswerEvent.MUST_CLOSE)
 
     def answered(self, complete: bool, now: float) -> None:
         """The handler returned: with its answer whole (the connection may go on, unless it
         was the last), or not (it must end: the client cannot tell where the answer stops)."""
         self._body = None
-        self._answer(A.ANSWERED if complete else A.FAILED)
+        self._answer(AnswerEvent.ANSWERED if complete else AnswerEvent.FAILED)
         if self.answer is WAITING:
             self._idle_since = now
             self._settle()
 
     def peer_left(self) -> None:
         """The client closed or reset its connection (the server's departure watcher)."""
-        self._answer(A.PEER_LEFT)
-        self._read(R.END_OF_INPUT)
+        self._answer(AnswerEvent.PEER_LEFT)
+        self._read(ReadEvent.END_OF_INPUT)
 
     def shutdown(self) -> None:
         """The server stops: an idle connection closes now, an answer in flight is the last."""
-        self._answer(A.SHUTDOWN)
+        self._answer(AnswerEvent.SHUTDOWN)
 
     def refuse(self, error: ClientError) -> bytes:
         """The connection closes on a request that could not be read: the error answer to
         send it."""
-        self._answer(A.REFUSED)
+        self._answer(AnswerEvent.REFUSED)
         return refusal(error)
 
     # --- time ----------------------------------------------------------------------------------
@@ -323,7 +332,7 @@ class ClientConnection:
         if self.answer is not WAITING or now < self.expiry(now):
             return None
         late = self.reading is HEAD
-        self._answer(A.EXPIRED)
+        self._answer(AnswerEvent.EXPIRED)
         if not late:
             return b""
         message = f"The request head did not arrive within {self.read_timeout:g}s."
