@@ -15,10 +15,11 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from app.http.client import UpstreamResponse
-from app.http.exchange import ClientConnection, Exchange
+from app.http.connection import ClientConnection
+from app.http.exchange import Exchange, read_into
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
-from app.http.request_head import RequestHead
+from app.http.streams import ByteStream
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.request_bodies import Kind
 from app.preprocess.tokenizer_loading import EncodingLike, TokenizerLike
@@ -32,12 +33,14 @@ async def prepare(
     return await preprocessor.prepare(kind, json.dumps(payload).encode(), **options)
 
 
-async def read_request(connection: ClientConnection, deadline: float) -> RequestHead:
-    """The next request's head, read as the server's task (http_server.py) reads it."""
+async def read_exchange(stream: ByteStream, deadline: float) -> Exchange:
+    """The first request on `stream`, its head read as the server's task (server.py) reads
+    it, as an exchange with its handler to be."""
+    connection = ClientConnection()
     with trio.fail_at(deadline):
-        while (request := connection.next_request()) is None:
-            await connection.read_some()
-    return request
+        while (request := connection.next_request(trio.current_time())) is None:
+            await read_into(connection, stream)
+    return Exchange(connection, stream, request)
 
 
 class GateTokenizer:

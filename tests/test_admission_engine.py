@@ -39,6 +39,7 @@ from app.fleet.backends import BackendPool
 from app.fleet.load_scraper import LoadScraper
 from app.fleet.saturation import queued_ours
 from app.http.fetch import Fetched, Fetcher
+from app.http.fields import Headers
 from app.observe.metrics import Metrics
 from app.routing.admission import Admission
 from app.routing.decision import RouteRequest
@@ -113,7 +114,9 @@ class Rig(Fetcher):
         self._exposition = SimMetrics(self.engine, settings)
         await self.nursery.start(self._run_engine, self.engine, self._engine_scope)
 
-    async def exchange(self, base_url: str, path: str, method: bytes, body: bytes) -> Fetched:
+    async def exchange(
+        self, base_url: str, path: str, method: bytes, body: bytes, headers: Headers | None = None
+    ) -> Fetched:
         await trio.lowlevel.checkpoint()
         if path == "/metrics":
             engine = self.engine

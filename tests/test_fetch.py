@@ -1,6 +1,7 @@
-"""The fleet watchers' client (app/http/fetch.py) against a raw TCP server on port 0: a GET
-and a JSON POST read whole over one kept-alive connection; an answer over the bound, or cut
-short by the backend, is an `UpstreamError` and its connection is not reused."""
+"""The small-request client (app/http/fetch.py) against a raw TCP server on port 0: a GET, a
+JSON POST and a PUT with a header of the caller's read whole over one kept-alive connection;
+an answer over the bound, or cut short by the backend, is an `UpstreamError` and its
+connection is not reused."""
 
 from __future__ import annotations
 
@@ -72,11 +73,14 @@ async def test_a_get_and_a_json_post_are_read_whole_over_one_connection(
     assert (got.status, got.json()) == (200, {"tokens": [1, 2]})
     posted = await fetcher.post_json(url, "/tokenize", {"prompt": "hi"})
     assert posted.text == '{"tokens": [1, 2]}'
+    token = [(b"authorization", b"Bearer t")]
+    assert (await fetcher.put_json(url, "/api/policy", {"saturation": "wait"}, token)).ok
     assert server.connections == 1
-    get, post = server.requests
+    get, post, put = server.requests
     assert get.startswith(b"GET /metrics HTTP/1.1\r\n")
     assert b"content-type: application/json" in post
     assert json.loads(post.partition(b"\r\n\r\n")[2]) == {"prompt": "hi"}
+    assert put.startswith(b"PUT /api/policy HTTP/1.1\r\n") and b"authorization: Bearer t" in put
     await fetcher.aclose()
 
 

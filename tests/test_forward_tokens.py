@@ -47,8 +47,8 @@ async def run_check(pool: BackendPool, answer: Any) -> list[dict[str, Any]]:
     bodies: list[dict[str, Any]] = []
 
     class Answering(Fetcher):
-        async def exchange(self, base_url: str, path: str, method: bytes, body: bytes) -> Fetched:
-            bodies.append(json.loads(body))
+        async def exchange(self, *request: Any) -> Fetched:
+            bodies.append(json.loads(request[3]))  # (base URL, path, method, body, headers)
             status, payload = answer(bodies[-1])
             return Fetched(status, json.dumps(payload).encode())
 

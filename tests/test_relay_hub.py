@@ -24,11 +24,11 @@ import trio.testing
 
 from app.errors import UpstreamFault
 from app.http.client import UpstreamPool, UpstreamResponse
-from app.http.exchange import ClientConnection, ClientGone, Exchange
+from app.http.exchange import ClientGone, Exchange
 from app.http.relay_hub import READ_SIZE, SWEEP_S, RelayHub
 from app.http.streams import byte_stream
 from app.proxy.relay import Passage
-from tests.fakes import read_request, relay
+from tests.fakes import read_exchange, relay
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 REQUEST = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
@@ -74,10 +74,8 @@ async def wired(nursery: trio.Nursery, buffer_bytes: int | None = None) -> Async
         return upstream_end
 
     pool = UpstreamPool(connect_timeout=5, max_connections=4, open_stream=open_stream)
-    connection = ClientConnection(byte_stream(client_end))
     await client.send_all(REQUEST)
-    request = await read_request(connection, trio.current_time() + 5)
-    exchange = Exchange(connection, request)
+    exchange = await read_exchange(byte_stream(client_end), trio.current_time() + 5)
     assert await exchange.read_body(100) == b"{}"
     await backend.send_all(HEAD)
     response = await pool.request("http://backend:8000", "/v1/chat/completions", [], b"{}")

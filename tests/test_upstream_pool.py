@@ -37,11 +37,11 @@ import trio.testing
 
 from app.errors import UpstreamError, UpstreamFault
 from app.http.client import UpstreamPool, UpstreamResponse
-from app.http.exchange import ClientConnection, Exchange
+from app.http.exchange import Exchange
 from app.http.relay_hub import SWEEP_S, RelayHub
 from app.http.streams import StreamBytes, byte_stream
 from app.routing.usage import TAIL_BYTES, Usage, usage_from_tail
-from tests.fakes import read_request, relay
+from tests.fakes import read_exchange, relay
 
 BASE = "http://backend:8000"
 Handler = Callable[[trio.abc.Stream, h11.Connection], Awaitable[None]]
@@ -268,12 +268,10 @@ async def client_exchange(
     pair = trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
     client_end, proxy_end = pair
     proxy_bytes = CountingBytes(proxy_end)
-    connection = ClientConnection(proxy_bytes)
     async with trio.open_nursery() as nursery:
         request = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n"
         nursery.start_soon(client_end.send_all, request)
-        event = await read_request(connection, trio.current_time() + 1)
-        exchange = Exchange(connection, event)
+        exchange = await read_exchange(proxy_bytes, trio.current_time() + 1)
         assert await exchange.read_body(100) == b""
         yield exchange, proxy_bytes, Client(client_end, delay)
         nursery.cancel_scope.cancel()

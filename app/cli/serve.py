@@ -8,6 +8,7 @@ then cancel everything and exit 0. A second signal cancels at once.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -16,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
-import httpx
 import trio
 
 from app.cli.allocator import fix_mmap_threshold
@@ -27,6 +27,7 @@ from app.dashboard.app import DashboardSources
 from app.dashboard.serving import serve_dashboard
 from app.dashboard.workers_view import WorkersView
 from app.errors import ConfigError
+from app.http.fetch import Fetcher
 from app.sim.server import create_sim_app, serve_sim
 from app.sim.settings import SimSettings
 
@@ -57,9 +58,8 @@ async def supervised_main(settings: Settings) -> None:
         )
     async with trio.open_nursery() as nursery:
         await nursery.start(_forward_signals, supervisor)
-        # Building a client loads CA certificates (~30 ms): not on the loop.
-        client = await trio.to_thread.run_sync(make_workers_client, settings)
-        async with client:
+        client = Fetcher(connect_timeout=settings.health_check_timeout)
+        async with contextlib.aclosing(client):
             view = WorkersView(
                 supervisor.workers, client, supervisor.worker_token, supervisor.saturation
             )
@@ -96,11 +96,6 @@ async def _forward_signals(
             supervisor.shutdown.set()
 
 
-def make_workers_client(settings: Settings) -> httpx.AsyncClient:
-    """For the supervisor's reads of its workers' snapshots and its writes of their policy."""
-    return httpx.AsyncClient(timeout=settings.health_check_timeout, trust_env=False)
-
-
 def _configure_logging(level: str, worker: int | None = None) -> None:
     who = "" if worker is None else f"[worker {worker}] "
     logging.basicConfig(
@@ -108,8 +103,6 @@ def _configure_logging(level: str, worker: int | None = None) -> None:
         format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # One line per forwarded request is the access log's job, not the client library's.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def run_until_stopped(

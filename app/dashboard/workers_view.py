@@ -18,14 +18,16 @@ import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol, cast
+from urllib.parse import urlencode
 
-import httpx
 import trio
 
 from app.budgets.sync import Notice
 from app.config import Saturation
 from app.dashboard.snapshot import Snapshot, WorkerRow
 from app.dashboard.worker_snapshots import RecordLog, merge_snapshots
+from app.errors import UpstreamError
+from app.http.fetch import Fetcher
 from app.observe.request_trace import RequestsSnapshot
 from app.observe.worker_metrics import merge_worker_metrics
 from app.preprocess.pipeline import PreprocessSnapshot
@@ -57,7 +59,7 @@ class WorkersView:
     def __init__(
         self,
         workers: Sequence[WorkerState],
-        client: httpx.AsyncClient,
+        client: Fetcher,
         token: str,
         saturation: Saturation,
         *,
@@ -67,7 +69,7 @@ class WorkersView:
         self.client = client
         self.tick_s = tick_s
         self.saturation = saturation
-        self._headers = {"authorization": f"Bearer {token}"}
+        self._headers = [(b"authorization", f"Bearer {token}".encode())]
         self._records = RecordLog()
         # By worker: (incarnation, its latest snapshot, when it was read (monotonic)).
         self._latest: dict[int, tuple[int, Snapshot, float]] = {}
@@ -84,20 +86,21 @@ class WorkersView:
 
     async def _poll(self, worker: WorkerState) -> None:
         url, incarnation = worker.dashboard_url, worker.incarnation
+        if url is None:
+            return
+        query = urlencode(
+            {"counters": 1, "records_after": self._records.taken(worker.index, incarnation)}
+        )
         try:
             with trio.fail_after(POLL_TIMEOUT_S):
-                response = await self.client.get(
-                    f"{url}/api/snapshot",
-                    params={
-                        "counters": 1,
-                        "records_after": self._records.taken(worker.index, incarnation),
-                    },
-                    headers=self._headers,
-                )
-                response.raise_for_status()
-                snapshot: Snapshot = response.json()  # a worker's, `?counters=1`
-        except (httpx.HTTPError, ValueError, trio.TooSlowError) as exc:
+                response = await self.client.get(url, f"/api/snapshot?{query}", self._headers)
+            # A worker's, `?counters=1`.
+            snapshot: Snapshot | None = response.json() if response.ok else None
+        except (UpstreamError, ValueError, trio.TooSlowError) as exc:
             log.debug("worker %d: no snapshot (%s)", worker.index, exc)
+            return
+        if snapshot is None:
+            log.debug("worker %d: no snapshot (it answered %d)", worker.index, response.status)
             return
         if incarnation != worker.incarnation:
             return  # it died meanwhile
@@ -131,30 +134,33 @@ class WorkersView:
                     nursery.start_soon(self._put_policy, worker, policy)
 
     async def _put_policy(self, worker: WorkerState, policy: Saturation) -> None:
+        url = worker.dashboard_url
+        if url is None:
+            return
         try:
             with trio.fail_after(POLL_TIMEOUT_S):
-                response = await self.client.put(
-                    f"{worker.dashboard_url}/api/policy",
-                    json={"saturation": policy},
-                    headers=self._headers,
-                )
-                response.raise_for_status()
-        except (httpx.HTTPError, trio.TooSlowError) as exc:
+                payload = {"saturation": policy}
+                response = await self.client.put_json(url, "/api/policy", payload, self._headers)
+        except (UpstreamError, trio.TooSlowError) as exc:
             log.warning("worker %d did not take the policy yet (%s)", worker.index, exc)
+            return
+        if not response.ok:
+            log.warning("worker %d did not take the policy yet (%d)", worker.index, response.status)
 
     async def metrics_text(self) -> bytes:
         texts: dict[int, str] = {}
 
         async def read(worker: WorkerState) -> None:
+            url = worker.dashboard_url
+            if url is None:
+                return
             try:
                 with trio.fail_after(POLL_TIMEOUT_S):
-                    response = await self.client.get(
-                        f"{worker.dashboard_url}/metrics", headers=self._headers
-                    )
-                    response.raise_for_status()
-                    texts[worker.index] = response.text
-            except (httpx.HTTPError, trio.TooSlowError):
-                pass
+                    response = await self.client.get(url, "/metrics", self._headers)
+            except (UpstreamError, trio.TooSlowError):
+                return
+            if response.ok:
+                texts[worker.index] = response.text
 
         async with trio.open_nursery() as nursery:
             for worker in self.workers:

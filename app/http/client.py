@@ -3,7 +3,7 @@ the response head is parsed directly (response_head.py), the body is decoded as 
 arrives (framing.py, one pass per socket read instead of one event per chunk),
 keep-alive connections are pooled per backend.
 
-Why not httpx here (it serves everything else: health checks, tests, the load generator):
+Why not httpx here (the tests' client; fetch.py is this pool's small-request helper):
 measured on these machines, an httpx request costs ~0.55 ms of CPU and httpcore writes the
 request head and body in two syscalls; the proxy's whole budget is ~1 ms. This client sends
 a request in one write and costs a fraction of that (`python -m load bench overhead`).

@@ -1,99 +1,140 @@
-"""One client connection on the server's side: its state, as a table, and its timer.
+"""One client connection on the server's side, as h11 keeps one: state and events in,
+decisions out, no I/O and no clock (server.py reads, writes, runs the timer and acts).
 
 Design rules (h11's `_state.py` is the model):
-1. A connection is in one `Phase` at a time, and only `ClientConnection._apply` changes it,
-   by looking up (phase, event) in `TRANSITIONS`. An event the table does not list for the
-   phase is a bug of ours and raises `StateError`; nothing else assigns the phase.
-2. The server (server.py), the exchange (exchange.py) and the connection's own timer report
-   what happened, as events; what each phase means for them is read off the phase: whether
-   the connection expires and when, whether the answer in progress is its last, whether
-   another request may be read.
-3. Entering CLOSED cancels the connection's scope, whoever caused it: the answer in
-   progress, its backend's work and the timer stop with it. The server closes the socket.
+1. Two machines, each a table: the request as it is read (`READING_TRANSITIONS`) and the
+   answer (`ANSWER_TRANSITIONS`). An event a table does not list for its machine's state is
+   a bug of ours (`StateError`); only `_read` and `_answer` move a machine by an event.
+2. One machine moves the other only through `COUPLED` (joint states, applied after the
+   events that can reach them). No flags beside the two states: whatever the server asks
+   (may another request be read, is this answer the last, does the client wait for 100
+   Continue, was its body read, when does it expire) is read off them.
+3. The bytes (the unread buffer, the body's decoder) are data, not state, fed to the pure
+   readers (request_head.py, framing.py). A decision that is bytes (a refusal, 100
+   Continue, a late head's 408) comes out once the states have moved; the server sends it.
 
-    phase        what is going on                                 the timer
-    IDLE         between requests, nothing of the next head yet   keep-alive timeout
-    HEAD         part of a head has arrived                       read timeout from its first byte
-    ANSWERING    a whole head: its handler reads the body, answers (none while it answers)
-    LAST_ANSWER  the same, and the connection ends after it       (none)
-    CLOSED       nothing more is read or answered                 -
+    Reading    IDLE nothing of a head yet · HEAD part of one · EXPECTING the client waits
+               for 100 Continue · BODY its body is arriving · DONE read whole · ENDED the
+               client's input ended
+    Answering  WAITING no whole head yet · ANSWERING · LAST the connection's last answer ·
+               CLOSED nothing more is read or answered
 
-What the bytes are (the unread buffer, the request body's decoder) is data, not phase: the
-head and body readers are pure (request_head.py, framing.py) and are fed `unread`.
+Expiry: WAITING, nothing of a head: the keep-alive timeout after the last answer; part of a
+head: the read timeout from its first byte, with a 408; while answering, never.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import json
 from dataclasses import dataclass
 from http import HTTPStatus
 
-import trio
-
 from app.errors import ClientError, SluiceError, answer_for
 from app.http.fields import field_lines
 from app.http.framing import BodyDecoder
 from app.http.request_head import HeadReader, RequestHead
-from app.http.streams import ByteStream
 
 CLOSE = (b"connection", b"close")
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
-class Phase(enum.Enum):
-    IDLE = "idle"
-    HEAD = "head"
-    ANSWERING = "answering"
-    LAST_ANSWER = "last answer"
-    CLOSED = "closed"
+class Reading(enum.Enum):
+    IDLE = "nothing of a head yet"
+    HEAD = "part of a head has arrived"
+    EXPECTING = "the client waits for 100 Continue before its body"
+    BODY = "its body is arriving"
+    DONE = "read to the end of its body"
+    ENDED = "the client's input ended"
 
 
-class Event(enum.Enum):
-    BYTES = "the first bytes of a head arrived"
-    HEAD_WHOLE = "a whole head was read"
+class Answering(enum.Enum):
+    WAITING = "no whole head to answer yet"
+    ANSWERING = "a head is being answered"
+    LAST = "a head is being answered, the connection's last"
+    CLOSED = "nothing more is read or answered"
+
+
+class ReadEvent(enum.Enum):
+    HEAD_BEGAN = "the first bytes of a head arrived"
+    HEAD_WHOLE = "a whole head, its body to come"
+    HEAD_EXPECTING = "a whole head whose client waits for 100 Continue"
+    HEAD_ALONE = "a whole head without a body"
+    CONTINUE_SENT = "100 Continue went out"
+    BODY_BYTES = "body bytes arrived, the body not whole yet"
+    BODY_WHOLE = "the body arrived to its end"
+    END_OF_INPUT = "the client's input ended"
+
+
+class AnswerEvent(enum.Enum):
+    REQUEST = "a whole head was read"
     MUST_CLOSE = "the answer in progress must be the last"
     ANSWERED = "the answer went out whole"
     FAILED = "the answer could not be finished"
     REFUSED = "a head that cannot be read was refused"
-    EXPIRED = "the timer ran out"
+    EXPIRED = "the connection's time ran out"
     PEER_LEFT = "the client closed its side"
     SHUTDOWN = "the server is shutting down"
 
 
-IDLE, HEAD, ANSWERING, LAST_ANSWER, CLOSED = Phase
-TRANSITIONS: dict[Phase, dict[Event, Phase]] = {
-    IDLE: {
-        Event.BYTES: HEAD,
-        Event.HEAD_WHOLE: ANSWERING,  # a pipelined head, whole behind the last answer
-        Event.REFUSED: CLOSED,
-        Event.EXPIRED: CLOSED,
-        Event.PEER_LEFT: CLOSED,
-        Event.SHUTDOWN: CLOSED,
+IDLE, HEAD, EXPECTING, BODY, DONE, ENDED = Reading
+WAITING, ANSWERING, LAST, CLOSED = Answering
+
+_HEADS = {
+    ReadEvent.HEAD_WHOLE: BODY,
+    ReadEvent.HEAD_EXPECTING: EXPECTING,
+    ReadEvent.HEAD_ALONE: DONE,
+    ReadEvent.END_OF_INPUT: ENDED,
+}
+READING_TRANSITIONS: dict[Reading, dict[ReadEvent, Reading]] = {
+    # A pipelined head may be whole behind the last answer, without ever being partial.
+    IDLE: {ReadEvent.HEAD_BEGAN: HEAD, **_HEADS},
+    HEAD: _HEADS,
+    EXPECTING: {
+        ReadEvent.CONTINUE_SENT: BODY,
+        ReadEvent.BODY_BYTES: BODY,  # the client did not wait
+        ReadEvent.BODY_WHOLE: DONE,
+        ReadEvent.END_OF_INPUT: ENDED,
     },
-    HEAD: {
-        Event.HEAD_WHOLE: ANSWERING,
-        Event.REFUSED: CLOSED,
-        Event.EXPIRED: CLOSED,
-        Event.PEER_LEFT: CLOSED,
-        Event.SHUTDOWN: CLOSED,
+    BODY: {ReadEvent.BODY_WHOLE: DONE, ReadEvent.END_OF_INPUT: ENDED},
+    DONE: {ReadEvent.END_OF_INPUT: ENDED},
+    ENDED: {ReadEvent.END_OF_INPUT: ENDED},
+}
+
+_ENDINGS = {AnswerEvent.FAILED: CLOSED, AnswerEvent.PEER_LEFT: CLOSED}
+ANSWER_TRANSITIONS: dict[Answering, dict[AnswerEvent, Answering]] = {
+    WAITING: {
+        AnswerEvent.REQUEST: ANSWERING,
+        AnswerEvent.REFUSED: CLOSED,
+        AnswerEvent.EXPIRED: CLOSED,
+        AnswerEvent.PEER_LEFT: CLOSED,
+        AnswerEvent.SHUTDOWN: CLOSED,
     },
     ANSWERING: {
-        Event.MUST_CLOSE: LAST_ANSWER,
-        Event.SHUTDOWN: LAST_ANSWER,
-        Event.ANSWERED: IDLE,
-        Event.FAILED: CLOSED,
-        Event.PEER_LEFT: CLOSED,
+        AnswerEvent.MUST_CLOSE: LAST,
+        AnswerEvent.SHUTDOWN: LAST,
+        AnswerEvent.ANSWERED: WAITING,
+        **_ENDINGS,
     },
-    LAST_ANSWER: {
-        Event.MUST_CLOSE: LAST_ANSWER,
-        Event.SHUTDOWN: LAST_ANSWER,
-        Event.ANSWERED: CLOSED,
-        Event.FAILED: CLOSED,
-        Event.PEER_LEFT: CLOSED,
+    LAST: {
+        AnswerEvent.MUST_CLOSE: LAST,
+        AnswerEvent.SHUTDOWN: LAST,
+        AnswerEvent.ANSWERED: CLOSED,
+        **_ENDINGS,
     },
     # Whatever still happens to a closed connection changes nothing.
-    CLOSED: {event: CLOSED for event in Event},
+    CLOSED: {event: CLOSED for event in AnswerEvent},
+}
+
+# Joint states that move both machines at once (h11's state-triggered transitions).
+COUPLED: dict[tuple[Reading, Answering], tuple[Reading, Answering]] = {
+    # The client's input ended between requests: nobody to answer.
+    (ENDED, WAITING): (ENDED, CLOSED),
+    # ... or mid-request: its answer may still go out, but no request follows it.
+    (ENDED, ANSWERING): (ENDED, LAST),
+    # An answer went out whole on a request read whole: the next request's head may come.
+    # (An answer that leaves its request's body unread is the last: exchange.py makes it so.)
+    (DONE, WAITING): (IDLE, WAITING),
 }
 
 
@@ -111,183 +152,199 @@ DEFAULT_LIMITS = Limits()
 
 
 class StateError(SluiceError, RuntimeError):
-    """An event the phase does not allow: a bug of the server's, never of a client's."""
+    """An event the state does not allow: a bug of the server's, never of a client's."""
 
 
 class ClientConnection:
-    """The server's side of one connection, served by one task (server.py).
+    """The server's side of one connection: fed what arrives (`receive`) and what happened,
+    it says what the bytes hold (`next_request`, `take_body`) and what to do."""
 
-    That task reads a request's head and body into `unread` (`read_some`), runs the handler,
-    and reads the next; what a client pipelines meanwhile waits in the kernel. A second task
-    runs the connection's timer (`run_timer`), and the server's departure watcher reports a
-    client that leaves (`peer_left`).
-    """
+    __slots__ = (
+        "_body",
+        "_head_started",
+        "_heads",
+        "_idle_since",
+        "answer",
+        "keep_alive_timeout",
+        "read_timeout",
+        "reading",
+        "unread",
+    )
 
-    def __init__(self, stream: ByteStream, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.stream = stream
-        self.phase = IDLE
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, now: float = 0.0) -> None:
+        self.reading = IDLE
+        self.answer = WAITING
         self.unread = b""
-        self.peer_gone = False  # the client's end of input was read
         self.keep_alive_timeout = limits.keep_alive_timeout
         self.read_timeout = limits.read_timeout
         self._heads = HeadReader(limits.max_head_bytes)
         # The body of the request being answered; None between requests.
         self._body: BodyDecoder | None = None
-        self.continue_expected = False  # the client waits for 100 Continue before its body
-        # Cancelled on entering CLOSED (`serving` sets it).
-        self._scope: trio.CancelScope | None = None
-        # What the timer expires the connection by: when it last went idle, when the first
-        # byte of a head still unfinished came, and the timer's sleep.
-        self._idle_since = trio.current_time()
-        self._head_started = 0.0
-        self._timer: trio.CancelScope | None = None
+        # What the connection expires by: when it last went idle, and when the first byte
+        # of a head still unfinished came.
+        self._idle_since = now
+        self._head_started = now
 
-    def _apply(self, event: Event) -> None:
+    def _read(self, event: ReadEvent) -> None:
         try:
-            phase = TRANSITIONS[self.phase][event]
+            self.reading = READING_TRANSITIONS[self.reading][event]
         except KeyError:
-            raise StateError(f"{event.value} while {self.phase.value}") from None
-        self.phase = phase
-        if phase is CLOSED and self._scope is not None:
-            self._scope.cancel()
+            raise StateError(f"{event.value} while {self.reading.value}") from None
+
+    def _answer(self, event: AnswerEvent) -> None:
+        try:
+            self.answer = ANSWER_TRANSITIONS[self.answer][event]
+        except KeyError:
+            raise StateError(f"{event.value} while {self.answer.value}") from None
+
+    def _settle(self) -> None:
+        coupled = COUPLED.get((self.reading, self.answer))
+        if coupled is not None:
+            self.reading, self.answer = coupled
+
+    # --- what the server asks ----------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self.answer is CLOSED
 
     @property
     def answering(self) -> bool:
-        return self.phase is ANSWERING or self.phase is LAST_ANSWER
+        return self.answer is ANSWERING or self.answer is LAST
 
     @property
     def last_answer(self) -> bool:
         """Whether the answer in progress is the connection's last (or it has closed)."""
-        return self.phase is not ANSWERING
-
-    # --- reading ---------------------------------------------------------------------------
-
-    def serving(self, scope: trio.CancelScope) -> None:
-        """The scope of the task serving this connection, cancelled when it closes."""
-        self._scope = scope
-        if self.phase is CLOSED:
-            scope.cancel()
-
-    async def read_some(self) -> None:
-        """Append what has arrived to `unread`; the end of input is the client leaving."""
-        try:
-            data = await self.stream.receive()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            data = b""
-        if not data:
-            self.peer_gone = True
-            if not self.answering:  # a body read notices it itself (ClientGone)
-                self._apply(Event.PEER_LEFT)
-            return
-        self.unread += data
-
-    def next_request(self) -> RequestHead | None:
-        """The next request's head once `unread` holds it whole, else None. A head that is
-        not HTTP/1.1 raises `ClientError`; the caller refuses it (`refuse`)."""
-        head, taken = self._heads.parse(self.unread)
-        if taken:
-            self.unread = self.unread[taken:]
-        if head is None:
-            if self.unread and self.phase is IDLE:  # empty lines before a head do not count
-                self._head_began()
-            return None
-        self._body = head.body_decoder()
-        self.continue_expected = head.expects_continue and not self._body.done and not self.unread
-        self._apply(Event.HEAD_WHOLE)
-        if not head.keep_alive:
-            self._apply(Event.MUST_CLOSE)
-        if self.peer_gone:  # pipelined, and the client has left since: nobody to answer
-            self._apply(Event.PEER_LEFT)
-        return head
+        return self.answer is not ANSWERING
 
     @property
     def request_read(self) -> bool:
         """Whether the request being answered was read to the end of its body."""
-        return self._body is None or self._body.done
+        return self.reading is DONE
+
+    @property
+    def input_ended(self) -> bool:
+        return self.reading is ENDED
+
+    # --- what arrives --------------------------------------------------------------------------
+
+    def receive(self, data: bytes) -> None:
+        """What the server read off the connection; b"" is the end of its input."""
+        if self.answer is CLOSED:
+            return
+        if data:
+            self.unread += data
+            return
+        self._read(ReadEvent.END_OF_INPUT)
+        self._settle()
+
+    def next_request(self, now: float) -> RequestHead | None:
+        """The next request's head once `unread` holds it whole, else None. A head that is
+        not HTTP/1.1 raises `ClientError`; the server refuses it (`refuse`)."""
+        head, taken = self._heads.parse(self.unread)
+        if taken:
+            self.unread = self.unread[taken:]
+        if head is None:
+            if self.unread and self.reading is IDLE:  # empty lines before a head do not count
+                self._head_started = now
+                self._read(ReadEvent.HEAD_BEGAN)
+            return None
+        body = self._body = head.body_decoder()
+        self._answer(AnswerEvent.REQUEST)
+        if body.done:
+            self._read(ReadEvent.HEAD_ALONE)
+        elif head.expects_continue and not self.unread:
+            self._read(ReadEvent.HEAD_EXPECTING)
+        else:
+            self._read(ReadEvent.HEAD_WHOLE)
+        if not head.keep_alive:
+            self._answer(AnswerEvent.MUST_CLOSE)
+        return head
+
+    def continue_reply(self) -> bytes:
+        """What to send before reading the body: 100 Continue if the client waits for it
+        (once), else nothing."""
+        if self.reading is not EXPECTING:
+            return b""
+        self._read(ReadEvent.CONTINUE_SENT)
+        return CONTINUE
 
     def take_body(self) -> list[bytes]:
         """The body bytes `unread` holds for the request being answered (FramingError for a
         malformed chunked body); what follows its end stays unread."""
         body = self._body
-        if body is None or body.done or not self.unread:
+        reading = self.reading
+        if body is None or not self.unread or (reading is not BODY and reading is not EXPECTING):
             return []
-        self.continue_expected = False
         pieces = body.feed(self.unread)
         self.unread = body.leftover
         body.leftover = b""
+        if body.done:
+            self._read(ReadEvent.BODY_WHOLE)
+        elif reading is EXPECTING:
+            self._read(ReadEvent.BODY_BYTES)
         return pieces
 
-    # --- what happened ---------------------------------------------------------------------
+    # --- what happened -------------------------------------------------------------------------
 
     def must_close(self) -> None:
         """The answer being made ends the connection (its framing or the request says so)."""
-        self._apply(Event.MUST_CLOSE)
+        self._answer(AnswerEvent.MUST_CLOSE)
 
-    def answered(self, complete: bool) -> None:
+    def answered(self, complete: bool, now: float) -> None:
         """The handler returned: with its answer whole (the connection may go on, unless it
         was the last), or not (it must end: the client cannot tell where the answer stops)."""
         self._body = None
-        self._apply(Event.ANSWERED if complete else Event.FAILED)
-        if self.phase is IDLE:
-            self._idle_since = trio.current_time()
+        self._answer(AnswerEvent.ANSWERED if complete else AnswerEvent.FAILED)
+        if self.answer is WAITING:
+            self._idle_since = now
+            self._settle()
 
     def peer_left(self) -> None:
         """The client closed or reset its connection (the server's departure watcher)."""
-        self.peer_gone = True
-        self._apply(Event.PEER_LEFT)
+        self._answer(AnswerEvent.PEER_LEFT)
+        self._read(ReadEvent.END_OF_INPUT)
 
     def shutdown(self) -> None:
         """The server stops: an idle connection closes now, an answer in flight is the last."""
-        self._apply(Event.SHUTDOWN)
+        self._answer(AnswerEvent.SHUTDOWN)
 
-    async def refuse(self, error: ClientError) -> None:
-        """An error answer to a request that could not be read; the connection then closes."""
-        answer = answer_for(error)
-        body = json.dumps(answer.body).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        headers += answer.headers
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.stream.send(response_head(answer.status, [*headers, CLOSE]) + body)
-        self._apply(Event.REFUSED)
+    def refuse(self, error: ClientError) -> bytes:
+        """The connection closes on a request that could not be read: the error answer to
+        send it."""
+        self._answer(AnswerEvent.REFUSED)
+        return refusal(error)
 
-    # --- the timer -------------------------------------------------------------------------
+    # --- time ----------------------------------------------------------------------------------
 
-    def _head_began(self) -> None:
-        """A head began and is not whole yet: it has the read timeout from its first byte,
-        sooner than the keep-alive timeout the timer may be waiting for."""
-        self._head_started = trio.current_time()
-        self._apply(Event.BYTES)
-        if self._timer is not None:
-            self._timer.deadline = min(self._timer.deadline, self._expiry())
-
-    def _expiry(self) -> float:
-        if self.phase is HEAD:
-            return self._head_started + self.read_timeout
-        if self.phase is IDLE:
+    def expiry(self, now: float) -> float:
+        """When the connection expires if nothing happens; while answering, the earliest an
+        answer that has not ended yet can make it expire."""
+        if self.answer is WAITING:
+            if self.reading is HEAD:
+                return self._head_started + self.read_timeout
             return self._idle_since + self.keep_alive_timeout
-        # Answering: the earliest an answer that has not ended yet can make it expire.
-        return trio.current_time() + min(self.keep_alive_timeout, self.read_timeout)
+        return now + min(self.keep_alive_timeout, self.read_timeout)
 
-    async def run_timer(self) -> None:
-        """End the connection, with a 408 when a head was left unfinished, once it has been
-        idle past its expiry.
+    def time_out(self, now: float) -> bytes | None:
+        """None unless the connection has expired by `now`; else it has closed, and this is
+        what to send first: a 408 for a head left unfinished, or nothing."""
+        if self.answer is not WAITING or now < self.expiry(now):
+            return None
+        late = self.reading is HEAD
+        self._answer(AnswerEvent.EXPIRED)
+        if not late:
+            return b""
+        message = f"The request head did not arrive within {self.read_timeout:g}s."
+        return refusal(ClientError(message, code="request_timeout", status=408))
 
-        A task per connection rather than a deadline on every read: requests move the expiry
-        with a plain assignment, and the timer wakes about once per timeout period to look,
-        where a cancel scope per read cost every request ~10 µs of Trio's deadline
-        bookkeeping."""
-        while self.phase is not CLOSED:
-            with trio.CancelScope(deadline=self._expiry()) as sleeping:
-                self._timer = sleeping
-                await trio.sleep_forever()
-            self._timer = None
-            if self.answering or trio.current_time() < self._expiry():
-                continue
-            if self.phase is HEAD:
-                late = f"The request head did not arrive within {self.read_timeout:g}s."
-                with trio.move_on_after(self.read_timeout):
-                    await self.refuse(ClientError(late, code="request_timeout", status=408))
-            self._apply(Event.EXPIRED)
+
+def refusal(error: ClientError) -> bytes:
+    """A whole error answer that ends its connection."""
+    answer = answer_for(error)
+    body = json.dumps(answer.body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    return response_head(answer.status, [*headers, *answer.headers, CLOSE]) + body
 
 
 def response_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:

@@ -7,13 +7,15 @@ whole or relayed by the relay hub as it arrives from its source; `respond`, `sta
 `Content-Length` when the handler gives one, until close to HTTP/1.0 clients). `at_end`, if
 the handler sets it, is called once the server is done with the exchange, however it ended.
 Whether the connection may carry another request after this answer is the connection's to
-say (connection.py): the exchange reports what the answer implies (`Connection: close`, a
-body framed until close, a request body left unread).
+say (connection.py, which does no I/O): the exchange reads and writes the connection's
+stream, and reports what the answer implies (`Connection: close`, a body framed until close,
+a request body left unread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import time
 from collections.abc import Callable, Iterable
@@ -37,8 +39,26 @@ class ClientGone(WireError):
     """The client closed the connection: its request cannot be read or answered."""
 
 
-# Framings of an answer's body (Exchange._framing).
-_NONE, _CHUNKED, _COUNTED, _UNTIL_CLOSE = range(4)
+class Framing(enum.Enum):
+    """How an answer's body is framed for its client."""
+
+    NONE = "no body: the answer to HEAD"
+    COUNTED = "Content-Length"
+    CHUNKED = "chunked"
+    UNTIL_CLOSE = "until the connection closes: HTTP/1.0"
+
+
+NONE, COUNTED, CHUNKED, UNTIL_CLOSE = Framing
+
+
+async def read_into(connection: ClientConnection, stream: ByteStream) -> None:
+    """Hand the connection what has arrived; a connection broken or closed is the end of
+    its input, as a client's close is."""
+    try:
+        data = await stream.receive()
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        data = b""
+    connection.receive(data)
 
 
 class Exchange:
@@ -48,6 +68,7 @@ class Exchange:
         "_connection",
         "_first_values",
         "_framing",
+        "_stream",
         "at_end",
         "complete",
         "first_byte_at",
@@ -59,9 +80,12 @@ class Exchange:
         "target",
     )
 
-    def __init__(self, connection: ClientConnection, request: RequestHead) -> None:
+    def __init__(
+        self, connection: ClientConnection, stream: ByteStream, request: RequestHead
+    ) -> None:
         self._connection = connection
-        self._framing = _NONE
+        self._stream = stream
+        self._framing = NONE
         self.method = request.method.decode("ascii")
         self.path = request.path
         self.target = request.target  # as sent, with its query
@@ -88,8 +112,9 @@ class Exchange:
         declared = self.header(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(limit)
-        if connection.continue_expected:
-            await self._send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        reply = connection.continue_reply()
+        if reply:
+            await self._send(reply)
         pieces: list[bytes] = []
         size = 0
         while True:
@@ -106,12 +131,12 @@ class Exchange:
                 pieces.append(piece)
             if connection.request_read:
                 return b"".join(pieces)
-            if connection.peer_gone:
+            if connection.input_ended:
                 raise ClientGone
             timeout = connection.read_timeout
             try:
                 with trio.fail_after(timeout):
-                    await connection.read_some()
+                    await read_into(connection, self._stream)
             except trio.TooSlowError:
                 raise ClientError(
                     f"The request body did not arrive within {timeout:g}s.",
@@ -120,21 +145,21 @@ class Exchange:
                     headers=[CLOSE],
                 ) from None
 
-    def _head(self, status: int, headers: Headers, framing: int) -> bytes:
+    def _head(self, status: int, headers: Headers, framing: Framing) -> bytes:
         connection = self._connection
         if not connection.request_read:
             # Answered without reading the body: what has arrived of it is dropped, and
             # unless that was all of it, the connection ends with this answer.
             with contextlib.suppress(FramingError):
                 connection.take_body()
-        if framing == _UNTIL_CLOSE or not connection.request_read or CLOSE in headers:
+        if framing is UNTIL_CLOSE or not connection.request_read or CLOSE in headers:
             connection.must_close()
         if connection.last_answer:
             if CLOSE not in headers:
                 headers = [*headers, CLOSE]
         elif self.http_version == b"1.0":
             headers = [*headers, KEEP_ALIVE]  # HTTP/1.0 closes unless told otherwise
-        if framing == _CHUNKED:
+        if framing is CHUNKED:
             headers = [*headers, (b"transfer-encoding", b"chunked")]
         self._framing = framing
         self.status = status
@@ -145,7 +170,7 @@ class Exchange:
     ) -> None:
         """A whole answer in one write; `headers` should not frame it (Content-Length is set)."""
         framed = [*headers, (b"content-length", b"%d" % len(body))]
-        payload = self._head(status, framed, _COUNTED)
+        payload = self._head(status, framed, COUNTED)
         if self.method != "HEAD":
             payload += body
         self.first_byte_at = time.perf_counter()
@@ -204,13 +229,13 @@ class Exchange:
         frame the body with Content-Length, or else it is chunked (until close for an
         HTTP/1.0 client)."""
         if self.method == "HEAD":
-            framing = _NONE
+            framing = NONE
         elif field(headers, b"content-length") is not None:
-            framing = _COUNTED
+            framing = COUNTED
         elif self.http_version == b"1.1":
-            framing = _CHUNKED
+            framing = CHUNKED
         else:
-            framing = _UNTIL_CLOSE
+            framing = UNTIL_CLOSE
         head = self._head(status, headers, framing)
         if first:
             head += self._frame(first)
@@ -223,21 +248,26 @@ class Exchange:
     def relay_sink(self) -> tuple[ByteStream, Callable[[bytes], bytes]] | None:
         """For the relay hub, which writes the body's middle itself: the client's stream and
         how a piece of the body is framed; None for an answer without a body (to HEAD)."""
-        if self._framing == _NONE:
+        if self._framing is NONE:
             return None
-        return self._connection.stream, (chunk if self._framing == _CHUNKED else _as_is)
+        return self._stream, (chunk if self._framing is CHUNKED else _as_is)
+
+    def abandon(self) -> None:
+        """A bug of ours interrupted the handler: whatever went out, the answer does not
+        count as whole, and the connection ends with it."""
+        self.complete = False
 
     def mark_first_byte(self) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = time.perf_counter()
 
     def _frame(self, data: bytes) -> bytes:
-        if self._framing == _CHUNKED:
+        if self._framing is CHUNKED:
             return chunk(data)
-        return data if self._framing != _NONE else b""
+        return data if self._framing is not NONE else b""
 
     def _ending(self) -> bytes:
-        return LAST_CHUNK if self._framing == _CHUNKED else b""
+        return LAST_CHUNK if self._framing is CHUNKED else b""
 
     async def write(self, data: bytes) -> None:
         """More of the body; `data` must not be empty."""
@@ -256,7 +286,7 @@ class Exchange:
 
     async def _send(self, payload: bytes) -> None:
         try:
-            await self._connection.stream.send(payload)
+            await self._stream.send(payload)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise ClientGone from None
 

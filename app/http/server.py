@@ -5,7 +5,9 @@ Why not hypercorn, which still serves the dashboard: measured here (`python -m l
 overhead`, its floors), hypercorn's Trio worker costs 1.1-1.4 ms of CPU to answer a request
 with no work behind it, h11 on bare Trio streams 0.4-0.6 ms; and every relayed chunk went
 through an ASGI message and hypercorn's send path, ~28% of the relay's CPU. Heads are read
-by request_head.py, bodies by framing.py, and each connection's state is connection.py's.
+by request_head.py, bodies by framing.py, and each connection's state is connection.py's,
+which does no I/O: this module reads and writes, runs each connection's timer and acts on
+what the connection decides (exchange.py does the same for a request's body and answer).
 
 What clients get: keep-alive (HTTP/1.1, and HTTP/1.0 with `Connection: keep-alive`);
 pipelined requests answered in order, one at a time (what arrives meanwhile waits in the
@@ -31,9 +33,9 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from app.errors import ClientError
-from app.http.connection import DEFAULT_LIMITS, ClientConnection, Limits, Phase
+from app.http.connection import DEFAULT_LIMITS, ClientConnection, Limits, Reading
 from app.http.departures import Departures
-from app.http.exchange import ClientGone, Exchange
+from app.http.exchange import ClientGone, Exchange, read_into
 from app.http.listeners import reuse_port_listeners
 from app.http.streams import ByteStream, byte_stream
 
@@ -59,7 +61,7 @@ class HttpServer:
         self._limits = Limits(keep_alive_timeout, read_timeout, max_head_bytes)
         self.closing = False
         self._listening = trio.CancelScope()
-        self._connections: set[ClientConnection] = set()
+        self._connections: set[_Served] = set()
         self.answering = 0  # requests being answered now
         self._idle = trio.Event()
         # Clients that leave mid-answer: `serve` runs it (tests of `serve_connection` alone
@@ -101,8 +103,8 @@ class HttpServer:
         on its connection."""
         self.closing = True
         self._listening.cancel()
-        for connection in self._connections:
-            connection.shutdown()
+        for served in self._connections:
+            served.shutdown()
 
     async def wait_idle(self) -> None:
         """Return once no request is being answered (idle keep-alives don't count)."""
@@ -112,40 +114,49 @@ class HttpServer:
 
     async def serve_connection(self, stream: ByteStream) -> None:
         """Answer the requests of one connection until it closes, then close its stream."""
-        connection = ClientConnection(stream, self._limits)
+        connection = ClientConnection(self._limits, trio.current_time())
         if self.closing:
             connection.shutdown()
-        self._connections.add(connection)
-        watched = self.departures.watch(stream, connection.peer_left)
+        served = _Served(connection, stream)
+        self._connections.add(served)
+        watched = self.departures.watch(stream, served.peer_left)
         try:
             async with trio.open_nursery() as nursery:
-                connection.serving(nursery.cancel_scope)
-                nursery.start_soon(connection.run_timer)
-                while connection.phase is not Phase.CLOSED:
-                    request = await self._read_request(connection)
-                    if request is not None:
-                        await self._answer(connection, request)
-                nursery.cancel_scope.cancel()
+                served.scope = nursery.cancel_scope
+                if not connection.closed:
+                    nursery.start_soon(self._run_timer, served)
+                while not connection.closed:
+                    exchange = await self._read_request(served)
+                    if exchange is not None:
+                        await self._answer(served, exchange)
+                if served.timer is not None:
+                    served.timer.cancel()
         finally:
-            self._connections.discard(connection)
+            self._connections.discard(served)
             if watched:
                 self.departures.forget(stream)
             await stream.aclose()
 
-    async def _read_request(self, connection: ClientConnection) -> Exchange | None:
+    async def _read_request(self, served: _Served) -> Exchange | None:
         """The next request, once its head is whole; None when the connection closed."""
-        while connection.phase is not Phase.CLOSED:
+        connection, stream = served.connection, served.stream
+        while not connection.closed:
+            now = trio.current_time()
             try:
-                request = connection.next_request()
+                request = connection.next_request(now)
             except ClientError as error:
-                await connection.refuse(error)
+                await _send_last(stream, connection.refuse(error))
                 return None
             if request is not None:
-                return Exchange(connection, request)
-            await connection.read_some()
+                return Exchange(connection, stream, request)
+            if served.timer is not None and connection.reading is Reading.HEAD:
+                # A head began: the read timeout from its first byte is sooner than the
+                # keep-alive timeout the timer may be waiting for.
+                served.timer.deadline = min(served.timer.deadline, connection.expiry(now))
+            await read_into(connection, stream)
         return None
 
-    async def _answer(self, connection: ClientConnection, exchange: Exchange) -> None:
+    async def _answer(self, served: _Served, exchange: Exchange) -> None:
         """Run the handler and tell the connection how its answer went."""
         self.answering += 1
         try:
@@ -158,11 +169,66 @@ class HttpServer:
             if not exchange.started:
                 with contextlib.suppress(ClientGone):
                     await exchange.respond_error(exc)
-            exchange.complete = False  # the connection ends with this answer
+            exchange.abandon()
         finally:
             self.answering -= 1
             if not self.answering:
                 self._idle.set()
             if exchange.at_end is not None:
                 exchange.at_end(exchange)
-        connection.answered(exchange.complete)
+        served.connection.answered(exchange.complete, trio.current_time())
+
+    async def _run_timer(self, served: _Served) -> None:
+        """End the connection, with a 408 when a head was left unfinished, once it has been
+        idle past its expiry.
+
+        A task per connection rather than a deadline on every read: requests move the expiry
+        with a plain assignment, and the timer wakes about once per timeout period to look,
+        where a cancel scope per read cost every request ~10 µs of Trio's deadline
+        bookkeeping."""
+        connection = served.connection
+        while not connection.closed:
+            with trio.CancelScope(deadline=connection.expiry(trio.current_time())) as sleeping:
+                served.timer = sleeping
+                await trio.sleep_forever()
+            served.timer = None
+            farewell = connection.time_out(trio.current_time())
+            if farewell is None:
+                continue
+            if farewell:
+                with trio.move_on_after(connection.read_timeout):
+                    await _send_last(served.stream, farewell)
+            served.end()
+
+
+class _Served:
+    """A connection being served: its state, its stream, the scope of the task serving it
+    and the timer's sleep."""
+
+    __slots__ = ("connection", "scope", "stream", "timer")
+
+    def __init__(self, connection: ClientConnection, stream: ByteStream) -> None:
+        self.connection = connection
+        self.stream = stream
+        self.scope: trio.CancelScope | None = None
+        self.timer: trio.CancelScope | None = None
+
+    def end(self) -> None:
+        """Stop everything serving the connection once it has closed: the answer in
+        progress and its backend's work, the read waiting for the next request, the timer."""
+        if self.connection.closed and self.scope is not None:
+            self.scope.cancel()
+
+    def peer_left(self) -> None:
+        self.connection.peer_left()
+        self.end()
+
+    def shutdown(self) -> None:
+        self.connection.shutdown()
+        self.end()
+
+
+async def _send_last(stream: ByteStream, payload: bytes) -> None:
+    """The last bytes of a connection closing: a client already gone does not get them."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send(payload)

@@ -12,18 +12,22 @@ seconds of opening the page.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import httpx
 import trio
+
+from app.errors import UpstreamError
+from app.http.fetch import Fetcher
 
 log = logging.getLogger("sluice.traffic")
 
 MAX_CONCURRENT_REQUESTS = 16
+REQUEST_TIMEOUT_S = 60.0
 MAX_TURNS = 12
 BURST_SIZE = 32
 BURST_WORDS = 6000
@@ -115,23 +119,22 @@ def requests(
 
 
 async def _send(
-    client: httpx.AsyncClient,
+    client: Fetcher,
+    proxy_url: str,
     body: dict[str, Any],
     conversations: Conversations | None,
     path: str = "/v1/chat/completions",
 ) -> None:
+    """One request, its answer read whole (a streamed one too: nobody reads it as it comes)."""
     try:
-        if body.get("stream"):
-            async with client.stream("POST", path, json=body) as response:
-                async for _ in response.aiter_raw():
-                    pass
-            return
-        response = await client.post(path, json=body)
-        if response.status_code == 200 and conversations is not None:
-            answer = response.json()["choices"][0]["message"]["content"]
-            conversations.answered(body["messages"], answer)
-    except httpx.HTTPError as exc:
+        with trio.fail_after(REQUEST_TIMEOUT_S):
+            response = await client.post_json(proxy_url, path, body)
+    except (UpstreamError, trio.TooSlowError) as exc:
         log.debug("demo request failed: %s", exc)
+        return
+    if response.status == 200 and conversations is not None and not body.get("stream"):
+        answer = response.json()["choices"][0]["message"]["content"]
+        conversations.answered(body["messages"], answer)
 
 
 def burst_text(seed: int, words: int = BURST_WORDS) -> str:
@@ -176,16 +179,14 @@ class DemoTraffic:
 
     async def run(self, proxy_url: str) -> None:
         """Send traffic to `proxy_url` forever."""
-        # Building a client loads CA certificates (~30 ms, seen by the stall detector): not
-        # on the loop.
-        client = await trio.to_thread.run_sync(
-            lambda: httpx.AsyncClient(base_url=proxy_url, timeout=60, trust_env=False)
+        client = Fetcher(
+            connect_timeout=REQUEST_TIMEOUT_S, max_idle_per_backend=MAX_CONCURRENT_REQUESTS
         )
-        async with client, trio.open_nursery() as nursery:
-            nursery.start_soon(self._steady, client)
-            nursery.start_soon(self._bursts, client)
+        async with contextlib.aclosing(client), trio.open_nursery() as nursery:
+            nursery.start_soon(self._steady, client, proxy_url)
+            nursery.start_soon(self._bursts, client, proxy_url)
 
-    async def _steady(self, client: httpx.AsyncClient) -> None:
+    async def _steady(self, client: Fetcher, proxy_url: str) -> None:
         rng = self._rng
         conversations = Conversations(rng)
         limiter = trio.CapacityLimiter(MAX_CONCURRENT_REQUESTS)
@@ -197,11 +198,11 @@ class DemoTraffic:
 
                 async def one(body: dict[str, Any] = body) -> None:
                     async with limiter:
-                        await _send(client, body, conversations)
+                        await _send(client, proxy_url, body, conversations)
 
                 nursery.start_soon(one)
 
-    async def _bursts(self, client: httpx.AsyncClient) -> None:
+    async def _bursts(self, client: Fetcher, proxy_url: str) -> None:
         # Made once, in a thread: building ~58 KB of words holds the loop for milliseconds.
         text = await trio.to_thread.run_sync(burst_text, self._rng.randrange(10**9))
         wait = self.first_burst_after if self.burst_interval else math.inf
@@ -217,5 +218,5 @@ class DemoTraffic:
                         "prompt": f"Burst {self.bursts_sent}.{index}: summarise this log. {text}",
                         "max_tokens": 8,
                     }
-                    nursery.start_soon(_send, client, body, None, "/v1/completions")
+                    nursery.start_soon(_send, client, proxy_url, body, None, "/v1/completions")
             wait = self.burst_interval or math.inf
