@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import trio
 import trio.testing
 
+from app.cli.rooms import router_settings
 from app.config import Settings
 from app.fleet.backends import BackendPool
 from app.fleet.load_scraper import LoadScraper
@@ -77,7 +78,9 @@ class Rig(Fetcher):
         self.pool.backends[0].healthy = True
         self.backend = self.pool.backends[0]
         self.metrics = Metrics()
-        self.router = Router(Settings(policy="round_robin"), self.pool, self.metrics)
+        self.router = Router(
+            router_settings(Settings(policy="round_robin")), self.pool, self.metrics
+        )
         self.reports: list[Report] = []
         self.last_change = -1.0  # our last request sent, started or ended
         self.held_with_room = 0.0  # held while a fresh report showed room (this rig's count)

@@ -21,6 +21,7 @@ import trio.testing
 
 from app.cli.command import parse
 from app.cli.config_file import read_config
+from app.cli.rooms import preprocess_settings
 from app.config import ModelConfig, Settings
 from app.errors import ConfigError
 from app.models import ModelDirectory
@@ -226,7 +227,7 @@ async def test_each_model_has_its_tokenizer_template_and_window(tmp_path: Path) 
             ModelConfig("w2", ("http://b:1",), tokenizer=words, chat_template="chatml"),
         )
     )
-    preprocessor = Preprocessor(settings, Metrics())
+    preprocessor = Preprocessor(preprocess_settings(settings), Metrics())
     preps = preprocessor.preps
     # Two tokenizers for three models: w1 and w2 share one, loaded once.
     assert preps.tokenizers == 2

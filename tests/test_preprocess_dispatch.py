@@ -29,6 +29,7 @@ import pytest
 import trio
 import trio.testing
 
+from app.cli.rooms import preprocess_settings
 from app.config import Settings
 from app.errors import ClientError
 from app.observe.metrics import Metrics
@@ -42,7 +43,11 @@ from tests.fakes import GateTokenizer, prepare
 def gated(**settings: Any) -> tuple[Preprocessor, GateTokenizer, Metrics]:
     tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
     metrics = Metrics()
-    return Preprocessor(Settings(**settings), metrics, tokenizer=tokenizer), tokenizer, metrics
+    return (
+        Preprocessor(preprocess_settings(Settings(**settings)), metrics, tokenizer=tokenizer),
+        tokenizer,
+        metrics,
+    )
 
 
 # Longer than ON_LOOP_MAX_CHARS, so that every prompt of these tests goes to the dispatcher.
@@ -190,7 +195,9 @@ def phase_log() -> tuple[list[str], Any]:
 
 async def test_inline_mode_is_the_naive_baseline_and_marks_its_phases() -> None:
     log, phase = phase_log()
-    preprocessor = Preprocessor(Settings(tokenize_mode="inline"), Metrics(), phase=phase)
+    preprocessor = Preprocessor(
+        preprocess_settings(Settings(tokenize_mode="inline")), Metrics(), phase=phase
+    )
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     first = await prepare(preprocessor, "chat", body)
     again = await prepare(preprocessor, "chat", body)
@@ -200,7 +207,7 @@ async def test_inline_mode_is_the_naive_baseline_and_marks_its_phases() -> None:
 
 async def test_long_conversations_render_off_the_loop() -> None:
     log, phase = phase_log()
-    preprocessor = Preprocessor(Settings(), Metrics(), phase=phase)
+    preprocessor = Preprocessor(preprocess_settings(Settings()), Metrics(), phase=phase)
     short = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     long_turns = [
         {"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(3001)
@@ -245,7 +252,7 @@ async def test_a_large_body_reaches_its_render_worker_through_a_file_then_remove
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     spool = Spool(monkeypatch, tmp_path)
-    preprocessor = Preprocessor(Settings(), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings()), Metrics())
     payload = long_chat(3001)
     assert len(str(payload)) > PARSE_ON_LOOP_BYTES
     prepared = await prepare(preprocessor, "chat", payload)
@@ -261,7 +268,7 @@ async def test_a_spooled_body_is_removed_when_its_request_is_cancelled(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     spool = Spool(monkeypatch, tmp_path)
-    preprocessor = Preprocessor(Settings(), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings()), Metrics())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "chat", long_chat(3001))
         await spool.written.wait()
@@ -315,7 +322,10 @@ async def test_fallback_marks_its_phase() -> None:
     log, phase = phase_log()
     tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
     preprocessor = Preprocessor(
-        Settings(tokenize_threads=1, tokenize_queue=0), Metrics(), tokenizer=tokenizer, phase=phase
+        preprocess_settings(Settings(tokenize_threads=1, tokenize_queue=0)),
+        Metrics(),
+        tokenizer=tokenizer,
+        phase=phase,
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))

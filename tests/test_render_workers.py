@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from app.cli.rooms import preprocess_settings
 from app.config import Settings
 from app.observe.metrics import Metrics
 from app.preprocess import workers
@@ -74,7 +75,7 @@ async def test_workers_start_on_need_no_more_than_renders_at_once_and_stop_quiet
     # Quietly, given the time: beside a CPU hog a worker still loading its tokenizer took
     # over the production grace of 5 s to answer the shutdown, and was killed.
     monkeypatch.setattr(workers, "WORKER_GRACE_SECONDS", 60.0)
-    preprocessor = Preprocessor(Settings(tokenize_queue=64), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings(tokenize_queue=64)), Metrics())
     me = os.getpid()
     before = spawned_workers(me)
     with caplog.at_level(logging.WARNING):

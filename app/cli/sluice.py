@@ -16,6 +16,7 @@ import trio
 
 from app.budgets.shared import SharedBudgets, SharedBudgetsSnapshot
 from app.budgets.sync import BudgetCollector, BudgetSync, RedisBudgetsSnapshot
+from app.cli.rooms import dashboard_server, preprocess_settings, proxy_settings, router_settings
 from app.config import Saturation, Settings
 from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
@@ -85,14 +86,16 @@ class Sluice:
             configured=configured_backends(settings.models),
         )
         self.catalog = ModelCatalog(settings.models, settings.max_model_len)
-        self.router = Router(settings, self.pool, self.metrics)
+        self.router = Router(router_settings(settings), self.pool, self.metrics)
         self.decider = Decider(self.router, self.pool)
         self.policy = self.router.policy
         self.budget_sync: BudgetSync | None = None
         if isinstance(self.router.buckets, SharedBudgets) and settings.redis_url:
             self.budget_sync = BudgetSync(self.router.buckets, settings.redis_url)
             self.metrics.registry.register(BudgetCollector(self.budget_sync))
-        self.kv_subscribers = subscribers_for(settings, self.pool, self.policy)
+        self.kv_subscribers = subscribers_for(
+            settings.kv_event_endpoints(), settings.max_index_blocks, self.pool, self.policy
+        )
         self.router.kv_events = {url: s.events for url, s in self.kv_subscribers.items()}
         self.metrics.registry.register(KvEventCollector(self.kv_event_snapshots))
         self.tracer = Tracer(settings.otlp_endpoint)
@@ -107,13 +110,14 @@ class Sluice:
         self.monitor = LoopMonitor(
             self.metrics, settings.stall_threshold_ms, settings.stall_instrument
         )
+        preprocess = preprocess_settings(settings)
         self.preprocessor = Preprocessor(
-            settings, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
+            preprocess, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
         )
         if settings.forward == "tokens":
             check_one_tokenizer(self.preprocessor.preps)
         self.reception = Reception(
-            settings,
+            preprocess,
             self.preprocessor,
             self.catalog,
             self.pool,
@@ -246,10 +250,17 @@ class Sluice:
             await nursery.start(self.tracer.run)
             if self.access_log is not None:
                 await nursery.start(self.access_log.run)
+            proxy_room = proxy_settings(settings)
             forwarder = Forwarder(
-                settings, self.pool, self.router, self.decider, self.metrics, upstream, relay_hub
+                proxy_room.idle_timeout,
+                self.pool,
+                self.router,
+                self.decider,
+                self.metrics,
+                upstream,
+                relay_hub,
             )
-            proxy = ProxyApp(settings, self.reception, forwarder)
+            proxy = ProxyApp(proxy_room, self.reception, forwarder)
             sources = DashboardSources(
                 self.snapshot,
                 self.occupancy,
@@ -267,7 +278,11 @@ class Sluice:
                 # The dashboard first: building its app holds the loop ~5 ms, before any
                 # request can wait for it.
                 self.dashboard_feed, dashboard_url = await servers.start(
-                    serve_dashboard, settings, sources, self.shutdown.wait
+                    serve_dashboard,
+                    dashboard_server(settings),
+                    settings.admin_token,
+                    sources,
+                    self.shutdown.wait,
                 )
                 proxy_url = await servers.start(
                     server.serve, settings.host, settings.port, settings.backlog

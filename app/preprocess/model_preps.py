@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-from app.config import ModelConfig, Settings
+from app.config import ModelConfig
 from app.errors import ConfigError
 from app.models import ModelDirectory
 from app.observe.metrics import Metrics
@@ -29,6 +29,7 @@ from app.preprocess.chat_template import (
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import TokenizerFacts, facts_for
 from app.preprocess.rendering import RenderPlan, RenderSpec
+from app.preprocess.settings import PreprocessSettings
 from app.preprocess.tokenization import TokenCaches, Tokenization
 from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLoadError, load_tokenizer
 
@@ -56,7 +57,7 @@ class ModelPrep:
 class ModelPreps:
     def __init__(
         self,
-        settings: Settings,
+        settings: PreprocessSettings,
         metrics: Metrics,
         default_tokenizer: LoadedTokenizer,
         threads: Dispatcher,

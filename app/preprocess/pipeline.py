@@ -35,7 +35,7 @@ from typing import Any, TypedDict
 
 from prometheus_client import Gauge
 
-from app.config import Saturation, Settings, TokenizeMode
+from app.config import Saturation, TokenizeMode
 from app.errors import ClientError
 from app.models import NO_MODEL, ModelDirectory
 from app.observe.metrics import Metrics
@@ -51,6 +51,7 @@ from app.preprocess.rendering import (
     warm_up,
 )
 from app.preprocess.request_bodies import ROUTING_RENDERS, Kind
+from app.preprocess.settings import PreprocessSettings
 from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
 from app.preprocess.tokenization import (
     DispatcherSnapshot,
@@ -129,7 +130,7 @@ def _no_phase(name: str) -> AbstractContextManager[None]:
 class Preprocessor:
     def __init__(
         self,
-        settings: Settings,
+        settings: PreprocessSettings,
         metrics: Metrics,
         *,
         tokenizer: TokenizerLike | None = None,

@@ -12,7 +12,6 @@ import time
 
 import trio
 
-from app.config import Settings
 from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog
 from app.http.fields import Headers
@@ -30,13 +29,14 @@ from app.preprocess.api_keys import KeyGrant, KeyTable, invalid_api_key, load_ap
 from app.preprocess.arrival import Arrival, arrival, request_facts
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.request_bodies import Kind
+from app.preprocess.settings import PreprocessSettings
 from app.routing.decider import RequestContext
 
 
 class Reception:
     def __init__(
         self,
-        settings: Settings,
+        settings: PreprocessSettings,
         preprocessor: Preprocessor,
         catalog: ModelCatalog,
         pool: BackendPool,

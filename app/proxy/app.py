@@ -20,7 +20,6 @@ from typing import Any
 
 import trio
 
-from app.config import Settings
 from app.errors import ClientError
 from app.fleet.tokenizer_check import build_probe
 from app.http.exchange import Exchange
@@ -31,6 +30,7 @@ from app.preprocess.reception import Reception
 from app.proxy import errors
 from app.proxy.inference import Inference
 from app.proxy.response_ids import IdTagger, untag
+from app.proxy.settings import ProxySettings
 from app.proxy.to_backend import Attempt, Forwarder, Opened
 from app.routing import refusal
 from app.routing.decider import RequestContext
@@ -46,7 +46,7 @@ STORED_METHODS = {"": (b"GET", b"DELETE"), "/cancel": (b"POST",), "/input_items"
 class ProxyApp:
     def __init__(
         self,
-        settings: Settings,
+        settings: ProxySettings,
         reception: Reception,
         forwarder: Forwarder,
     ) -> None:

@@ -21,7 +21,6 @@ from functools import partial
 
 import trio
 
-from app.config import Settings
 from app.errors import Refused, UpstreamError, UpstreamFault
 from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
 from app.http.client import UpstreamPool
@@ -90,7 +89,7 @@ class Opened:
 class Forwarder:
     """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
 
-    settings: Settings
+    idle_timeout: float  # the longest silence of a backend's answer once it began
     pool: BackendPool
     router: Router
     decider: Decider
@@ -185,7 +184,7 @@ class Forwarder:
             raise
         timing.sent_at, timing.answered_at = response.sent_at, time.perf_counter()
         timing.connected = not response.reused
-        idle, hub, extra = self.settings.idle_timeout, self.relay_hub, attempt.extra
+        idle, hub, extra = self.idle_timeout, self.relay_hub, attempt.extra
         try:
             if attempt.as_chat:
                 reply, passage = await chat_reply_from(response, extra, idle, hub, started=started)

@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NotRequired, Protocol, TypedDict
 
 import trio
 
 from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
-from app.config import Settings
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
@@ -50,13 +50,17 @@ CHARS_PER_TOKEN = 4
 HASH_SLICE_TOKENS = 512 * BLOCK_SIZE
 
 
-def routing_params(settings: Settings) -> RoutingParams:
-    return RoutingParams(
-        cache_threshold=settings.cache_threshold,
-        balance_abs_threshold=settings.balance_abs_threshold,
-        balance_rel_threshold=settings.balance_rel_threshold,
-        max_index_blocks=settings.max_index_blocks,
-    )
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the router reads of the configuration (start-up cuts it from the flags)."""
+
+    policy: str  # --policy
+    params: RoutingParams
+    limits: GateLimits
+    tokens_per_minute: int  # per API key and model, unless a key has its own; 0: no limit
+    budget_replicas: int  # processes holding a share of each budget: --workers
+    shared_budgets: bool  # --redis-url: budgets shared with other replicas through Redis
+    budget_sync_interval: float
 
 
 def estimated_tokens(request: RouteRequest) -> int:
@@ -65,16 +69,16 @@ def estimated_tokens(request: RouteRequest) -> int:
     return len(request.text or "") // CHARS_PER_TOKEN
 
 
-def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets:
+def budgets_for(settings: RouterSettings) -> TokenBuckets | SharedBudgets:
     """Every (key, model) budget, as deep as the key's own limit (--api-keys) or
     --tokens-per-minute: a process's own buckets, as ever; the shared layer with
     --redis-url, or with --workers N alone (each worker then holds 1/N of every budget)."""
-    if settings.redis_url is None and settings.workers == 1:
+    if not settings.shared_budgets and settings.budget_replicas == 1:
         return TokenBuckets()
     return SharedBudgets(
         settings.tokens_per_minute,
-        local_replicas=settings.workers,
-        shared=settings.redis_url is not None,
+        local_replicas=settings.budget_replicas,
+        shared=settings.shared_budgets,
         sync_interval=settings.budget_sync_interval,
     )
 
@@ -91,30 +95,22 @@ class EngineEvents(Protocol):
 class Router:
     def __init__(
         self,
-        settings: Settings,
+        settings: RouterSettings,
         pool: BackendPool,
         metrics: Metrics,
         policy: Policy | None = None,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
-        self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
+        self.policy = policy or make_policy(settings.policy, params=settings.params)
         self.requests = 0  # requests that asked for a backend so far: whether traffic flows
         self._requested = trio.Event()  # set by the next one (`next_request`)
-        limits = GateLimits(
-            ceiling=settings.max_inflight_per_backend,
-            max_kv_usage=settings.max_kv_usage,
-            max_queued=settings.max_queued_per_backend,
-            max_held=settings.admission_queue,
-            max_per_tenant=settings.admission_queue_per_key,
-            timeout=settings.admission_timeout,
-        )
         holder = self.policy.holder if isinstance(self.policy, CacheAware) else None
         self.gate = Gate(
             pool,
             self._route,
             lambda decision: self.release(decision, None),
-            limits,
+            settings.limits,
             metrics.admission,
             prefers=holder,
             refused=self._count_refusal,
