@@ -56,7 +56,13 @@ class RouterSettings:
 
     policy: str  # --policy
     params: RoutingParams
-    limits: GateLimits
+    # The gate's limits (GateLimits, under the flags' names).
+    max_inflight_per_backend: int | None
+    max_kv_usage: float
+    max_queued_per_backend: int
+    admission_queue: int
+    admission_queue_per_key: int
+    admission_timeout: float
     tokens_per_minute: int  # per API key and model, unless a key has its own; 0: no limit
     budget_replicas: int  # processes holding a share of each budget: --workers
     shared_budgets: bool  # --redis-url: budgets shared with other replicas through Redis
@@ -105,12 +111,20 @@ class Router:
         self.policy = policy or make_policy(settings.policy, params=settings.params)
         self.requests = 0  # requests that asked for a backend so far: whether traffic flows
         self._requested = trio.Event()  # set by the next one (`next_request`)
+        limits = GateLimits(
+            ceiling=settings.max_inflight_per_backend,
+            max_kv_usage=settings.max_kv_usage,
+            max_queued=settings.max_queued_per_backend,
+            max_held=settings.admission_queue,
+            max_per_tenant=settings.admission_queue_per_key,
+            timeout=settings.admission_timeout,
+        )
         holder = self.policy.holder if isinstance(self.policy, CacheAware) else None
         self.gate = Gate(
             pool,
             self._route,
             lambda decision: self.release(decision, None),
-            settings.limits,
+            limits,
             metrics.admission,
             prefers=holder,
             refused=self._count_refusal,
