@@ -16,7 +16,13 @@ import trio
 
 from app.budgets.shared import SharedBudgets, SharedBudgetsSnapshot
 from app.budgets.sync import BudgetCollector, BudgetSync, RedisBudgetsSnapshot
-from app.cli.rooms import dashboard_server, preprocess_settings, proxy_settings, router_settings
+from app.cli.rooms import (
+    RoomMetrics,
+    dashboard_server,
+    preprocess_settings,
+    proxy_settings,
+    router_settings,
+)
 from app.config import Saturation, Settings
 from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
@@ -44,7 +50,6 @@ from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
-from app.observe.metrics import Metrics
 from app.observe.tracing import Tracer
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.model_preps import check_one_tokenizer
@@ -75,7 +80,7 @@ class Sluice:
         self.settings = settings
         self.server_factory = server_factory
         self.worker = worker
-        self.metrics = Metrics()
+        self.metrics = RoomMetrics.create()
         if worker is not None:
             self.metrics.registry.register(WorkerInfo(worker))
         self.pool = BackendPool(
@@ -86,7 +91,7 @@ class Sluice:
             configured=configured_backends(settings.models),
         )
         self.catalog = ModelCatalog(settings.models, settings.max_model_len)
-        self.router = Router(router_settings(settings), self.pool, self.metrics)
+        self.router = Router(router_settings(settings), self.pool, self.metrics.routing)
         self.decider = Decider(self.router, self.pool)
         self.policy = self.router.policy
         self.budget_sync: BudgetSync | None = None
@@ -108,11 +113,11 @@ class Sluice:
         )
         self.checker: HealthChecker | None = None  # set once running (backends added later)
         self.monitor = LoopMonitor(
-            self.metrics, settings.stall_threshold_ms, settings.stall_instrument
+            self.metrics.loop, settings.stall_threshold_ms, settings.stall_instrument
         )
         preprocess = preprocess_settings(settings)
         self.preprocessor = Preprocessor(
-            preprocess, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
+            preprocess, self.metrics.preprocess, tokenizer=tokenizer, phase=self.monitor.phase
         )
         if settings.forward == "tokens":
             check_one_tokenizer(self.preprocessor.preps)
@@ -121,7 +126,8 @@ class Sluice:
             self.preprocessor,
             self.catalog,
             self.pool,
-            self.metrics,
+            self.metrics.preprocess,
+            self.metrics.traffic,
             self.tracer,
             self.access_log,
         )
@@ -140,7 +146,7 @@ class Sluice:
         traffic = self.metrics.traffic
         rows = self.pool.snapshot(now)
         metrics = self.metrics
-        codes = counts_by_two_labels(metrics.backend_requests, "backend", "code")
+        codes = counts_by_two_labels(metrics.doors.backend_requests, "backend", "code")
         answered = traffic.backends.snapshot(time.perf_counter())
         requests = traffic.snapshot()
         preps = self.preprocessor.preps
@@ -149,13 +155,16 @@ class Sluice:
             rows,
             preps.describe(),
             preps.default.describe(),
-            counts_by_two_labels(metrics.requests, "model", "code"),
-            {name: counts_by_label(getattr(metrics, name), "model") for name in CACHE_COUNTERS},
+            counts_by_two_labels(metrics.preprocess.requests, "model", "code"),
+            {
+                name: counts_by_label(getattr(metrics.preprocess, name), "model")
+                for name in CACHE_COUNTERS
+            },
             requests["recent"],
         )
         kv_events = self.kv_event_snapshots()
         gate = self.router.gate
-        held_with_room = self.metrics.admission.held_with_room_s
+        held_with_room = self.metrics.routing.admission.held_with_room_s
         backends = [
             backend_view(
                 row,
@@ -177,9 +186,9 @@ class Sluice:
             "routing": self.router.snapshot(),
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
-            "tokenize": tokenize_summary(self.metrics),
+            "tokenize": tokenize_summary(self.metrics.preprocess),
             "requests": requests,
-            "admission": self.metrics.admission.snapshot(held, now),
+            "admission": self.metrics.routing.admission.snapshot(held, now),
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
@@ -218,7 +227,7 @@ class Sluice:
             checker = HealthChecker(
                 self.pool,
                 client,
-                self.metrics,
+                self.metrics.fleet,
                 interval=settings.health_check_interval,
                 timeout=settings.health_check_timeout,
                 traffic=self.router,
@@ -256,11 +265,11 @@ class Sluice:
                 self.pool,
                 self.router,
                 self.decider,
-                self.metrics,
+                self.metrics.doors,
                 upstream,
                 relay_hub,
             )
-            proxy = ProxyApp(proxy_room, self.reception, forwarder)
+            proxy = ProxyApp(proxy_room, self.reception, forwarder, self.metrics.registry)
             sources = DashboardSources(
                 self.snapshot,
                 self.occupancy,
@@ -293,7 +302,7 @@ class Sluice:
                         self.reception,
                         self.decider,
                         self.pool,
-                        self.metrics,
+                        self.metrics.doors,
                         settings.max_body_bytes,
                     )
                     epp = EppDoor(picker, self.pool)

@@ -19,7 +19,6 @@ from typing import TypedDict
 from app.config import ModelConfig
 from app.errors import ConfigError
 from app.models import ModelDirectory
-from app.observe.metrics import Metrics
 from app.preprocess.chat_template import (
     ChatTemplate,
     TemplateLoadError,
@@ -28,6 +27,7 @@ from app.preprocess.chat_template import (
 )
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import TokenizerFacts, facts_for
+from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.rendering import RenderPlan, RenderSpec
 from app.preprocess.settings import PreprocessSettings
 from app.preprocess.tokenization import TokenCaches, Tokenization
@@ -58,7 +58,7 @@ class ModelPreps:
     def __init__(
         self,
         settings: PreprocessSettings,
-        metrics: Metrics,
+        metrics: PreprocessMetrics,
         default_tokenizer: LoadedTokenizer,
         threads: Dispatcher,
         phase: Phase,

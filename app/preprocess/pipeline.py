@@ -38,10 +38,10 @@ from prometheus_client import Gauge
 from app.config import Saturation, TokenizeMode
 from app.errors import ClientError
 from app.models import NO_MODEL, ModelDirectory
-from app.observe.metrics import Metrics
 from app.preprocess import length_gate
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
 from app.preprocess.json_bodies import nested_too_deeply
+from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.model_preps import ModelDescription, ModelPrep, ModelPreps
 from app.preprocess.rendering import (
     RENDER_ON_LOOP_BUDGET,
@@ -131,7 +131,7 @@ class Preprocessor:
     def __init__(
         self,
         settings: PreprocessSettings,
-        metrics: Metrics,
+        metrics: PreprocessMetrics,
         *,
         tokenizer: TokenizerLike | None = None,
         phase: Phase | None = None,

@@ -27,7 +27,6 @@ from array import array
 from typing import NotRequired, TypedDict
 
 from app.models import NO_MODEL
-from app.observe.metrics import Metrics
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import (
     TokenizerFacts,
@@ -37,6 +36,7 @@ from app.preprocess.encoding import (
 )
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.l1_cache import L1Cache, L1Outcome, L1Store
+from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.settings import PreprocessSettings
 from app.preprocess.tokenizer_loading import TokenizerLike
 
@@ -119,7 +119,7 @@ class Tokenization:
     def __init__(
         self,
         settings: PreprocessSettings,
-        metrics: Metrics,
+        metrics: PreprocessMetrics,
         tokenizer: TokenizerLike,
         facts: TokenizerFacts,
         dispatcher: Dispatcher,

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
 
 from app.errors import ClientError
 from app.fleet.tokenizer_check import build_probe
@@ -49,9 +50,11 @@ class ProxyApp:
         settings: ProxySettings,
         reception: Reception,
         forwarder: Forwarder,
+        registry: CollectorRegistry,
     ) -> None:
         """`reception` checks, preprocesses and books each request (as the endpoint picker's
-        does); `forwarder` decides and takes it to a backend and back."""
+        does); `forwarder` decides and takes it to a backend and back; `registry`: every
+        room's metrics, for /metrics."""
         self.settings = settings
         self.reception = reception
         self.preprocessor = reception.preprocessor
@@ -59,7 +62,7 @@ class ProxyApp:
         self.forwarder = forwarder
         self.pool = forwarder.pool
         self.router = forwarder.router
-        self.metrics = forwarder.metrics
+        self.registry = registry
         self.active_requests = 0  # what --max-connections bounds
         self.inference = Inference(settings, reception, forwarder, self.pool)
         self.forward_tokens = settings.forward == "tokens"
@@ -95,7 +98,7 @@ class ProxyApp:
             elif path == "/metrics":
                 content_type = b"text/plain; version=0.0.4; charset=utf-8"
                 headers = [(b"content-type", content_type)]
-                await exchange.respond(200, headers, self.metrics.render())
+                await exchange.respond(200, headers, generate_latest(self.registry))
             else:
                 await self.models(exchange)
             return

@@ -27,13 +27,13 @@ from app.http.client import UpstreamPool
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
 from app.http.reply import Reply, error_reply
-from app.observe.metrics import Metrics
 from app.observe.timing import Timing
 from app.preprocess.endpoints import Endpoint
 from app.proxy.relay import Converter, Passage, chat_reply_from, reply_from
 from app.proxy.response_ids import IdTagger
 from app.routing.decider import Decider, RequestContext
 from app.routing.decision import Decision
+from app.routing.metrics import DoorMetrics
 from app.routing.router import Router
 from app.routing.usage import usage_from_tail
 
@@ -93,7 +93,7 @@ class Forwarder:
     pool: BackendPool
     router: Router
     decider: Decider
-    metrics: Metrics
+    metrics: DoorMetrics
     upstream: UpstreamPool
     relay_hub: RelayHub
 

@@ -29,12 +29,12 @@ from app.budgets.shared import SharedBudgets
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
-from app.observe.metrics import Metrics
 from app.routing.admission import ANYONE, Admission
 from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, chain_hashes
 from app.routing.cache_aware import CacheAware, CacheAwareSnapshot
 from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.gate import Gate, GateLimits
+from app.routing.metrics import RoutingMetrics
 from app.routing.policies import RoutingParams, make_policy
 from app.routing.refusal import Overloaded, ShedReason
 from app.routing.usage import Usage
@@ -103,7 +103,7 @@ class Router:
         self,
         settings: RouterSettings,
         pool: BackendPool,
-        metrics: Metrics,
+        metrics: RoutingMetrics,
         policy: Policy | None = None,
     ) -> None:
         self.pool = pool
