@@ -224,108 +224,130 @@ class Sluice:
         settings = self.settings
         client = Fetcher(connect_timeout=settings.health_check_timeout)
         async with self.preprocessor.running(), trio.open_nursery() as nursery:
-            checker = HealthChecker(
-                self.pool,
-                client,
-                self.metrics.fleet,
-                interval=settings.health_check_interval,
-                timeout=settings.health_check_timeout,
-                traffic=self.router,
-            )
-            self.checker = checker
-            await nursery.start(self.monitor.run)
-            await nursery.start(checker.run)
-            await nursery.start(self.router.run)
-            for subscriber in self.kv_subscribers.values():
-                await nursery.start(subscriber.run)
-            if self.budget_sync is not None:
-                await nursery.start(self.budget_sync.run)
-            scraper = LoadScraper(
-                self.pool,
-                client,
-                settings.health_check_timeout,
-                traffic=self.router,
-                reported=self.router.gate.opened,
-            )
-            nursery.start_soon(scraper.run)
+            checker = await self._start_watchers(nursery, client)
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout,
                 first_byte_timeout=settings.first_byte_timeout,
                 max_connections=settings.max_connections,
             )
-            await nursery.start(upstream.expire_late_heads)
-            relay_hub = RelayHub()
-            await nursery.start(relay_hub.run)
-            await nursery.start(self.tracer.run)
-            if self.access_log is not None:
-                await nursery.start(self.access_log.run)
-            proxy_room = proxy_settings(settings)
-            forwarder = Forwarder(
-                proxy_room.idle_timeout,
-                self.pool,
-                self.router,
-                self.decider,
-                self.metrics.doors,
-                upstream,
-                relay_hub,
-            )
-            proxy = ProxyApp(proxy_room, self.reception, forwarder, self.metrics.registry)
-            sources = DashboardSources(
-                self.snapshot,
-                self.occupancy,
-                self.set_saturation,
-                self.metrics_text,
-                self.request_burst,
-                BackendControl(self.router, checker.check, settings.health_check_timeout),
-                self.router,
-            )
+            proxy = await self._start_proxy(nursery, upstream)
             # Tokens mode: no backend takes traffic before its tokenizer was compared, so
             # compare before listening.
             await check_tokenizers_at_startup(self.pool, settings.health_check_timeout)
-            server = self.server_factory(proxy)
-            async with trio.open_nursery() as servers:
-                # The dashboard first: building its app holds the loop ~5 ms, before any
-                # request can wait for it.
-                self.dashboard_feed, dashboard_url = await servers.start(
-                    serve_dashboard,
-                    dashboard_server(settings),
-                    settings.admin_token,
-                    sources,
-                    self.shutdown.wait,
-                )
-                proxy_url = await servers.start(
-                    server.serve, settings.host, settings.port, settings.backlog
-                )
-                epp: EppDoor | None = None
-                if settings.epp_port is not None:
-                    picker = EndpointPicker(
-                        self.reception,
-                        self.decider,
-                        self.pool,
-                        self.metrics.doors,
-                        settings.max_body_bytes,
-                    )
-                    epp = EppDoor(picker, self.pool)
-                    self.epp_port = await servers.start(epp.serve, settings.host, settings.epp_port)
-                    # Printed as the URLs are: what a script (and `python -m load`) reads back.
-                    print(f"Sluice endpoint picker: {settings.host}:{self.epp_port}", flush=True)
-                # Everything loaded so far (modules, the tokenizer's tables, the template) lives
-                # as long as the process: out of the collector's sight, a full collection no
-                # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).
-                gc.freeze()
-                task_status.started((proxy_url, dashboard_url))
-                await self.shutdown.wait()
-                server.close()
-                if epp is not None:
-                    epp.close()
-                with trio.move_on_after(settings.shutdown_grace):
-                    await server.wait_idle()
-                    if epp is not None:
-                        await epp.wait_idle()
-                servers.cancel_scope.cancel()
+            await self._serve(proxy, checker, task_status)
             await upstream.aclose()
             await client.aclose()
             nursery.cancel_scope.cancel()
+
+    async def _start_watchers(self, nursery: trio.Nursery, client: Fetcher) -> HealthChecker:
+        """The stall monitor, health checks, the router's watch, KV-event subscribers, budget
+        sync and load scrapes."""
+        settings = self.settings
+        checker = HealthChecker(
+            self.pool,
+            client,
+            self.metrics.fleet,
+            interval=settings.health_check_interval,
+            timeout=settings.health_check_timeout,
+            traffic=self.router,
+        )
+        self.checker = checker
+        await nursery.start(self.monitor.run)
+        await nursery.start(checker.run)
+        await nursery.start(self.router.run)
+        for subscriber in self.kv_subscribers.values():
+            await nursery.start(subscriber.run)
+        if self.budget_sync is not None:
+            await nursery.start(self.budget_sync.run)
+        scraper = LoadScraper(
+            self.pool,
+            client,
+            settings.health_check_timeout,
+            traffic=self.router,
+            reported=self.router.gate.opened,
+        )
+        nursery.start_soon(scraper.run)
+        return checker
+
+    async def _start_proxy(self, nursery: trio.Nursery, upstream: UpstreamPool) -> ProxyApp:
+        """The proxy door and what it forwards through, its exporters running."""
+        await nursery.start(upstream.expire_late_heads)
+        relay_hub = RelayHub()
+        await nursery.start(relay_hub.run)
+        await nursery.start(self.tracer.run)
+        if self.access_log is not None:
+            await nursery.start(self.access_log.run)
+        proxy_room = proxy_settings(self.settings)
+        forwarder = Forwarder(
+            proxy_room.idle_timeout,
+            self.pool,
+            self.router,
+            self.decider,
+            self.metrics.doors,
+            upstream,
+            relay_hub,
+        )
+        return ProxyApp(proxy_room, self.reception, forwarder, self.metrics.registry)
+
+    async def _serve(
+        self,
+        proxy: ProxyApp,
+        checker: HealthChecker,
+        task_status: trio.TaskStatus[tuple[str, str]],
+    ) -> None:
+        """The dashboard, the proxy's port and the endpoint picker's, until `shutdown`; then
+        in-flight requests get --shutdown-grace to finish."""
+        settings = self.settings
+        sources = DashboardSources(
+            self.snapshot,
+            self.occupancy,
+            self.set_saturation,
+            self.metrics_text,
+            self.request_burst,
+            BackendControl(self.router, checker.check, settings.health_check_timeout),
+            self.router,
+        )
+        server = self.server_factory(proxy)
+        async with trio.open_nursery() as servers:
+            # The dashboard first: building its app holds the loop ~5 ms, before any
+            # request can wait for it.
+            self.dashboard_feed, dashboard_url = await servers.start(
+                serve_dashboard,
+                dashboard_server(settings),
+                settings.admin_token,
+                sources,
+                self.shutdown.wait,
+            )
+            proxy_url = await servers.start(
+                server.serve, settings.host, settings.port, settings.backlog
+            )
+            epp: EppDoor | None = None
+            if settings.epp_port is not None:
+                picker = EndpointPicker(
+                    self.reception,
+                    self.decider,
+                    self.pool,
+                    self.metrics.doors,
+                    settings.max_body_bytes,
+                )
+                epp = EppDoor(picker, self.pool)
+                self.epp_port = await servers.start(epp.serve, settings.host, settings.epp_port)
+                # Printed as the URLs are: what a script (and `python -m load`) reads back.
+                print(f"Sluice endpoint picker: {settings.host}:{self.epp_port}", flush=True)
+            # Everything loaded so far (modules, the tokenizer's tables, the template) lives
+            # as long as the process: out of the collector's sight, a full collection no
+            # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).
+            gc.freeze()
+            task_status.started((proxy_url, dashboard_url))
+            await self.shutdown.wait()
+            server.close()
+            if epp is not None:
+                epp.close()
+            with trio.move_on_after(settings.shutdown_grace):
+                await server.wait_idle()
+                if epp is not None:
+                    await epp.wait_idle()
+            servers.cancel_scope.cancel()
 
 
 async def stop_on_signal(
