@@ -34,7 +34,8 @@ PORTS = range(0, 65536)  # 0: any free port
 
 
 # Numeric flags' ranges: (names, the test a value passes, what the error says of it).
-NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
+Ranges = tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...]
+NUMERIC_RANGES: Ranges = (
     (
         (
             "tokenize_threads",
@@ -80,6 +81,15 @@ NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...]
         "must be positive",
     ),
 )
+
+
+def check_ranges(settings: object, ranges: Ranges) -> None:
+    """Every named field passes its range's test, or a ValueError names the flag and why
+    (the proxy's and the simulated backend's settings alike)."""
+    for names, holds, rule in ranges:
+        for name in names:
+            if not holds(getattr(settings, name)):
+                raise ValueError(f"--{name.replace('_', '-')} {rule}")
 
 
 @dataclass(frozen=True)
@@ -298,10 +308,7 @@ class Settings(ServerSettings):
             raise ValueError(f"--epp-port {self.epp_port}: expected a port from 0 to 65535")
         if self.epp_port is not None and self.workers > 1:
             raise ValueError("--epp-port is served by one process: it does not take --workers")
-        for names, holds, rule in NUMERIC_RANGES:
-            for name in names:
-                if not holds(getattr(self, name)):
-                    raise ValueError(f"--{name.replace('_', '-')} {rule}")
+        check_ranges(self, NUMERIC_RANGES)
         for url in self.backends:
             check_backend_url(url)
         check_fleet(self.models)
