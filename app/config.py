@@ -1,9 +1,11 @@
 """Settings: one frozen object built from flags, SLUICE_* environment variables and a TOML file.
 
 Precedence, highest first: command-line flag, environment variable, `--config` file, default
-(app/cli/command.py reads them). `Settings` is the proxy's; the simulated backend's
-(`app/sim/settings.py`) shares `ServerSettings`, what every server Sluice runs is told: where
-to listen and how many connections the kernel may queue, checked the same way.
+(app/cli/command.py reads them). `Settings` is the proxy's, read whole by start-up only
+(tests/test_house.py): each room gets a frozen slice of what it reads (app/cli/rooms.py). The
+simulated backend's (`app/sim/settings.py`) shares `ServerSettings`, what every server Sluice
+runs is told: where to listen and how many connections the kernel may queue, checked the same
+way, and the range checks of numeric flags (`check_ranges`).
 """
 
 from __future__ import annotations
