@@ -12,5 +12,5 @@ from app.config import ForwardMode
 class ProxySettings:
     max_connections: int  # requests in flight; past it a fast 503
     max_body_bytes: int
-    forward: ForwardMode  # passthrough: the client's body; tokens: its prompt as token ids
-    idle_timeout: float  # the longest silence of a backend's answer once it began
+    forward: ForwardMode  # passthrough: the JSON body; tokens: the prompt as token ids
+    idle_timeout: float  # seconds allowed between two chunks of a streamed answer

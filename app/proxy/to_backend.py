@@ -89,7 +89,7 @@ class Opened:
 class Forwarder:
     """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
 
-    idle_timeout: float  # the longest silence of a backend's answer once it began
+    idle_timeout: float  # seconds allowed between two chunks of a streamed answer
     pool: BackendPool
     router: Router
     decider: Decider
