@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -27,7 +27,10 @@ from app.routing.metrics import DoorMetrics, RoutingMetrics
 from app.routing.policies import RoutingParams
 from app.routing.router import RouterSettings
 
-Slice = TypeVar("Slice")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Slice = TypeVar("Slice", bound="DataclassInstance")
 
 
 def cut(room_type: type[Slice], settings: Settings, **given: object) -> Slice:
@@ -35,7 +38,7 @@ def cut(room_type: type[Slice], settings: Settings, **given: object) -> Slice:
     `given` (a field the room names its own way, or builds from several)."""
     taken = {
         each.name: getattr(settings, each.name)
-        for each in dataclasses.fields(room_type)  # type: ignore[arg-type]
+        for each in dataclasses.fields(room_type)
         if each.name not in given
     }
     return room_type(**taken, **given)
