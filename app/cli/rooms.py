@@ -11,9 +11,11 @@ Each room declares its metrics in a class of its own, on the registry it is give
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from app.config import ServerSettings, Settings
@@ -82,7 +84,8 @@ class RoomMetrics:
     traffic: TrafficRecorder
 
     @classmethod
-    def create(cls) -> RoomMetrics:
+    def create(cls, clock: Callable[[], float] = trio.current_time) -> RoomMetrics:
+        """`clock`: the loop's, for what is counted by the second (admission's window)."""
         registry = CollectorRegistry()
         fleet = FleetMetrics(registry)
         return cls(
@@ -91,7 +94,7 @@ class RoomMetrics:
             LoopMetrics(registry),
             fleet,
             DoorMetrics(registry),
-            RoutingMetrics(registry, fleet),
+            RoutingMetrics(registry, fleet, clock),
             TrafficRecorder(),
         )
 
