@@ -1,9 +1,11 @@
 """Settings: one frozen object built from flags, SLUICE_* environment variables and a TOML file.
 
 Precedence, highest first: command-line flag, environment variable, `--config` file, default
-(app/cli/command.py reads them). `Settings` is the proxy's; the simulated backend's
-(`app/sim/settings.py`) shares `ServerSettings`, what every server Sluice runs is told: where
-to listen and how many connections the kernel may queue, checked the same way.
+(app/cli/command.py reads them). `Settings` is the proxy's, read whole by start-up only
+(tests/test_house.py): each room gets a frozen slice of what it reads (app/cli/rooms.py). The
+simulated backend's (`app/sim/settings.py`) shares `ServerSettings`, what every server Sluice
+runs is told: where to listen and how many connections the kernel may queue, checked the same
+way, and the range checks of numeric flags (`check_ranges`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ PORTS = range(0, 65536)  # 0: any free port
 
 
 # Numeric flags' ranges: (names, the test a value passes, what the error says of it).
-NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...] = (
+Ranges = tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...]
+NUMERIC_RANGES: Ranges = (
     (
         (
             "tokenize_threads",
@@ -80,6 +83,15 @@ NUMERIC_RANGES: tuple[tuple[tuple[str, ...], Callable[[float], bool], str], ...]
         "must be positive",
     ),
 )
+
+
+def check_ranges(settings: object, ranges: Ranges) -> None:
+    """Every named field passes its range's test, or a ValueError names the flag and why
+    (the proxy's and the simulated backend's settings alike)."""
+    for names, holds, rule in ranges:
+        for name in names:
+            if not holds(getattr(settings, name)):
+                raise ValueError(f"--{name.replace('_', '-')} {rule}")
 
 
 @dataclass(frozen=True)
@@ -298,10 +310,7 @@ class Settings(ServerSettings):
             raise ValueError(f"--epp-port {self.epp_port}: expected a port from 0 to 65535")
         if self.epp_port is not None and self.workers > 1:
             raise ValueError("--epp-port is served by one process: it does not take --workers")
-        for names, holds, rule in NUMERIC_RANGES:
-            for name in names:
-                if not holds(getattr(self, name)):
-                    raise ValueError(f"--{name.replace('_', '-')} {rule}")
+        check_ranges(self, NUMERIC_RANGES)
         for url in self.backends:
             check_backend_url(url)
         check_fleet(self.models)

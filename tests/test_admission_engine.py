@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 import trio
 import trio.testing
 
+from app.cli.rooms import RoomMetrics, router_settings
 from app.config import Settings
 from app.fleet.backends import BackendPool
 from app.fleet.load_scraper import LoadScraper
 from app.fleet.saturation import queued_ours
 from app.http.fetch import Fetched, Fetcher
 from app.http.fields import Headers
-from app.observe.metrics import Metrics
 from app.routing.admission import Admission
 from app.routing.decision import RouteRequest
 from app.routing.router import Router
@@ -77,8 +77,10 @@ class Rig(Fetcher):
         self.pool = BackendPool((URL,), failures_to_open=3, cooldown=10.0, probe_path="/health")
         self.pool.backends[0].healthy = True
         self.backend = self.pool.backends[0]
-        self.metrics = Metrics()
-        self.router = Router(Settings(policy="round_robin"), self.pool, self.metrics)
+        self.metrics = RoomMetrics.create()
+        self.router = Router(
+            router_settings(Settings(policy="round_robin")), self.pool, self.metrics.routing
+        )
         self.reports: list[Report] = []
         self.last_change = -1.0  # our last request sent, started or ended
         self.held_with_room = 0.0  # held while a fresh report showed room (this rig's count)
@@ -176,7 +178,7 @@ class Rig(Fetcher):
             streams.append(Stream(first[0] - asked, decision.waited, tenant))
 
     def proxy_held_with_room(self) -> float:
-        return sum(self.metrics.admission.held_with_room_s.values())
+        return sum(self.metrics.routing.admission.held_with_room_s.values())
 
 
 @dataclass

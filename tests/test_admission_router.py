@@ -11,8 +11,8 @@ from array import array
 import trio
 import trio.testing
 
+from app.cli.rooms import RoomMetrics, router_settings
 from app.config import Settings
-from app.observe.metrics import Metrics
 from app.routing.cache_aware import CacheAware
 from app.routing.decision import RouteRequest
 from app.routing.router import Router
@@ -26,7 +26,7 @@ async def test_a_running_router_hashes_a_long_prompt_in_a_thread_and_records_it_
     """Routing a 20,000-token prompt costs the loop no pass over its blocks: their hashes
     come from a thread, and the router's own task records them a slice at a time."""
     pool = pool_of(2, room=8)
-    router = Router(Settings(), pool, Metrics())
+    router = Router(router_settings(Settings()), pool, RoomMetrics.create().routing)
     await nursery.start(router.run)
     policy = router.policy
     assert isinstance(policy, CacheAware)
@@ -58,7 +58,7 @@ async def test_a_request_held_on_a_quiet_spells_report_wakes_the_fleets_watchers
     pool = pool_of(1, room=4)
     (gpu,) = pool.backends
     reported(gpu, 4, 1, at=trio.current_time())  # others': all it runs, and one waiting
-    router = Router(Settings(), pool, Metrics())
+    router = Router(router_settings(Settings()), pool, RoomMetrics.create().routing)
     await nursery.start(router.run)
     woken = trio.Event()
 

@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+from app.cli.rooms import RoomMetrics
 from app.fleet.backends import MAX_OTHERS_PER_OWN, BackendPool
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.health import HealthChecker
@@ -24,7 +25,6 @@ from app.fleet.load_scraper import LoadScraper
 from app.fleet.room import REFUSALS_TO_LEARN, Seen
 from app.http.exchange import Exchange
 from app.http.fetch import Fetcher
-from app.observe.metrics import Metrics
 from app.sim.settings import MetricsStyle
 from tests.conftest import FakeTraffic, StartBackend, StartSim, StartSluice, wait_until
 from tests.sims import QUEUEING, QUICK, one_running_one_waiting
@@ -304,7 +304,7 @@ async def test_health_checks_slow_down_while_no_request_is_sent(
     checker = HealthChecker(
         healthy_pool(["http://gpu:8000"]),
         None,  # type: ignore[arg-type]
-        Metrics(),
+        RoomMetrics.create().fleet,
         interval=3.0,
         timeout=1.0,
         traffic=traffic,

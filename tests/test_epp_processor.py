@@ -132,7 +132,7 @@ def picker_of(running: RunningSluice) -> EndpointPicker:
         sluice.reception,
         sluice.decider,
         sluice.pool,
-        sluice.metrics,
+        sluice.metrics.doors,
         sluice.settings.max_body_bytes,
     )
 

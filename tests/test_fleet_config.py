@@ -21,10 +21,10 @@ import trio.testing
 
 from app.cli.command import parse
 from app.cli.config_file import read_config
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import ModelConfig, Settings
 from app.errors import ConfigError
 from app.models import ModelDirectory
-from app.observe.metrics import Metrics
 from app.preprocess.api_keys import load_api_keys, parse_api_keys
 from app.preprocess.dispatcher import Dispatcher
 from app.preprocess.l1_cache import L1Cache, L1Store
@@ -226,7 +226,7 @@ async def test_each_model_has_its_tokenizer_template_and_window(tmp_path: Path) 
             ModelConfig("w2", ("http://b:1",), tokenizer=words, chat_template="chatml"),
         )
     )
-    preprocessor = Preprocessor(settings, Metrics())
+    preprocessor = Preprocessor(preprocess_settings(settings), RoomMetrics.create().preprocess)
     preps = preprocessor.preps
     # Two tokenizers for three models: w1 and w2 share one, loaded once.
     assert preps.tokenizers == 2
@@ -282,7 +282,7 @@ async def test_a_body_whose_model_must_be_read_waits_rather_than_bails_out() -> 
         await gate.wait()
         return job()
 
-    metrics = Metrics()
+    metrics = RoomMetrics.create()
     renders = Dispatcher(
         offload,
         workers=1,
@@ -290,8 +290,8 @@ async def test_a_body_whose_model_must_be_read_waits_rather_than_bails_out() -> 
         saturation="bail-out",
         phase=lambda name: nullcontext(),
         fallback_phase="template-fallback",
-        queue_depth=metrics.render_queue_depth,
-        saturated=metrics.tokenize_saturated,
+        queue_depth=metrics.preprocess.render_queue_depth,
+        saturated=metrics.preprocess.tokenize_saturated,
     )
     waited: list[Any] = []
 

@@ -33,10 +33,10 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.cli.serve import GIL_SWITCH_INTERVAL_S, run_until_stopped
 from app.config import Settings
 from app.errors import ClientError
-from app.observe.metrics import Metrics
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
 from tests.conftest import StartSim, StartSluice, StartSluiceOnASim, wait_until
@@ -168,7 +168,7 @@ async def test_requests_past_max_connections_get_a_fast_503(
 
 
 async def test_large_bodies_render_in_a_worker_process_as_they_would_on_the_loop() -> None:
-    preprocessor = Preprocessor(Settings(), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings()), RoomMetrics.create().preprocess)
     messages = [
         {"role": ("user", "assistant")[i % 2], "content": f"turn {i}: " + "text " * 20}
         for i in range(1500)
@@ -193,7 +193,9 @@ async def test_saturated_render_workers_fall_back_then_follow_the_policy() -> No
         yield
 
     settings = Settings(render_workers=1, tokenize_queue=0, saturation="bail-out")
-    preprocessor = Preprocessor(settings, Metrics(), phase=phase)
+    preprocessor = Preprocessor(
+        preprocess_settings(settings), RoomMetrics.create().preprocess, phase=phase
+    )
     release = trio.Event()
     started = trio.Event()
 
@@ -249,7 +251,9 @@ FIELDS = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def fuzzed() -> Preprocessor:
-    return Preprocessor(Settings(max_model_len=64), Metrics())
+    return Preprocessor(
+        preprocess_settings(Settings(max_model_len=64)), RoomMetrics.create().preprocess
+    )
 
 
 @settings(

@@ -9,6 +9,8 @@
 - the decision (`app/routing`) imports nothing of HTTP or gRPC, and the two doors that ask
   it (`app/proxy`, `app/epp`) nothing of each other;
 - no two modules import each other, however indirectly;
+- only start-up (`app/cli`) imports the whole `Settings`: every other room is handed a frozen
+  slice of what it reads, declared by that room;
 - no file of `app/` or `load/` is over 500 lines.
 """
 
@@ -122,6 +124,16 @@ def test_no_module_imports_itself_through_others() -> None:
 
     for module in sorted(edges):
         assert circle_from(module, []) is None
+
+
+def test_only_start_up_imports_the_whole_settings() -> None:
+    readers = [
+        module_name(path)
+        for path in sorted(APP.rglob("*.py"))
+        if "app.config.Settings" in imports_of(path)
+        and room(module_name(path)) not in ("cli", "__main__")
+    ]
+    assert readers == []
 
 
 def test_no_file_is_over_500_lines() -> None:

@@ -12,7 +12,7 @@ import math
 import random
 from typing import Any
 
-from app.observe.metrics import Metrics
+from app.cli.rooms import RoomMetrics
 from load import harness
 from load.bench import longprompts
 from load.bench.longprompts import SHAPES, Shape, Target
@@ -35,8 +35,8 @@ def test_every_chat_is_unique_from_its_start_and_of_its_shape() -> None:
 
 
 def test_stall_seconds_by_stage_are_read_from_sluices_metrics_and_differenced() -> None:
-    metrics = Metrics()
-    stages = metrics.loop_stall_stage_seconds
+    metrics = RoomMetrics.create()
+    stages = metrics.loop.loop_stall_stage_seconds
     stages.labels("app.routing.block_index:chain_hashes", "blocking").observe(0.02)
     before = longprompts.stage_seconds(harness.parse_metrics(metrics.render().decode()))
     stages.labels("app.routing.block_index:chain_hashes", "blocking").observe(0.03)

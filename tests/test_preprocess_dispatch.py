@@ -29,9 +29,9 @@ import pytest
 import trio
 import trio.testing
 
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import Settings
 from app.errors import ClientError
-from app.observe.metrics import Metrics
 from app.preprocess import to_prompt
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Prepared, Preprocessor
 from app.preprocess.tokenization import FALLBACK_MAX_CHARS
@@ -39,10 +39,16 @@ from app.preprocess.tokenizer_loading import load_tokenizer
 from tests.fakes import GateTokenizer, prepare
 
 
-def gated(**settings: Any) -> tuple[Preprocessor, GateTokenizer, Metrics]:
+def gated(**settings: Any) -> tuple[Preprocessor, GateTokenizer, RoomMetrics]:
     tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
-    metrics = Metrics()
-    return Preprocessor(Settings(**settings), metrics, tokenizer=tokenizer), tokenizer, metrics
+    metrics = RoomMetrics.create()
+    return (
+        Preprocessor(
+            preprocess_settings(Settings(**settings)), metrics.preprocess, tokenizer=tokenizer
+        ),
+        tokenizer,
+        metrics,
+    )
 
 
 # Longer than ON_LOOP_MAX_CHARS, so that every prompt of these tests goes to the dispatcher.
@@ -53,11 +59,11 @@ def completion(text: str) -> dict[str, Any]:
     return {"model": "m", "prompt": text + PADDING}
 
 
-def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
+def sample(metrics: RoomMetrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
-def saturated(metrics: Metrics, outcome: str) -> float:
+def saturated(metrics: RoomMetrics, outcome: str) -> float:
     return sample(metrics, "sluice_tokenize_saturated_total", outcome=outcome) or 0.0
 
 
@@ -190,7 +196,11 @@ def phase_log() -> tuple[list[str], Any]:
 
 async def test_inline_mode_is_the_naive_baseline_and_marks_its_phases() -> None:
     log, phase = phase_log()
-    preprocessor = Preprocessor(Settings(tokenize_mode="inline"), Metrics(), phase=phase)
+    preprocessor = Preprocessor(
+        preprocess_settings(Settings(tokenize_mode="inline")),
+        RoomMetrics.create().preprocess,
+        phase=phase,
+    )
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     first = await prepare(preprocessor, "chat", body)
     again = await prepare(preprocessor, "chat", body)
@@ -200,7 +210,9 @@ async def test_inline_mode_is_the_naive_baseline_and_marks_its_phases() -> None:
 
 async def test_long_conversations_render_off_the_loop() -> None:
     log, phase = phase_log()
-    preprocessor = Preprocessor(Settings(), Metrics(), phase=phase)
+    preprocessor = Preprocessor(
+        preprocess_settings(Settings()), RoomMetrics.create().preprocess, phase=phase
+    )
     short = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     long_turns = [
         {"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(3001)
@@ -245,7 +257,7 @@ async def test_a_large_body_reaches_its_render_worker_through_a_file_then_remove
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     spool = Spool(monkeypatch, tmp_path)
-    preprocessor = Preprocessor(Settings(), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings()), RoomMetrics.create().preprocess)
     payload = long_chat(3001)
     assert len(str(payload)) > PARSE_ON_LOOP_BYTES
     prepared = await prepare(preprocessor, "chat", payload)
@@ -261,7 +273,7 @@ async def test_a_spooled_body_is_removed_when_its_request_is_cancelled(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     spool = Spool(monkeypatch, tmp_path)
-    preprocessor = Preprocessor(Settings(), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings()), RoomMetrics.create().preprocess)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "chat", long_chat(3001))
         await spool.written.wait()
@@ -315,7 +327,10 @@ async def test_fallback_marks_its_phase() -> None:
     log, phase = phase_log()
     tokenizer = GateTokenizer(load_tokenizer(None).tokenizer)
     preprocessor = Preprocessor(
-        Settings(tokenize_threads=1, tokenize_queue=0), Metrics(), tokenizer=tokenizer, phase=phase
+        preprocess_settings(Settings(tokenize_threads=1, tokenize_queue=0)),
+        RoomMetrics.create().preprocess,
+        tokenizer=tokenizer,
+        phase=phase,
     )
     async with trio.open_nursery() as nursery:
         nursery.start_soon(prepare, preprocessor, "completion", completion("GATE"))

@@ -25,9 +25,9 @@ import pytest
 from jinja2.sandbox import SandboxedEnvironment
 from tokenizers import Tokenizer, models
 
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import Settings
 from app.errors import ClientError, answer_for
-from app.observe.metrics import Metrics
 from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate, load_chat_template
 from app.preprocess.encoding import facts_for
 from app.preprocess.pipeline import Preprocessor
@@ -227,7 +227,7 @@ def test_deepseek_template_turns_and_tools() -> None:
 
 @pytest.fixture(scope="module")
 def preprocessor() -> Preprocessor:
-    return Preprocessor(Settings(), Metrics())
+    return Preprocessor(preprocess_settings(Settings()), RoomMetrics.create().preprocess)
 
 
 def chat(*messages: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -317,7 +317,10 @@ async def test_completion_prompt_forms(preprocessor: Preprocessor) -> None:
 async def test_no_template_means_chat_is_refused(tmp_path: Path) -> None:
     tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    bare = Preprocessor(Settings(tokenizer=str(tmp_path / "tokenizer.json")), Metrics())
+    bare = Preprocessor(
+        preprocess_settings(Settings(tokenizer=str(tmp_path / "tokenizer.json"))),
+        RoomMetrics.create().preprocess,
+    )
     with pytest.raises(ClientError, match="--chat-template") as info:
         await prepare(bare, "chat", chat({"role": "user", "content": "a"}))
     assert info.value.code == "no_chat_template"

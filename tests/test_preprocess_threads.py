@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import trio
 
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import Settings
-from app.observe.metrics import Metrics
 from app.preprocess.encoding import gil_releasing_encoder
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.tokenizer_loading import load_tokenizer
@@ -102,8 +102,12 @@ async def test_offload_keeps_the_loop_ticking_and_inline_does_not() -> None:
     # One worker thread: on a 2-core machine the loop keeps a core, so the ticks measure the
     # GIL, not CPU contention.
     preprocessors = {
-        "offload": Preprocessor(Settings(tokenize_threads=1), Metrics()),
-        "inline": Preprocessor(Settings(tokenize_mode="inline"), Metrics()),
+        "offload": Preprocessor(
+            preprocess_settings(Settings(tokenize_threads=1)), RoomMetrics.create().preprocess
+        ),
+        "inline": Preprocessor(
+            preprocess_settings(Settings(tokenize_mode="inline")), RoomMetrics.create().preprocess
+        ),
     }
     rates = {"offload": 0.0, "inline": 0.0}
     paths: dict[str, set[str]] = {"offload": set(), "inline": set()}

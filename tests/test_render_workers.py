@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import Settings
-from app.observe.metrics import Metrics
 from app.preprocess import workers
 from app.preprocess.pipeline import PARSE_ON_LOOP_BYTES, Preprocessor
 from tests.conftest import wait_until
@@ -74,7 +74,9 @@ async def test_workers_start_on_need_no_more_than_renders_at_once_and_stop_quiet
     # Quietly, given the time: beside a CPU hog a worker still loading its tokenizer took
     # over the production grace of 5 s to answer the shutdown, and was killed.
     monkeypatch.setattr(workers, "WORKER_GRACE_SECONDS", 60.0)
-    preprocessor = Preprocessor(Settings(tokenize_queue=64), Metrics())
+    preprocessor = Preprocessor(
+        preprocess_settings(Settings(tokenize_queue=64)), RoomMetrics.create().preprocess
+    )
     me = os.getpid()
     before = spawned_workers(me)
     with caplog.at_level(logging.WARNING):

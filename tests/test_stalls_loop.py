@@ -39,13 +39,13 @@ import trio
 import trio.testing
 from tokenizers import Tokenizer
 
+from app.cli.rooms import RoomMetrics
 from app.observe.loop_monitor import (
     IDLE_PROBE_INTERVAL_S,
     PROBE_INTERVAL_S,
     QUIET_PROBE_INTERVAL_S,
     LoopMonitor,
 )
-from app.observe.metrics import Metrics
 from app.routing.block_index import block_hashes
 
 THRESHOLD_MS = 10.0
@@ -54,7 +54,7 @@ STALL_S = 0.05
 
 @pytest.fixture
 async def monitor(nursery: trio.Nursery) -> LoopMonitor:
-    started = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+    started = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=True)
     await nursery.start(started.run)
     return started
 
@@ -160,7 +160,7 @@ def timed_encode(tokenizer: Tokenizer, text: str) -> tuple[float, float]:
 async def test_thread_holding_the_gil_is_a_gil_wait_stall(
     nursery: trio.Nursery, tokenizer: Tokenizer, long_text: str, instrument: bool
 ) -> None:
-    watched = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=instrument)
+    watched = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=instrument)
     await nursery.start(watched.run)
 
     # How production offloads by mistake: `encode` keeps the GIL for its whole call, so the
@@ -259,8 +259,8 @@ async def test_phase_tags_the_stall_it_contains(
 
 async def test_stall_seconds_are_summed_by_stage_and_cause(nursery: trio.Nursery) -> None:
     ids = array("I", range(4_000_000))  # ~90 ms of block hashing here
-    metrics = Metrics()
-    watched = LoopMonitor(metrics, THRESHOLD_MS, instrument=True)
+    metrics = RoomMetrics.create()
+    watched = LoopMonitor(metrics.loop, THRESHOLD_MS, instrument=True)
     await nursery.start(watched.run)
 
     hashing = await stall_and_finish_step(block_hashes, ids)
@@ -297,7 +297,7 @@ async def test_phase_off_the_loop_thread_is_ignored(monitor: LoopMonitor) -> Non
 async def test_second_monitor_in_the_process_counts_without_stacks(
     monitor: LoopMonitor, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    second = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+    second = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=True)
     with caplog.at_level(logging.WARNING, logger="sluice.stalls"):
         await nursery.start(second.run)
     assert "stall stacks are off" in caplog.text
@@ -318,7 +318,7 @@ async def test_monitor_leaves_a_sigalrm_that_is_in_use_alone(
 
     previous = signal.signal(signal.SIGALRM, someone_elses_handler)
     try:
-        polite = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+        polite = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=True)
         with caplog.at_level(logging.WARNING, logger="sluice.stalls"):
             await nursery.start(polite.run)
         assert "SIGALRM is already in use" in caplog.text
@@ -334,7 +334,7 @@ async def test_monitor_leaves_a_sigalrm_that_is_in_use_alone(
 async def test_probe_alone_catches_stalls_when_the_instrument_is_off(
     nursery: trio.Nursery,
 ) -> None:
-    probe_only = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=False)
+    probe_only = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=False)
     await nursery.start(probe_only.run)
 
     with probe_only.phase("tokenize-inline"):
@@ -360,7 +360,7 @@ def posix_timers() -> str:
 
 
 async def test_stopped_monitor_leaves_no_instrument_and_frees_the_stack_timer() -> None:
-    stopped = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+    stopped = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=True)
     async with trio.open_nursery() as nursery:
         await nursery.start(stopped.run)
         nursery.cancel_scope.cancel()
@@ -371,7 +371,7 @@ async def test_stopped_monitor_leaves_no_instrument_and_frees_the_stack_timer() 
     assert posix_timers() == ""
 
     async with trio.open_nursery() as nursery:
-        successor = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+        successor = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=True)
         await nursery.start(successor.run)
         assert successor.snapshot()["stacks"] is True
         await stall_and_finish_step(block_in_sleep)
@@ -423,7 +423,7 @@ def test_a_loop_off_the_main_thread_counts_stalls_without_stacks() -> None:
     seen: dict[str, Any] = {}
 
     async def off_main() -> None:
-        monitor = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True)
+        monitor = LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(monitor.run)
             await stall_and_finish_step(block_in_sleep)

@@ -24,8 +24,8 @@ from typing import Any
 
 import trio
 
+from app.cli.rooms import RoomMetrics
 from app.observe.loop_monitor import LoopMonitor
-from app.observe.metrics import Metrics
 
 THRESHOLD_MS = 10.0
 SHORT_STEPS = 40
@@ -51,7 +51,9 @@ class _Reports(logging.Handler):
 
 async def _steps_beside_a_hog() -> dict[str, Any]:
     threshold_s = THRESHOLD_MS / 1000
-    monitor = LoopMonitor(Metrics(), THRESHOLD_MS, instrument=True, reports_per_minute=1000)
+    monitor = LoopMonitor(
+        RoomMetrics.create().loop, THRESHOLD_MS, instrument=True, reports_per_minute=1000
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(monitor.run)
         for phase, steps, cpu_s in (

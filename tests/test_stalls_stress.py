@@ -29,8 +29,8 @@ import pytest
 import trio
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from app.cli.rooms import RoomMetrics
 from app.observe.loop_monitor import LoopMonitor
-from app.observe.metrics import Metrics
 
 REQUESTS = 2000
 RENDER_THREADS = 4
@@ -83,7 +83,7 @@ async def _stress() -> dict[str, Any]:
     template = ImmutableSandboxedEnvironment().from_string(TEMPLATE)
     chats = conversations(seed=7)
     monitor = LoopMonitor(
-        Metrics(), THRESHOLD_MS, instrument=True, probe_interval_s=PROBE_INTERVAL_S
+        RoomMetrics.create().loop, THRESHOLD_MS, instrument=True, probe_interval_s=PROBE_INTERVAL_S
     )
     threads = trio.CapacityLimiter(RENDER_THREADS)
     rendered = 0

@@ -38,13 +38,13 @@ from prometheus_client.registry import Collector
 from app.budgets.shared import SharedBudgets
 from app.budgets.sync import BudgetCollector, BudgetSync
 from app.cli.command import build_parser
+from app.cli.rooms import RoomMetrics
 from app.config import Settings
 from app.dashboard.app import DashboardSources, create_dashboard
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.schema import snapshot_reference
 from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
-from app.observe.metrics import Metrics
 from app.observe.worker_metrics import WorkerInfo, merge_worker_metrics
 from app.preprocess.endpoints import ENDPOINTS, STORED_RESPONSES
 from app.proxy.app import GET_PATHS, STORED_METHODS
@@ -207,7 +207,7 @@ class _Parsed(Collector):
 def exported_registry() -> CollectorRegistry:
     """A fresh registry holding every metric a proxy exports, whatever its flags (the
     collectors app/cli/sluice.py registers), and the supervisor's of `--workers`."""
-    registry = Metrics(clock=lambda: 0.0).registry
+    registry = RoomMetrics.create(clock=lambda: 0.0).registry
     registry.register(WorkerInfo(0))
     registry.register(BudgetCollector(BudgetSync(SharedBudgets(0), "redis://127.0.0.1")))
     registry.register(KvEventCollector(dict))

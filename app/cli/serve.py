@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from app.cli.allocator import fix_mmap_threshold
+from app.cli.rooms import dashboard_server
 from app.cli.sluice import Sluice, print_urls, run_then_cancel, stop_on_signal
 from app.cli.supervisor import Supervisor, WorkerStartFailed, worker_exit_status
 from app.config import Settings
@@ -69,7 +70,11 @@ async def supervised_main(settings: Settings) -> None:
             port = await nursery.start(supervisor.run)
             await nursery.start(view.run)
             _, dashboard_url = await nursery.start(
-                serve_dashboard, settings, sources, supervisor.shutdown.wait
+                serve_dashboard,
+                dashboard_server(settings),
+                settings.admin_token,
+                sources,
+                supervisor.shutdown.wait,
             )
             print(f"Sluice workers:   {settings.workers}", flush=True)
             print_urls(f"http://{settings.host}:{port}", dashboard_url)

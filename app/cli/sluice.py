@@ -16,6 +16,13 @@ import trio
 
 from app.budgets.shared import SharedBudgets, SharedBudgetsSnapshot
 from app.budgets.sync import BudgetCollector, BudgetSync, RedisBudgetsSnapshot
+from app.cli.rooms import (
+    RoomMetrics,
+    dashboard_server,
+    preprocess_settings,
+    proxy_settings,
+    router_settings,
+)
 from app.config import Saturation, Settings
 from app.dashboard.app import DashboardSources
 from app.dashboard.backends_api import BackendControl
@@ -43,7 +50,6 @@ from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
-from app.observe.metrics import Metrics
 from app.observe.tracing import Tracer
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.model_preps import check_one_tokenizer
@@ -74,7 +80,7 @@ class Sluice:
         self.settings = settings
         self.server_factory = server_factory
         self.worker = worker
-        self.metrics = Metrics()
+        self.metrics = RoomMetrics.create()
         if worker is not None:
             self.metrics.registry.register(WorkerInfo(worker))
         self.pool = BackendPool(
@@ -85,14 +91,16 @@ class Sluice:
             configured=configured_backends(settings.models),
         )
         self.catalog = ModelCatalog(settings.models, settings.max_model_len)
-        self.router = Router(settings, self.pool, self.metrics)
+        self.router = Router(router_settings(settings), self.pool, self.metrics.routing)
         self.decider = Decider(self.router, self.pool)
         self.policy = self.router.policy
         self.budget_sync: BudgetSync | None = None
         if isinstance(self.router.buckets, SharedBudgets) and settings.redis_url:
             self.budget_sync = BudgetSync(self.router.buckets, settings.redis_url)
             self.metrics.registry.register(BudgetCollector(self.budget_sync))
-        self.kv_subscribers = subscribers_for(settings, self.pool, self.policy)
+        self.kv_subscribers = subscribers_for(
+            settings.kv_event_endpoints(), settings.max_index_blocks, self.pool, self.policy
+        )
         self.router.kv_events = {url: s.events for url, s in self.kv_subscribers.items()}
         self.metrics.registry.register(KvEventCollector(self.kv_event_snapshots))
         self.tracer = Tracer(settings.otlp_endpoint)
@@ -105,19 +113,21 @@ class Sluice:
         )
         self.checker: HealthChecker | None = None  # set once running (backends added later)
         self.monitor = LoopMonitor(
-            self.metrics, settings.stall_threshold_ms, settings.stall_instrument
+            self.metrics.loop, settings.stall_threshold_ms, settings.stall_instrument
         )
+        preprocess = preprocess_settings(settings)
         self.preprocessor = Preprocessor(
-            settings, self.metrics, tokenizer=tokenizer, phase=self.monitor.phase
+            preprocess, self.metrics.preprocess, tokenizer=tokenizer, phase=self.monitor.phase
         )
         if settings.forward == "tokens":
             check_one_tokenizer(self.preprocessor.preps)
         self.reception = Reception(
-            settings,
+            preprocess,
             self.preprocessor,
             self.catalog,
             self.pool,
-            self.metrics,
+            self.metrics.preprocess,
+            self.metrics.traffic,
             self.tracer,
             self.access_log,
         )
@@ -136,7 +146,7 @@ class Sluice:
         traffic = self.metrics.traffic
         rows = self.pool.snapshot(now)
         metrics = self.metrics
-        codes = counts_by_two_labels(metrics.backend_requests, "backend", "code")
+        codes = counts_by_two_labels(metrics.doors.backend_requests, "backend", "code")
         answered = traffic.backends.snapshot(time.perf_counter())
         requests = traffic.snapshot()
         preps = self.preprocessor.preps
@@ -145,13 +155,16 @@ class Sluice:
             rows,
             preps.describe(),
             preps.default.describe(),
-            counts_by_two_labels(metrics.requests, "model", "code"),
-            {name: counts_by_label(getattr(metrics, name), "model") for name in CACHE_COUNTERS},
+            counts_by_two_labels(metrics.preprocess.requests, "model", "code"),
+            {
+                name: counts_by_label(getattr(metrics.preprocess, name), "model")
+                for name in CACHE_COUNTERS
+            },
             requests["recent"],
         )
         kv_events = self.kv_event_snapshots()
         gate = self.router.gate
-        held_with_room = self.metrics.admission.held_with_room_s
+        held_with_room = self.metrics.routing.admission.held_with_room_s
         backends = [
             backend_view(
                 row,
@@ -173,9 +186,9 @@ class Sluice:
             "routing": self.router.snapshot(),
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
-            "tokenize": tokenize_summary(self.metrics),
+            "tokenize": tokenize_summary(self.metrics.preprocess),
             "requests": requests,
-            "admission": self.metrics.admission.snapshot(held, now),
+            "admission": self.metrics.routing.admission.snapshot(held, now),
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
@@ -211,97 +224,130 @@ class Sluice:
         settings = self.settings
         client = Fetcher(connect_timeout=settings.health_check_timeout)
         async with self.preprocessor.running(), trio.open_nursery() as nursery:
-            checker = HealthChecker(
-                self.pool,
-                client,
-                self.metrics,
-                interval=settings.health_check_interval,
-                timeout=settings.health_check_timeout,
-                traffic=self.router,
-            )
-            self.checker = checker
-            await nursery.start(self.monitor.run)
-            await nursery.start(checker.run)
-            await nursery.start(self.router.run)
-            for subscriber in self.kv_subscribers.values():
-                await nursery.start(subscriber.run)
-            if self.budget_sync is not None:
-                await nursery.start(self.budget_sync.run)
-            scraper = LoadScraper(
-                self.pool,
-                client,
-                settings.health_check_timeout,
-                traffic=self.router,
-                reported=self.router.gate.opened,
-            )
-            nursery.start_soon(scraper.run)
+            checker = await self._start_watchers(nursery, client)
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout,
                 first_byte_timeout=settings.first_byte_timeout,
                 max_connections=settings.max_connections,
             )
-            await nursery.start(upstream.expire_late_heads)
-            relay_hub = RelayHub()
-            await nursery.start(relay_hub.run)
-            await nursery.start(self.tracer.run)
-            if self.access_log is not None:
-                await nursery.start(self.access_log.run)
-            forwarder = Forwarder(
-                settings, self.pool, self.router, self.decider, self.metrics, upstream, relay_hub
-            )
-            proxy = ProxyApp(settings, self.reception, forwarder)
-            sources = DashboardSources(
-                self.snapshot,
-                self.occupancy,
-                self.set_saturation,
-                self.metrics_text,
-                self.request_burst,
-                BackendControl(self.router, checker.check, settings.health_check_timeout),
-                self.router,
-            )
+            proxy = await self._start_proxy(nursery, upstream)
             # Tokens mode: no backend takes traffic before its tokenizer was compared, so
             # compare before listening.
             await check_tokenizers_at_startup(self.pool, settings.health_check_timeout)
-            server = self.server_factory(proxy)
-            async with trio.open_nursery() as servers:
-                # The dashboard first: building its app holds the loop ~5 ms, before any
-                # request can wait for it.
-                self.dashboard_feed, dashboard_url = await servers.start(
-                    serve_dashboard, settings, sources, self.shutdown.wait
-                )
-                proxy_url = await servers.start(
-                    server.serve, settings.host, settings.port, settings.backlog
-                )
-                epp: EppDoor | None = None
-                if settings.epp_port is not None:
-                    picker = EndpointPicker(
-                        self.reception,
-                        self.decider,
-                        self.pool,
-                        self.metrics,
-                        settings.max_body_bytes,
-                    )
-                    epp = EppDoor(picker, self.pool)
-                    self.epp_port = await servers.start(epp.serve, settings.host, settings.epp_port)
-                    # Printed as the URLs are: what a script (and `python -m load`) reads back.
-                    print(f"Sluice endpoint picker: {settings.host}:{self.epp_port}", flush=True)
-                # Everything loaded so far (modules, the tokenizer's tables, the template) lives
-                # as long as the process: out of the collector's sight, a full collection no
-                # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).
-                gc.freeze()
-                task_status.started((proxy_url, dashboard_url))
-                await self.shutdown.wait()
-                server.close()
-                if epp is not None:
-                    epp.close()
-                with trio.move_on_after(settings.shutdown_grace):
-                    await server.wait_idle()
-                    if epp is not None:
-                        await epp.wait_idle()
-                servers.cancel_scope.cancel()
+            await self._serve(proxy, checker, task_status)
             await upstream.aclose()
             await client.aclose()
             nursery.cancel_scope.cancel()
+
+    async def _start_watchers(self, nursery: trio.Nursery, client: Fetcher) -> HealthChecker:
+        """The stall monitor, health checks, the router's watch, KV-event subscribers, budget
+        sync and load scrapes."""
+        settings = self.settings
+        checker = HealthChecker(
+            self.pool,
+            client,
+            self.metrics.fleet,
+            interval=settings.health_check_interval,
+            timeout=settings.health_check_timeout,
+            traffic=self.router,
+        )
+        self.checker = checker
+        await nursery.start(self.monitor.run)
+        await nursery.start(checker.run)
+        await nursery.start(self.router.run)
+        for subscriber in self.kv_subscribers.values():
+            await nursery.start(subscriber.run)
+        if self.budget_sync is not None:
+            await nursery.start(self.budget_sync.run)
+        scraper = LoadScraper(
+            self.pool,
+            client,
+            settings.health_check_timeout,
+            traffic=self.router,
+            reported=self.router.gate.opened,
+        )
+        nursery.start_soon(scraper.run)
+        return checker
+
+    async def _start_proxy(self, nursery: trio.Nursery, upstream: UpstreamPool) -> ProxyApp:
+        """The proxy door and what it forwards through, its exporters running."""
+        await nursery.start(upstream.expire_late_heads)
+        relay_hub = RelayHub()
+        await nursery.start(relay_hub.run)
+        await nursery.start(self.tracer.run)
+        if self.access_log is not None:
+            await nursery.start(self.access_log.run)
+        proxy_room = proxy_settings(self.settings)
+        forwarder = Forwarder(
+            proxy_room.idle_timeout,
+            self.pool,
+            self.router,
+            self.decider,
+            self.metrics.doors,
+            upstream,
+            relay_hub,
+        )
+        return ProxyApp(proxy_room, self.reception, forwarder, self.metrics.registry)
+
+    async def _serve(
+        self,
+        proxy: ProxyApp,
+        checker: HealthChecker,
+        task_status: trio.TaskStatus[tuple[str, str]],
+    ) -> None:
+        """The dashboard, the proxy's port and the endpoint picker's, until `shutdown`; then
+        in-flight requests get --shutdown-grace to finish."""
+        settings = self.settings
+        sources = DashboardSources(
+            self.snapshot,
+            self.occupancy,
+            self.set_saturation,
+            self.metrics_text,
+            self.request_burst,
+            BackendControl(self.router, checker.check, settings.health_check_timeout),
+            self.router,
+        )
+        server = self.server_factory(proxy)
+        async with trio.open_nursery() as servers:
+            # The dashboard first: building its app holds the loop ~5 ms, before any
+            # request can wait for it.
+            self.dashboard_feed, dashboard_url = await servers.start(
+                serve_dashboard,
+                dashboard_server(settings),
+                settings.admin_token,
+                sources,
+                self.shutdown.wait,
+            )
+            proxy_url = await servers.start(
+                server.serve, settings.host, settings.port, settings.backlog
+            )
+            epp: EppDoor | None = None
+            if settings.epp_port is not None:
+                picker = EndpointPicker(
+                    self.reception,
+                    self.decider,
+                    self.pool,
+                    self.metrics.doors,
+                    settings.max_body_bytes,
+                )
+                epp = EppDoor(picker, self.pool)
+                self.epp_port = await servers.start(epp.serve, settings.host, settings.epp_port)
+                # Printed as the URLs are: what a script (and `python -m load`) reads back.
+                print(f"Sluice endpoint picker: {settings.host}:{self.epp_port}", flush=True)
+            # Everything loaded so far (modules, the tokenizer's tables, the template) lives
+            # as long as the process: out of the collector's sight, a full collection no
+            # longer walks ~56,000 objects while the loop waits (20-90 ms pauses, here).
+            gc.freeze()
+            task_status.started((proxy_url, dashboard_url))
+            await self.shutdown.wait()
+            server.close()
+            if epp is not None:
+                epp.close()
+            with trio.move_on_after(settings.shutdown_grace):
+                await server.wait_idle()
+                if epp is not None:
+                    await epp.wait_idle()
+            servers.cancel_scope.cancel()
 
 
 async def stop_on_signal(

@@ -16,7 +16,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from app.config import Settings
+from app.config import ServerSettings
 from app.dashboard.app import DashboardSources, create_dashboard
 from app.dashboard.feed import DashboardFeed
 
@@ -37,25 +37,25 @@ def server_config(host: str, port: int, backlog: int) -> Config:
 
 
 async def serve_dashboard(
-    settings: Settings,
+    server: ServerSettings,
+    admin_token: str | None,
     sources: DashboardSources,
     shutdown: Callable[[], Any],
     *,
     task_status: trio.TaskStatus[tuple[DashboardFeed, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until `shutdown()` returns (and hypercorn has closed its connections); report
-    the feed and the page's URL once listening."""
+    """Serve on `server` until `shutdown()` returns (and hypercorn has closed its
+    connections); report the feed and the page's URL once listening. `admin_token`:
+    --admin-token, or None."""
     feed = DashboardFeed(
         sources.snapshot,
         sources.occupancy,
         demo=sources.request_burst is not None,
-        write_needs_token=settings.admin_token is not None,
+        write_needs_token=admin_token is not None,
         traffic=sources.traffic,
     )
-    dashboard = create_dashboard(
-        feed, sources, settings.admin_token, bound_host=settings.dashboard_host
-    )
-    config = server_config(settings.dashboard_host, settings.dashboard_port, settings.backlog)
+    dashboard = create_dashboard(feed, sources, admin_token, bound_host=server.host)
+    config = server_config(server.host, server.port, server.backlog)
     async with trio.open_nursery() as feeding:
         await feeding.start(feed.run)
         async with trio.open_nursery() as serving:

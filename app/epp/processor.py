@@ -30,11 +30,11 @@ from app.epp.grpc_wire import GrpcError, StatusCode
 from app.epp.messages import FULL_DUPLEX_STREAMED, ProcessingRequest
 from app.errors import ClientError, Refused, SluiceError, WireError, answer_for
 from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
-from app.observe.metrics import Metrics
 from app.preprocess.endpoints import ENDPOINTS, Endpoint
 from app.preprocess.reception import Reception
 from app.routing.decider import Decider, RequestContext, RequestFacts
 from app.routing.decision import Decision, RouteRequest
+from app.routing.metrics import DoorMetrics
 from app.routing.refusal import no_backend
 from app.routing.usage import TAIL_BYTES, usage_from_tail
 
@@ -77,7 +77,7 @@ class EndpointPicker:
         reception: Reception,
         decider: Decider,
         pool: BackendPool,
-        metrics: Metrics,
+        metrics: DoorMetrics,
         max_body_bytes: int,
     ) -> None:
         self.reception = reception

@@ -25,10 +25,10 @@ import trio
 
 from app.errors import UpstreamError
 from app.fleet.backends import Backend, BackendPool
+from app.fleet.metrics import FleetMetrics
 from app.fleet.tokenizer_check import check_tokenizer
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
 from app.http.fetch import Fetched, Fetcher
-from app.observe.metrics import Metrics
 
 log = logging.getLogger("sluice.health")
 
@@ -43,7 +43,7 @@ class HealthChecker:
 
     pool: BackendPool
     client: Fetcher
-    metrics: Metrics
+    metrics: FleetMetrics
     _: KW_ONLY
     interval: float
     timeout: float

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import trio
 import zmq
 
-from app.config import Settings
 from app.fleet.backends import BackendPool
 from app.kv_events.index import BackendKvEvents, KvEventsState
 from app.kv_events.wire import (
@@ -189,14 +188,17 @@ class KvEventSubscriber:
 
 
 def subscribers_for(
-    settings: Settings, pool: BackendPool, policy: Policy
+    endpoints: Mapping[str, tuple[str, str | None]],
+    max_index_blocks: int,
+    pool: BackendPool,
+    policy: Policy,
 ) -> dict[str, KvEventSubscriber]:
-    """One subscriber per backend given `--kv-events`, each feeding `policy`'s index; the
-    engine-block maps share `--max-index-blocks` between them."""
-    endpoints = settings.kv_event_endpoints()
+    """One subscriber per backend given `--kv-events` (`endpoints`: backend URL ->
+    publisher, replay or None), each feeding `policy`'s index; the engine-block maps share
+    `--max-index-blocks` between them."""
     if not endpoints or not isinstance(policy, CacheAware):
         return {}
-    share = max(1, settings.max_index_blocks // len(endpoints))
+    share = max(1, max_index_blocks // len(endpoints))
     subscribers: dict[str, KvEventSubscriber] = {}
     for url, (endpoint, replay) in endpoints.items():
         backend = pool.find(url)

@@ -41,7 +41,7 @@ import trio
 from prometheus_client import Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
-from app.observe.metrics import Metrics
+from app.observe.metrics import LoopMetrics
 from app.observe.rate_limit import RateLimiter
 from app.observe.stack_capture import LoopStackCapture
 from app.observe.stall_causes import (
@@ -194,7 +194,7 @@ class _Phase:
 class LoopMonitor:
     def __init__(
         self,
-        metrics: Metrics,
+        metrics: LoopMetrics,
         threshold_ms: float,
         instrument: bool,
         *,

@@ -8,12 +8,21 @@ the page shows cannot disagree.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Protocol, TypedDict
 
 from prometheus_client import Counter, Histogram
 
-from app.observe.metrics import TOKENIZE_BUCKETS, Metrics
+from app.observe import metrics as exported
+from app.observe.metrics import TOKENIZE_BUCKETS
 from app.observe.stalls import HistogramSummary, summarize_histogram
+
+
+class TokenizeMetrics(Protocol):
+    """What `tokenize_summary` reads of preprocessing's metrics."""
+
+    tokenize_seconds: exported.Histogram
+    template_seconds: exported.Histogram
+    tokenize_saturated: exported.Counter
 
 
 class SaturatedCounts(TypedDict):
@@ -82,7 +91,7 @@ def counts_by_two_labels(counter: Counter, outer: str, inner: str) -> dict[str, 
     return totals
 
 
-def tokenize_summary(metrics: Metrics) -> TokenizeSummary:
+def tokenize_summary(metrics: TokenizeMetrics) -> TokenizeSummary:
     """Tokenization latency by path, template render time, and saturated requests."""
     by_path = summarize_by_label(metrics.tokenize_seconds, "path")
     # Labelled by model, the histogram has no series before the first render.

@@ -1,7 +1,11 @@
-"""Every Prometheus metric Sluice exports; the names are a contract (README.md lists them).
+"""The kinds of Prometheus metric Sluice exports, made cheap for the event loop, and the
+loop's own metrics.
 
-One `Metrics` object per running proxy, each with its own registry, so that several proxies
-in one process (tests) never share counters.
+Each room declares its metrics in a small class of its own (`LoopMetrics` here,
+`PreprocessMetrics`, `RoutingMetrics`, ...) on a registry it is given; start-up makes one
+registry per running proxy (app/cli/rooms.py), so that several proxies in one process (tests)
+never share counters. The names, types, labels and help texts are a contract (README.md
+lists them).
 
 The `model` label is a served model's name (at most `app.models.MAX_MODELS` of them), or
 "(none)" for a request refused before its model was known: a name a client made up is never
@@ -10,20 +14,15 @@ a label.
 
 from __future__ import annotations
 
-import contextlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Self, cast
 
 import prometheus_client
-import trio
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
-
-from app.observe.admission_stats import WAIT_BUCKETS, AdmissionStats
-from app.observe.request_trace import TrafficRecorder
 
 # The `*_created` series double the exposition and no dashboard of ours reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -155,118 +154,28 @@ class LabelledReading(Collector):
         yield family
 
 
-class Metrics:
-    def __init__(self, clock: Callable[[], float] = trio.current_time) -> None:
-        """`clock`: the loop's, for what is counted by the second (admission's window)."""
-        r = self.registry = CollectorRegistry()
+class LoopMetrics:
+    """The event loop's: how late the lag probe woke, and the stalls the monitor caught."""
 
-        # Preprocessing.
-        self.tokenize_seconds = Histogram(
-            "sluice_tokenize_seconds",
-            "Time to obtain a prompt's token ids, by the path that produced them and model",
-            ["path", "model"],
-            buckets=TOKENIZE_BUCKETS,
-            registry=r,
-        )
-        self.template_seconds = Histogram(
-            "sluice_template_seconds",
-            "Time to render a chat template, by model",
-            ["model"],
-            buckets=TOKENIZE_BUCKETS,
-            registry=r,
-        )
-        self.l0_hits = Counter(
-            "sluice_tokenizer_cache_l0_hits", "L0 exact-match cache hits", ["model"], registry=r
-        )
-        self.l0_misses = Counter(
-            "sluice_tokenizer_cache_l0_misses",
-            "L0 exact-match cache misses",
-            ["model"],
-            registry=r,
-        )
-        self.l0_entries = Gauge(
-            "sluice_tokenizer_cache_l0_entries", "Entries in the L0 cache", registry=r
-        )
-        self.l0_memory_bytes = Gauge(
-            "sluice_tokenizer_cache_l0_memory_bytes", "Bytes held by the L0 cache", registry=r
-        )
-        self.l1_hits = Counter(
-            "sluice_tokenizer_cache_l1_hits", "L1 prefix cache hits", ["model"], registry=r
-        )
-        self.l1_misses = Counter(
-            "sluice_tokenizer_cache_l1_misses", "L1 prefix cache misses", ["model"], registry=r
-        )
-        self.l1_memory_bytes = Gauge(
-            "sluice_tokenizer_cache_l1_memory_bytes", "Bytes held by the L1 cache", registry=r
-        )
-        self.l1_mismatches = Counter(
-            "sluice_tokenizer_cache_l1_mismatches",
-            "L1 results that differed from a full encode and were discarded",
-            ["model"],
-            registry=r,
-        )
-        self.tokenize_saturated = Counter(
-            "sluice_tokenize_saturated",
-            "Requests that found threads and the fallback permit busy",
-            ["outcome"],
-            registry=r,
-        )
-        self.tokenize_queue_depth = Gauge(
-            "sluice_tokenize_queue_depth", "Requests waiting for a tokenizer thread", registry=r
-        )
-        self.render_queue_depth = Gauge(
-            "sluice_render_queue_depth", "Requests waiting for a render worker process", registry=r
-        )
-        self.l0_hit_tokens = Counter(
-            "sluice_tokenizer_cache_l0_hit_tokens",
-            "Prompt tokens served by L0 hits",
-            ["model"],
-            registry=r,
-        )
-        self.l1_hit_tokens = Counter(
-            "sluice_tokenizer_cache_l1_hit_tokens",
-            "Prompt tokens served from L1's cached prefixes",
-            ["model"],
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "sluice_prompt_tokens",
-            "Prompt tokens counted, by API key (its fingerprint) and model",
-            ["api_key", "model"],
-            registry=r,
-        )
-        self.requests = Counter(
-            "sluice_requests",
-            "Requests answered, by model, status code and endpoint (chat, responses, ...)",
-            ["model", "code", "endpoint"],
-            registry=r,
-        )
-        self.untidy_streams = Counter(
-            "sluice_untidy_streams",
-            "Streams cut after their engine had finished them (ended cleanly all the same)",
-            ["endpoint"],
-            registry=r,
-        )
-
-        # Event loop.
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.loop_lag_seconds = Histogram(
             "sluice_event_loop_lag_seconds",
             "How late the lag probe woke up",
             buckets=LOOP_BUCKETS,
-            registry=r,
+            registry=registry,
         )
         self.loop_stalls = Counter(
             "sluice_event_loop_stalls",
             "Event-loop stalls longer than the threshold, by task step ((unknown): found by "
             "the lag probe) and cause (blocking, gil-wait, preempted; unknown without clocks)",
             ["task", "cause"],
-            registry=r,
+            registry=registry,
         )
         self.loop_stall_seconds = Histogram(
             "sluice_event_loop_stall_seconds",
             "Duration of event-loop stalls longer than the threshold",
             buckets=LOOP_BUCKETS,
-            registry=r,
+            registry=registry,
         )
         self.loop_stall_stage_seconds = Histogram(
             "sluice_event_loop_stall_stage_seconds",
@@ -274,162 +183,5 @@ class Metrics:
             "the stall's stack, else its request phase) and cause",
             ["stage", "cause"],
             buckets=LOOP_BUCKETS,
-            registry=r,
+            registry=registry,
         )
-
-        # Backends and routing.
-        self.backend_inflight = LabelledReading(
-            "sluice_backend_inflight_requests", "Requests in flight", "backend", registry=r
-        )
-        self.backend_healthy = Gauge(
-            "sluice_backend_healthy", "1 if the backend takes traffic", ["backend"], registry=r
-        )
-        self.backend_requests = Counter(
-            "sluice_backend_requests",
-            "Requests forwarded, by backend and HTTP status (0: no response)",
-            ["backend", "code"],
-            registry=r,
-        )
-        self.route_decisions = Counter(
-            "sluice_route_decisions",
-            "Routing decisions by policy and reason",
-            ["policy", "reason"],
-            registry=r,
-        )
-        self.proxy_overhead_seconds = Histogram(
-            "sluice_proxy_overhead_seconds",
-            "Time the proxy adds before the request is handed to a backend",
-            buckets=OVERHEAD_BUCKETS,
-            registry=r,
-        )
-        self.epp_decision_seconds = Histogram(
-            "sluice_epp_decision_seconds",
-            "The endpoint picker's own time for a request: its body's last byte in to its "
-            "endpoints out, less rendering, tokenizing and the time it was held for room",
-            buckets=DECISION_BUCKETS,
-            registry=r,
-        )
-
-        # Not exported: the dashboard's request log and per-backend first-token times,
-        # which the proxy feeds through `traffic.trace(...)` (observe/request_trace.py).
-        self.traffic = TrafficRecorder()
-
-        # Routing checked against the backends' reported prefix-cache hits, and admission.
-        self.route_predictions = Counter(
-            "sluice_route_predictions",
-            "cache_aware predictions by outcome against the backend's reported cached tokens "
-            "(hit, miss, false-hit, surprise-hit, unreported)",
-            ["outcome"],
-            registry=r,
-        )
-        self.route_predicted_tokens = Counter(
-            "sluice_route_predicted_cached_tokens",
-            "Prompt tokens cache_aware predicted the backend had in its prefix cache",
-            ["backend"],
-            registry=r,
-        )
-        self.route_reported_cached_tokens = Counter(
-            "sluice_route_reported_cached_tokens",
-            "Prompt tokens the backend reported served from its prefix cache",
-            ["backend"],
-            registry=r,
-        )
-        self.route_reported_prompt_tokens = Counter(
-            "sluice_route_reported_prompt_tokens",
-            "Prompt tokens the backend reported, for answers that reported cached tokens",
-            ["backend"],
-            registry=r,
-        )
-        self.route_index_corrections = Counter(
-            "sluice_route_index_corrections",
-            "Times a backend's reported hit showed an eviction and the index was corrected",
-            registry=r,
-        )
-        self.route_index_blocks = Gauge(
-            "sluice_route_index_blocks", "(backend, block) entries in the prefix index", registry=r
-        )
-        self.admission_rejected = Counter(
-            "sluice_admission_rejected",
-            "Requests refused with 429, by reason (tokens_per_minute, request_too_large, "
-            "queue_full, key_queue_full, queue_timeout)",
-            ["reason"],
-            registry=r,
-        )
-        self.admission_waiting = Gauge(
-            "sluice_admission_waiting",
-            "Requests held at the proxy while every engine of their pool is saturated",
-            registry=r,
-        )
-        self.admission_held = LabelledReading(
-            "sluice_admission_held", "Requests held now, by model", "model", registry=r
-        )
-        self.backend_saturated = LabelledReading(
-            "sluice_backend_saturated",
-            "1 while the proxy judges a backend's engine saturated (it holds requests back)",
-            "backend",
-            registry=r,
-        )
-        self.backend_room = LabelledReading(
-            "sluice_backend_room",
-            "Sequences its engine runs at once, as the proxy judges it, and on what basis "
-            "(stated by the engine, seen-full: it refused to run more, unknown: +Inf, nothing "
-            "is held for it)",
-            ("backend", "basis"),
-            registry=r,
-        )
-        self.backend_queued = LabelledReading(
-            "sluice_backend_queued",
-            "The proxy's requests that may be waiting in the backend's own engine queue",
-            "backend",
-            registry=r,
-        )
-        self.admission_held_with_room = held_with_room = Counter(
-            "sluice_admission_held_with_room_seconds",
-            "Seconds requests were held at the proxy while this backend's engine reported "
-            "room (free sequences, an empty queue, after the proxy's last change): kept at 0",
-            ["backend"],
-            registry=r,
-        )
-        admission_wait = Histogram(
-            "sluice_admission_wait_seconds",
-            "Time a held request waited for an engine with room, by model",
-            ["model"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
-        admission_dispatched = Counter(
-            "sluice_admission_dispatched",
-            "Requests that passed the gate to a backend, by model and API key (its label)",
-            ["model", "api_key"],
-            registry=r,
-        )
-        admission_shed = Counter(
-            "sluice_admission_shed",
-            "Requests refused at the gate, by model and reason "
-            "(queue_full, key_queue_full, queue_timeout, tokens_per_minute, request_too_large)",
-            ["model", "reason"],
-            registry=r,
-        )
-        self.admission = AdmissionStats(
-            lambda model, waited: admission_wait.labels(model).observe(waited),
-            lambda model, key: admission_dispatched.labels(model, key).inc(),
-            lambda model, reason: admission_shed.labels(model, reason).inc(),
-            clock,
-            lambda url, seconds: held_with_room.labels(url).inc(seconds),
-        )
-
-    def forget_backend(self, url: str) -> None:
-        """A backend left the pool: drop its per-backend series (requests_total stays)."""
-        self.admission.forget(url)
-        for metric in (
-            self.backend_healthy,
-            self.admission_held_with_room,
-            self.route_predicted_tokens,
-            self.route_reported_cached_tokens,
-            self.route_reported_prompt_tokens,
-        ):
-            with contextlib.suppress(KeyError):
-                metric.remove(url)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

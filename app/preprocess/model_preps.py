@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-from app.config import ModelConfig, Settings
+from app.config import ModelConfig
 from app.errors import ConfigError
 from app.models import ModelDirectory
-from app.observe.metrics import Metrics
 from app.preprocess.chat_template import (
     ChatTemplate,
     TemplateLoadError,
@@ -28,7 +27,9 @@ from app.preprocess.chat_template import (
 )
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import TokenizerFacts, facts_for
+from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.rendering import RenderPlan, RenderSpec
+from app.preprocess.settings import PreprocessSettings
 from app.preprocess.tokenization import TokenCaches, Tokenization
 from app.preprocess.tokenizer_loading import LoadedTokenizer, TokenizerLoadError, load_tokenizer
 
@@ -56,8 +57,8 @@ class ModelPrep:
 class ModelPreps:
     def __init__(
         self,
-        settings: Settings,
-        metrics: Metrics,
+        settings: PreprocessSettings,
+        metrics: PreprocessMetrics,
         default_tokenizer: LoadedTokenizer,
         threads: Dispatcher,
         phase: Phase,

@@ -35,13 +35,13 @@ from typing import Any, TypedDict
 
 from prometheus_client import Gauge
 
-from app.config import Saturation, Settings, TokenizeMode
+from app.config import Saturation, TokenizeMode
 from app.errors import ClientError
 from app.models import NO_MODEL, ModelDirectory
-from app.observe.metrics import Metrics
 from app.preprocess import length_gate
 from app.preprocess.dispatcher import Dispatcher, Offload, Phase
 from app.preprocess.json_bodies import nested_too_deeply
+from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.model_preps import ModelDescription, ModelPrep, ModelPreps
 from app.preprocess.rendering import (
     RENDER_ON_LOOP_BUDGET,
@@ -51,6 +51,7 @@ from app.preprocess.rendering import (
     warm_up,
 )
 from app.preprocess.request_bodies import ROUTING_RENDERS, Kind
+from app.preprocess.settings import PreprocessSettings
 from app.preprocess.to_prompt import forget_whole, read_whole, render_job, render_request
 from app.preprocess.tokenization import (
     DispatcherSnapshot,
@@ -129,8 +130,8 @@ def _no_phase(name: str) -> AbstractContextManager[None]:
 class Preprocessor:
     def __init__(
         self,
-        settings: Settings,
-        metrics: Metrics,
+        settings: PreprocessSettings,
+        metrics: PreprocessMetrics,
         *,
         tokenizer: TokenizerLike | None = None,
         phase: Phase | None = None,

@@ -12,35 +12,36 @@ import time
 
 import trio
 
-from app.config import Settings
 from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog
 from app.http.fields import Headers
 from app.models import NO_MODEL
 from app.observe.access_log import AccessLog
-from app.observe.metrics import Metrics
 from app.observe.request_log import CLIENT_GONE_STATUS
 from app.observe.request_spans import request_spans
-from app.observe.request_trace import AnswerLike
+from app.observe.request_trace import AnswerLike, TrafficRecorder
 from app.observe.spans import Attributes
 from app.observe.timing import Timing
 from app.observe.tracing import Tracer, parse_traceparent, start_trace
 from app.preprocess.accounting import KeyLabels
 from app.preprocess.api_keys import KeyGrant, KeyTable, invalid_api_key, load_api_keys
 from app.preprocess.arrival import Arrival, arrival, request_facts
+from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.pipeline import Prepared, Preprocessor
 from app.preprocess.request_bodies import Kind
+from app.preprocess.settings import PreprocessSettings
 from app.routing.decider import RequestContext
 
 
 class Reception:
     def __init__(
         self,
-        settings: Settings,
+        settings: PreprocessSettings,
         preprocessor: Preprocessor,
         catalog: ModelCatalog,
         pool: BackendPool,
-        metrics: Metrics,
+        metrics: PreprocessMetrics,
+        traffic: TrafficRecorder,
         tracer: Tracer,
         access_log: AccessLog | None = None,
     ) -> None:
@@ -49,6 +50,7 @@ class Reception:
         self.catalog = catalog
         self.pool = pool
         self.metrics = metrics
+        self.traffic = traffic
         self.tracer = tracer
         self.access_log = access_log
         self.key_labels = KeyLabels()
@@ -61,7 +63,7 @@ class Reception:
         caller's continued, or a new one with --otlp-endpoint) and what its head says.
         Without --otlp-endpoint the caller's trace id still goes to the request log."""
         timing = Timing(started=time.perf_counter())
-        trace = self.metrics.traffic.trace(timing, endpoint)
+        trace = self.traffic.trace(timing, endpoint)
         head = arrival(headers)
         span = None
         if self.tracer.enabled:
@@ -156,4 +158,4 @@ class Reception:
             self.tracer.finish(span, server, children)
         if self.access_log is not None:
             # The seq the request log just gave it: the same record, the same number.
-            self.access_log.write(trace.record(self.metrics.traffic.log.total))
+            self.access_log.write(trace.record(self.traffic.log.total))

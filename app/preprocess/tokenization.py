@@ -26,9 +26,7 @@ import time
 from array import array
 from typing import NotRequired, TypedDict
 
-from app.config import Settings
 from app.models import NO_MODEL
-from app.observe.metrics import Metrics
 from app.preprocess.dispatcher import Dispatcher, Phase
 from app.preprocess.encoding import (
     TokenizerFacts,
@@ -38,6 +36,8 @@ from app.preprocess.encoding import (
 )
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.l1_cache import L1Cache, L1Outcome, L1Store
+from app.preprocess.metrics import PreprocessMetrics
+from app.preprocess.settings import PreprocessSettings
 from app.preprocess.tokenizer_loading import TokenizerLike
 
 # Settings bound L0 by entries and text size; this bounds its total memory (10,000 entries
@@ -102,7 +102,7 @@ class TokenizerSnapshot(TypedDict):
 class TokenCaches:
     """L0 and the L1 store shared by every tokenizer, and the prompt tokens they served."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: PreprocessSettings) -> None:
         self.l0 = L0Cache(settings.l0_max_entries, L0_MAX_MEMORY_BYTES, settings.l0_max_text_bytes)
         self.l1 = L1Store(settings.l1_max_memory)
         self.l1_caches: list[L1Cache] = []  # one per tokenizer whose L1 can work
@@ -118,8 +118,8 @@ class TokenCaches:
 class Tokenization:
     def __init__(
         self,
-        settings: Settings,
-        metrics: Metrics,
+        settings: PreprocessSettings,
+        metrics: PreprocessMetrics,
         tokenizer: TokenizerLike,
         facts: TokenizerFacts,
         dispatcher: Dispatcher,

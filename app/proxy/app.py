@@ -19,8 +19,8 @@ from functools import partial
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry, generate_latest
 
-from app.config import Settings
 from app.errors import ClientError
 from app.fleet.tokenizer_check import build_probe
 from app.http.exchange import Exchange
@@ -31,6 +31,7 @@ from app.preprocess.reception import Reception
 from app.proxy import errors
 from app.proxy.inference import Inference
 from app.proxy.response_ids import IdTagger, untag
+from app.proxy.settings import ProxySettings
 from app.proxy.to_backend import Attempt, Forwarder, Opened
 from app.routing import refusal
 from app.routing.decider import RequestContext
@@ -46,12 +47,14 @@ STORED_METHODS = {"": (b"GET", b"DELETE"), "/cancel": (b"POST",), "/input_items"
 class ProxyApp:
     def __init__(
         self,
-        settings: Settings,
+        settings: ProxySettings,
         reception: Reception,
         forwarder: Forwarder,
+        registry: CollectorRegistry,
     ) -> None:
         """`reception` checks, preprocesses and books each request (as the endpoint picker's
-        does); `forwarder` decides and takes it to a backend and back."""
+        does); `forwarder` decides and takes it to a backend and back; `registry`: every
+        room's metrics, for /metrics."""
         self.settings = settings
         self.reception = reception
         self.preprocessor = reception.preprocessor
@@ -59,7 +62,7 @@ class ProxyApp:
         self.forwarder = forwarder
         self.pool = forwarder.pool
         self.router = forwarder.router
-        self.metrics = forwarder.metrics
+        self.registry = registry
         self.active_requests = 0  # what --max-connections bounds
         self.inference = Inference(settings, reception, forwarder, self.pool)
         self.forward_tokens = settings.forward == "tokens"
@@ -95,7 +98,7 @@ class ProxyApp:
             elif path == "/metrics":
                 content_type = b"text/plain; version=0.0.4; charset=utf-8"
                 headers = [(b"content-type", content_type)]
-                await exchange.respond(200, headers, self.metrics.render())
+                await exchange.respond(200, headers, generate_latest(self.registry))
             else:
                 await self.models(exchange)
             return

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 
-from app.config import Settings
 from app.errors import ClientError, Refused
 from app.fleet.backends import BackendPool
 from app.http.exchange import Exchange
@@ -27,13 +26,14 @@ from app.proxy import errors
 from app.proxy.forward_tokens import plan_forward
 from app.proxy.headers import upstream_headers
 from app.proxy.response_ids import untag
+from app.proxy.settings import ProxySettings
 from app.proxy.to_backend import Forwarder, Opened, Outgoing
 from app.routing.decider import RequestContext
 
 
 class Inference:
     def __init__(
-        self, settings: Settings, reception: Reception, forwarder: Forwarder, pool: BackendPool
+        self, settings: ProxySettings, reception: Reception, forwarder: Forwarder, pool: BackendPool
     ) -> None:
         self.settings = settings
         self.reception = reception

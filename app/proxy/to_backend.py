@@ -21,20 +21,19 @@ from functools import partial
 
 import trio
 
-from app.config import Settings
 from app.errors import Refused, UpstreamError, UpstreamFault
 from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
 from app.http.client import UpstreamPool
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub
 from app.http.reply import Reply, error_reply
-from app.observe.metrics import Metrics
 from app.observe.timing import Timing
 from app.preprocess.endpoints import Endpoint
 from app.proxy.relay import Converter, Passage, chat_reply_from, reply_from
 from app.proxy.response_ids import IdTagger
 from app.routing.decider import Decider, RequestContext
 from app.routing.decision import Decision
+from app.routing.metrics import DoorMetrics
 from app.routing.router import Router
 from app.routing.usage import usage_from_tail
 
@@ -90,11 +89,11 @@ class Opened:
 class Forwarder:
     """`upstream`: the connections to the backends; `relay_hub`: what relays bodies."""
 
-    settings: Settings
+    idle_timeout: float  # seconds allowed between two chunks of a streamed answer
     pool: BackendPool
     router: Router
     decider: Decider
-    metrics: Metrics
+    metrics: DoorMetrics
     upstream: UpstreamPool
     relay_hub: RelayHub
 
@@ -185,7 +184,7 @@ class Forwarder:
             raise
         timing.sent_at, timing.answered_at = response.sent_at, time.perf_counter()
         timing.connected = not response.reused
-        idle, hub, extra = self.settings.idle_timeout, self.relay_hub, attempt.extra
+        idle, hub, extra = self.idle_timeout, self.relay_hub, attempt.extra
         try:
             if attempt.as_chat:
                 reply, passage = await chat_reply_from(response, extra, idle, hub, started=started)

@@ -19,22 +19,22 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NotRequired, Protocol, TypedDict
 
 import trio
 
 from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
-from app.config import Settings
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
-from app.observe.metrics import Metrics
 from app.routing.admission import ANYONE, Admission
 from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, chain_hashes
 from app.routing.cache_aware import CacheAware, CacheAwareSnapshot
 from app.routing.decision import Decision, Policy, RouteRequest
 from app.routing.gate import Gate, GateLimits
+from app.routing.metrics import RoutingMetrics
 from app.routing.policies import RoutingParams, make_policy
 from app.routing.refusal import Overloaded, ShedReason
 from app.routing.usage import Usage
@@ -50,13 +50,23 @@ CHARS_PER_TOKEN = 4
 HASH_SLICE_TOKENS = 512 * BLOCK_SIZE
 
 
-def routing_params(settings: Settings) -> RoutingParams:
-    return RoutingParams(
-        cache_threshold=settings.cache_threshold,
-        balance_abs_threshold=settings.balance_abs_threshold,
-        balance_rel_threshold=settings.balance_rel_threshold,
-        max_index_blocks=settings.max_index_blocks,
-    )
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the router reads of the configuration (start-up cuts it from the flags)."""
+
+    policy: str  # --policy
+    params: RoutingParams
+    # The gate's limits (GateLimits, under the flags' names).
+    max_inflight_per_backend: int | None
+    max_kv_usage: float
+    max_queued_per_backend: int
+    admission_queue: int
+    admission_queue_per_key: int
+    admission_timeout: float
+    tokens_per_minute: int  # per API key and model, unless a key has its own; 0: no limit
+    budget_replicas: int  # processes holding a share of each budget: --workers
+    shared_budgets: bool  # --redis-url: budgets shared with other replicas through Redis
+    budget_sync_interval: float
 
 
 def estimated_tokens(request: RouteRequest) -> int:
@@ -65,16 +75,16 @@ def estimated_tokens(request: RouteRequest) -> int:
     return len(request.text or "") // CHARS_PER_TOKEN
 
 
-def budgets_for(settings: Settings) -> TokenBuckets | SharedBudgets:
+def budgets_for(settings: RouterSettings) -> TokenBuckets | SharedBudgets:
     """Every (key, model) budget, as deep as the key's own limit (--api-keys) or
     --tokens-per-minute: a process's own buckets, as ever; the shared layer with
     --redis-url, or with --workers N alone (each worker then holds 1/N of every budget)."""
-    if settings.redis_url is None and settings.workers == 1:
+    if not settings.shared_budgets and settings.budget_replicas == 1:
         return TokenBuckets()
     return SharedBudgets(
         settings.tokens_per_minute,
-        local_replicas=settings.workers,
-        shared=settings.redis_url is not None,
+        local_replicas=settings.budget_replicas,
+        shared=settings.shared_budgets,
         sync_interval=settings.budget_sync_interval,
     )
 
@@ -91,14 +101,14 @@ class EngineEvents(Protocol):
 class Router:
     def __init__(
         self,
-        settings: Settings,
+        settings: RouterSettings,
         pool: BackendPool,
-        metrics: Metrics,
+        metrics: RoutingMetrics,
         policy: Policy | None = None,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
-        self.policy = policy or make_policy(settings.policy, params=routing_params(settings))
+        self.policy = policy or make_policy(settings.policy, params=settings.params)
         self.requests = 0  # requests that asked for a backend so far: whether traffic flows
         self._requested = trio.Event()  # set by the next one (`next_request`)
         limits = GateLimits(

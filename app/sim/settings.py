@@ -5,12 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from app.config import ServerSettings, endpoint_problem
+from app.config import Ranges, ServerSettings, check_ranges, endpoint_problem
 
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
 # Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
 MetricsStyle = Literal["vllm", "sglang", "llamacpp", "tgi"]
+NUMERIC_RANGES: Ranges = (
+    (
+        ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"),
+        lambda value: value >= 1,
+        "must be at least 1",
+    ),
+    (
+        ("prefill_overhead", "prefill_per_token", "inter_token_latency"),
+        lambda value: value >= 0,
+        "must not be negative",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -72,9 +84,7 @@ class SimSettings(ServerSettings):
             raise ValueError("--model needs a non-empty name")
         if len(set(self.models)) != len(self.models):
             raise ValueError("--model names a model twice")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        check_ranges(self, NUMERIC_RANGES)
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             endpoint = getattr(self, name)
             problem = None if endpoint is None else endpoint_problem(endpoint, any_port=True)
@@ -84,6 +94,3 @@ class SimSettings(ServerSettings):
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.time_factor_under_load < 1.0:
             raise ValueError("--time-factor-under-load must be at least 1")
-        for name in ("prefill_overhead", "prefill_per_token", "inter_token_latency"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must not be negative")

@@ -29,8 +29,8 @@ from typing import Any
 
 import trio
 
+from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import Settings
-from app.observe.metrics import Metrics
 from app.preprocess.chat_template import SHIPPED_DIR, ChatTemplate
 from app.preprocess.encoding import facts_for, gil_releasing_encoder
 from app.preprocess.l0_cache import L0Cache
@@ -143,7 +143,7 @@ def l0_costs(repeat: int) -> dict[str, Any]:
     cache = L0Cache(10_000, 256 * 2**20, 64 * 1024)
     cache.put(text, encode(text))
     fresh = iter([text.encode().decode() for _ in range(repeat)])  # equal strings, new hashes
-    preprocessor = Preprocessor(Settings(), Metrics())
+    preprocessor = Preprocessor(preprocess_settings(Settings()), RoomMetrics.create().preprocess)
     bodies = [json.dumps({"model": "sim", "prompt": text}).encode() for _ in range(repeat + 1)]
 
     async def through_pipeline() -> list[float]:

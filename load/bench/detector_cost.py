@@ -30,8 +30,8 @@ from typing import Any
 import trio
 import trio.lowlevel
 
+from app.cli.rooms import RoomMetrics
 from app.observe.loop_monitor import PROBE_INTERVAL_S, LoopMonitor
-from app.observe.metrics import Metrics
 from app.observe.thread_clocks import ThreadClocks
 from app.observe.thread_timer import ThreadTimer
 from load import client, harness
@@ -71,7 +71,9 @@ async def _run_tasks(variant: str, tasks: int, steps: int) -> float:
     async with trio.open_nursery() as nursery:
         if variant != "no monitor":
             instrument = variant == "probe + instrument"
-            await nursery.start(LoopMonitor(Metrics(), THRESHOLD_MS, instrument=instrument).run)
+            await nursery.start(
+                LoopMonitor(RoomMetrics.create().loop, THRESHOLD_MS, instrument=instrument).run
+            )
         started = time.perf_counter()
         async with trio.open_nursery() as workers:
             for _ in range(tasks):
