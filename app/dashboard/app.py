@@ -22,7 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from app.config import Saturation
-from app.dashboard.answers import Answer, error_response, json_object
+from app.dashboard.answers import Answer, CheckWrite, error_response, json_object
 from app.dashboard.backends_api import CONTROL_KEY, BackendControl, register_backends_api
 from app.dashboard.feed import BuildSnapshot, DashboardFeed, ReadOccupancy
 from app.dashboard.schema import snapshot_schema_bytes
@@ -83,12 +83,22 @@ def create_dashboard(
     *,
     bound_host: str = "127.0.0.1",
 ) -> QuartTrio:
-    set_saturation = sources.set_saturation
-    request_burst = sources.request_burst
     app = QuartTrio(__name__, static_folder=str(asset_folder("static")))
     app.config["MAX_CONTENT_LENGTH"] = MAX_WRITE_BYTES
     # A restarted Sluice may serve a newer page: browsers revalidate rather than guess.
     app.config["SEND_FILE_MAX_AGE_DEFAULT"] = 0
+    _guard(app, bound_host)
+    check_write = _write_check(admin_token)
+    _read_routes(app, feed, sources)
+    _write_routes(app, feed, sources, check_write)
+    app.config[CONTROL_KEY] = sources.control
+    register_backends_api(app, check_write)
+    return app
+
+
+def _guard(app: QuartTrio, bound_host: str) -> None:
+    """Loopback host names only, the page's headers on every answer, every error in the
+    proxy's shape."""
 
     @app.before_request
     async def refuse_foreign_hosts() -> None:
@@ -119,6 +129,8 @@ def create_dashboard(
             ClientError(error.description or error.name, status=code, headers=headers)
         )
 
+
+def _write_check(admin_token: str | None) -> CheckWrite:
     def check_write() -> None:
         """Raises why this write may not happen, if it may not."""
         headers = request.headers
@@ -135,6 +147,10 @@ def create_dashboard(
                 type_="authentication_error",
             )
 
+    return check_write
+
+
+def _read_routes(app: QuartTrio, feed: DashboardFeed, sources: DashboardSources) -> None:
     # The page is a plain file (no template syntax), read once here: rendered by Jinja at its
     # first request it cost the loop 5-6 ms (measured, `sluice demo` under Chromium).
     page_html = (asset_folder("templates") / "dashboard.html").read_text(encoding="utf-8")
@@ -179,6 +195,16 @@ def create_dashboard(
         response.timeout = None
         return response
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await sources.metrics_text(), content_type=METRICS_CONTENT_TYPE)
+
+
+def _write_routes(
+    app: QuartTrio, feed: DashboardFeed, sources: DashboardSources, check_write: CheckWrite
+) -> None:
+    set_saturation, request_burst = sources.set_saturation, sources.request_burst
+
     @app.put("/api/policy")
     async def api_policy() -> Answer:
         payload = await json_object(check_write, '{"saturation": "wait"}')
@@ -200,11 +226,3 @@ def create_dashboard(
             raise ClientError("bursts are a `sluice demo` feature", status=404)
         check_write()
         return {"queued": request_burst()}, 202
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await sources.metrics_text(), content_type=METRICS_CONTENT_TYPE)
-
-    app.config[CONTROL_KEY] = sources.control
-    register_backends_api(app, check_write)
-    return app
