@@ -52,7 +52,15 @@ from load.envoy_stack import epp_address
 from load.harness import label_values, metric, parse_metrics
 from load.processes import Stack
 from load.soak_inputs import BadInput, catalog
-from load.soak_report import Minute, Windows, excuse, print_minute, verdict
+from load.soak_report import (
+    EXPECTED_WHEN_DOWN,
+    EXPECTED_WHEN_DOWN_THROUGH_ENVOY,
+    Minute,
+    Windows,
+    excuse,
+    print_minute,
+    verdict,
+)
 from load.workloads import Request, Workload, completion, workload
 
 DOWN_GRACE_S = 10.0  # after a restart: health check interval (3 s) + breaker cooldown slack
@@ -141,7 +149,8 @@ class Soak:
             tally["200"] += 1
             return
         kind = record.error or "unknown"
-        why = excuse(record, self.down, self.shedding)
+        when_down = EXPECTED_WHEN_DOWN_THROUGH_ENVOY if self.door == "epp" else EXPECTED_WHEN_DOWN
+        why = excuse(record, self.down, self.shedding, when_down)
         if why is not None:
             minute.expected[why] += 1
             tally["429" if kind == "http_429" else "expected"] += 1

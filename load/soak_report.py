@@ -9,10 +9,15 @@ from dataclasses import dataclass, field
 from load.drive import Record
 
 EXPECTED_WHEN_DOWN = {"http_502", "http_503", "http_504", "stream_broken", "no_done"}
+# Through Envoy a stream whose backend dies is reset (Envoy's way of saying it), where
+# Sluice's proxy ends it with an error event (stream_broken).
+EXPECTED_WHEN_DOWN_THROUGH_ENVOY = {*EXPECTED_WHEN_DOWN, "reset"}
 Windows = list[list[float]]  # [start, end] times, s from the soak's start
 
 
-def excuse(record: Record, down: Windows, shedding: Windows) -> str | None:
+def excuse(
+    record: Record, down: Windows, shedding: Windows, when_down: set[str] = EXPECTED_WHEN_DOWN
+) -> str | None:
     """Why a failed request is not lost to Sluice (a refusal that says when to come back, a
     backend that was down, a connection burst over --max-connections), or None: it was."""
     kind = record.error or "unknown"
@@ -20,7 +25,7 @@ def excuse(record: Record, down: Windows, shedding: Windows) -> str | None:
     told_when = record.retry_after is not None
     if kind == "http_429" and told_when:
         return "429_retry_after"
-    if kind in EXPECTED_WHEN_DOWN and _within(down, record.start, end):
+    if kind in when_down and _within(down, record.start, end):
         return f"backend_down:{kind}"
     if kind == "http_503" and told_when and _within(shedding, record.start, end):
         return "shed_503"
