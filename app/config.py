@@ -26,6 +26,14 @@ TokenizeMode = Literal["offload", "inline"]
 Saturation = Literal["wait", "bail-out"]
 ForwardMode = Literal["passthrough", "tokens"]
 AccessLogFormat = Literal["json"]
+# What an engine does for its model: everything, or one phase of disaggregated serving.
+Role = Literal["both", "prefill", "decode"]
+# The KV-transfer protocol prefill and decode engines speak: vLLM's KV connector (the
+# decode pulls what the prefill's answer names) or SGLang's bootstrap server (both legs at
+# once, meeting in a room).
+PdFlow = Literal["vllm", "sglang"]
+# SGLang's `--disaggregation-bootstrap-port` default.
+SGLANG_BOOTSTRAP_PORT = 8998
 
 MAX_WORKERS = 64
 DEFAULT_MAX_RENDER_WORKERS = 4
@@ -64,6 +72,7 @@ NUMERIC_RANGES: Ranges = (
             "admission_queue_per_key",
             "tokens_per_minute",
             "balance_abs_threshold",
+            "disaggregate_above",
         ),
         lambda value: value >= 0,
         "must not be negative",
@@ -78,6 +87,7 @@ NUMERIC_RANGES: Ranges = (
             "stall_threshold_ms",
             "admission_timeout",
             "budget_sync_interval",
+            "prefill_timeout",
         ),
         lambda value: value > 0,
         "must be positive",
@@ -95,6 +105,39 @@ def check_ranges(settings: object, ranges: Ranges) -> None:
 
 
 @dataclass(frozen=True)
+class BackendRole:
+    """A backend's part in disaggregated serving (`--prefill`, `--decode`, a fleet table's
+    `role`); `bootstrap_port`: where a prefill engine's SGLang bootstrap server listens."""
+
+    url: str
+    role: Role
+    bootstrap_port: int | None = None
+
+    def __post_init__(self) -> None:
+        check_backend_url(self.url)
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"backend {self.url}: role must be both, prefill or decode")
+        if self.bootstrap_port is not None and (
+            self.role != "prefill" or not 1 <= self.bootstrap_port <= 65535
+        ):
+            raise ValueError(
+                f"backend {self.url}: bootstrap_port is a prefill engine's, from 1 to 65535"
+            )
+
+
+def parse_role_flag(role: Role, entry: str) -> BackendRole:
+    """`--prefill URL[=BOOTSTRAP_PORT]` or `--decode URL`."""
+    url, equals, port = entry.partition("=")
+    url = url.strip().rstrip("/")
+    if not equals:
+        return BackendRole(url, role)
+    if role != "prefill" or not port.strip().isdigit():
+        expected = "URL=BOOTSTRAP_PORT" if role == "prefill" else "URL"
+        raise ValueError(f"--{role} {entry!r}: expected {expected}")
+    return BackendRole(url, role, int(port))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model of the fleet (a `[[models]]` table of `--config`): the name its backends
     serve it under, those backends, and how Sluice prepares its prompts. What a table leaves
@@ -107,6 +150,8 @@ class ModelConfig:
     chat_template: str | None = None
     max_model_len: int | None = None
     aliases: tuple[str, ...] = ()
+    # Those of `backends` with a role other than `both` (a table's `role`, `bootstrap_port`).
+    roles: tuple[BackendRole, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -206,6 +251,14 @@ class Settings(ServerSettings):
     # (the fleet's tables) name their own backends.
     backends: tuple[str, ...] = ()
     models: tuple[ModelConfig, ...] = ()
+    # Disaggregated serving: prefill engines ("URL" or "URL=BOOTSTRAP_PORT"), decode engines,
+    # the protocol they speak, and the uncached prompt tokens above which a request takes
+    # two hops rather than one (fewer cost more in the hop than they save: see app/README.md).
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    pd_flow: PdFlow = "vllm"
+    disaggregate_above: int = 512
+    prefill_timeout: float = 60.0  # seconds a prefill leg may take, its whole answer
     policy: Policy = "cache_aware"
     health_check_path: str = "/health"
     health_check_interval: float = 3.0
@@ -297,8 +350,21 @@ class Settings(ServerSettings):
     @property
     def all_backends(self) -> tuple[str, ...]:
         """Every backend URL, those of the model tables included, each once."""
-        urls = [*self.backends, *(url for model in self.models for url in model.backends)]
+        urls = [
+            *self.backends,
+            *(url for model in self.models for url in model.backends),
+            *(role.url for role in self.backend_roles),
+        ]
         return tuple(dict.fromkeys(url.rstrip("/") for url in urls))
+
+    @property
+    def backend_roles(self) -> tuple[BackendRole, ...]:
+        """Every backend with a role other than `both`: the flags', then the tables'."""
+        return (
+            *(parse_role_flag("prefill", entry) for entry in self.prefill),
+            *(parse_role_flag("decode", entry) for entry in self.decode),
+            *(role for model in self.models for role in model.roles),
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -354,6 +420,7 @@ class Settings(ServerSettings):
         if self.kv_events and self.policy != "cache_aware":
             raise ValueError("--kv-events feeds the prefix index: it needs --policy cache_aware")
         self.kv_event_endpoints()  # every entry checked
+        check_roles(self.backend_roles, self.backends)
 
     def kv_event_endpoints(self) -> dict[str, tuple[str, str | None]]:
         """Backend URL -> (publisher endpoint, replay endpoint or None)."""
@@ -364,6 +431,16 @@ class Settings(ServerSettings):
         for url in replays.keys() - publishers.keys():
             raise ValueError(f"--kv-events-replay {url}: give its --kv-events too")
         return {url: (endpoint, replays.get(url)) for url, endpoint in publishers.items()}
+
+
+def check_roles(roles: tuple[BackendRole, ...], plain: tuple[str, ...]) -> None:
+    """A backend has one role: not given twice, nor both `--backend` and a role."""
+    seen: dict[str, BackendRole] = {}
+    plain_urls = {url.rstrip("/") for url in plain}
+    for role in roles:
+        earlier = seen.setdefault(role.url, role)
+        if earlier != role or role.url in plain_urls:
+            raise ValueError(f"backend {role.url} is given two roles")
 
 
 def is_loopback_host(host: str) -> bool:

@@ -90,7 +90,7 @@ def test_a_fleet_file_becomes_settings_with_its_models(tmp_path: Path) -> None:
         ('name = " "', "name must not be empty"),
         ('name = "m"\nbackend = ["http://a:1"]', "unknown key(s) backend"),
         ('name = "m"\nbackends = ["https://a:1"]', "only http://"),
-        ('name = "m"\nbackends = [1]', "backends must be a list of strings"),
+        ('name = "m"\nbackends = [1]', "backends must be URLs or tables with a url"),
         ('name = "m"\nbackends = ["http://a:1", "http://a:1"]', "lists a URL twice"),
         ('name = "m"\nmax_model_len = 0', "max_model_len must be at least 1"),
         ('name = "m"\nmax_model_len = "big"', "max_model_len must be an integer"),

@@ -26,6 +26,14 @@ from app.sim.settings import SimSettings
 
 HELP: dict[str, str] = {
     "backend": "OpenAI-compatible backend URL (repeatable)",
+    "prefill": "a prefill engine of disaggregated serving (repeatable); =PORT: its SGLang "
+    "bootstrap port (default 8998 with --pd-flow sglang)",
+    "decode": "a decode engine of disaggregated serving (repeatable)",
+    "pd_flow": "how prefill and decode engines pass the KV cache: vllm (the prefill's answer "
+    "names it, the decode pulls it) or sglang (bootstrap server; both legs at once)",
+    "disaggregate_above": "uncached prompt tokens above which a request is prefilled on a "
+    "prefill engine; at or below it, one engine does both (default: 512)",
+    "prefill_timeout": "seconds a prefill leg may take, its whole answer (default: 60)",
     "policy": "routing policy (default: cache_aware)",
     "cache_threshold": "share of a prompt a backend must hold to count as a prefix hit "
     "(default: 0.3)",
@@ -290,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy in front of OpenAI-compatible backends")
     serve.add_argument("--config", help="TOML file with any of the flags below")
     serve.add_argument("--backend", action="append", help=HELP["backend"])
+    serve.add_argument(
+        "--prefill", action="append", metavar="URL[=BOOTSTRAP_PORT]", help=HELP["prefill"]
+    )
+    serve.add_argument("--decode", action="append", metavar="URL", help=HELP["decode"])
     for name in ("kv_events", "kv_events_replay"):
         serve.add_argument(
             "--" + name.replace("_", "-"), action="append", metavar="URL=ENDPOINT", help=HELP[name]
@@ -329,10 +341,14 @@ def parse(
         )
     if args.command == "serve":
         known["backends"] = _listed(args.backend, BACKEND_KEYS, file_values, "URLs")
-        if not known["backends"] and not any(m.backends for m in known["models"]):
+        for role in ("prefill", "decode"):
+            known[role] = _listed(getattr(args, role), (role,), file_values, "URLs")
+        if not (known["backends"] or known["prefill"] or known["decode"]) and not any(
+            m.backends for m in known["models"]
+        ):
             raise ConfigExit(
-                "sluice serve: give at least one --backend URL, or [[models]] tables with "
-                "backends in --config"
+                "sluice serve: give at least one --backend URL (or --prefill and --decode), "
+                "or [[models]] tables with backends in --config"
             )
         for name in ("kv_events", "kv_events_replay"):
             known[name] = _listed(getattr(args, name), (name,), file_values, "URL=ENDPOINT")

@@ -11,6 +11,13 @@
     max_model_len = 65536               # else --max-model-len, or the backends' own
     aliases = ["chat-default"]          # other names clients may send for it
 
+    [[models]]                          # disaggregated: prefill and decode engines
+    name = "deepseek-v4-pd"
+    backends = [
+        { url = "http://p-1:8000", role = "prefill", bootstrap_port = 8998 },
+        { url = "http://d-1:8000", role = "decode" },
+    ]
+
 A relative path in the file (`tokenizer`, `chat_template`, `api_keys`) is taken from the
 file's own directory when something is there, so a fleet file travels with its tokenizers.
 Every value is checked as a flag's would be; a wrong one is a `ConfigError` naming the table
@@ -24,11 +31,12 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from app.config import ModelConfig
+from app.config import BackendRole, ModelConfig
 from app.errors import ConfigError
 
 PATH_KEYS = ("tokenizer", "chat_template", "api_keys")
 MODEL_KEYS = frozenset(f.name for f in fields(ModelConfig))
+BACKEND_TABLE_KEYS = frozenset({"url", "role", "bootstrap_port"})
 
 
 def read_config(path: str | None) -> dict[str, Any]:
@@ -69,18 +77,52 @@ def _model(index: int, table: dict[str, Any], base: Path) -> ModelConfig:
     for key in ("tokenizer", "chat_template"):
         if key in values:
             values[key] = _near(base, _string(where, key, values[key]))
-    for key in ("backends", "aliases"):
-        if key in values:
-            values[key] = _strings(where, key, values[key])
+    if "roles" in values:
+        raise ConfigError(f"{where}: unknown key(s) roles: give a backend's role in its table")
+    backends, values["roles"] = _backends(where, values.get("backends", []))
+    values["backends"] = backends
+    if "aliases" in values:
+        values["aliases"] = _strings(where, "aliases", values["aliases"])
     if "max_model_len" in values:
         length = values["max_model_len"]
         if not isinstance(length, int) or isinstance(length, bool):
             raise ConfigError(f"{where}: max_model_len must be an integer, not {length!r}")
-    values["backends"] = tuple(url.rstrip("/") for url in values.get("backends", ()))
     try:
         return ModelConfig(**values)
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def _backends(where: str, value: Any) -> tuple[tuple[str, ...], tuple[BackendRole, ...]]:
+    """A model's `backends`: URLs, or tables `{url = ..., role = "prefill", bootstrap_port =
+    8998}` for engines of disaggregated serving; the URLs, and the roles other than both."""
+    entries = [value] if isinstance(value, str) else value
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where}: backends must be a list, not {value!r}")
+    urls: list[str] = []
+    roles: list[BackendRole] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            urls.append(entry.rstrip("/"))
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
+            raise ConfigError(f"{where}: backends must be URLs or tables with a url, not {entry!r}")
+        unknown = sorted(set(entry) - BACKEND_TABLE_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown backend key(s) {', '.join(unknown)}")
+        url = entry["url"].rstrip("/")
+        urls.append(url)
+        role, port = entry.get("role", "both"), entry.get("bootstrap_port")
+        if not isinstance(role, str) or not (port is None or type(port) is int):
+            raise ConfigError(
+                f"{where}: backend {url}: role is a string, bootstrap_port an integer"
+            )
+        try:
+            if role != "both" or port is not None:
+                roles.append(BackendRole(url, role, port))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return tuple(urls), tuple(roles)
 
 
 def _string(where: str, key: str, value: Any) -> str:

@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, TypeVar
 import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from app.config import ServerSettings, Settings
+from app.config import SGLANG_BOOTSTRAP_PORT, BackendRole, ServerSettings, Settings
 from app.fleet.metrics import FleetMetrics
 from app.observe.metrics import LoopMetrics
 from app.observe.request_trace import TrafficRecorder
 from app.preprocess.metrics import PreprocessMetrics
 from app.preprocess.settings import PreprocessSettings
+from app.proxy.metrics import PdMetrics
 from app.proxy.settings import ProxySettings
+from app.routing.disaggregation import DisaggregationSettings
 from app.routing.metrics import DoorMetrics, RoutingMetrics
 from app.routing.policies import RoutingParams
 from app.routing.router import RouterSettings
@@ -64,6 +66,22 @@ def proxy_settings(settings: Settings) -> ProxySettings:
     return cut(ProxySettings, settings)
 
 
+def disaggregation_settings(settings: Settings) -> DisaggregationSettings:
+    return cut(DisaggregationSettings, settings)
+
+
+def backend_roles(settings: Settings) -> dict[str, BackendRole]:
+    """URL -> role of every backend that has one; an SGLang prefill engine named without its
+    bootstrap port has SGLang's default."""
+    default_port = SGLANG_BOOTSTRAP_PORT if settings.pd_flow == "sglang" else None
+    return {
+        role.url: dataclasses.replace(role, bootstrap_port=role.bootstrap_port or default_port)
+        if role.role == "prefill"
+        else role
+        for role in settings.backend_roles
+    }
+
+
 def dashboard_server(settings: Settings) -> ServerSettings:
     """The dashboard's own socket; the proxy's is `settings` itself."""
     return ServerSettings(settings.dashboard_host, settings.dashboard_port, settings.backlog)
@@ -82,6 +100,7 @@ class RoomMetrics:
     doors: DoorMetrics
     routing: RoutingMetrics
     traffic: TrafficRecorder
+    pd: PdMetrics
 
     @classmethod
     def create(cls, clock: Callable[[], float] = trio.current_time) -> RoomMetrics:
@@ -96,6 +115,7 @@ class RoomMetrics:
             DoorMetrics(registry),
             RoutingMetrics(registry, fleet, clock),
             TrafficRecorder(),
+            PdMetrics(registry),
         )
 
     def render(self) -> bytes:

@@ -18,7 +18,9 @@ from app.budgets.shared import SharedBudgets, SharedBudgetsSnapshot
 from app.budgets.sync import BudgetCollector, BudgetSync, RedisBudgetsSnapshot
 from app.cli.rooms import (
     RoomMetrics,
+    backend_roles,
     dashboard_server,
+    disaggregation_settings,
     preprocess_settings,
     proxy_settings,
     router_settings,
@@ -58,7 +60,9 @@ from app.preprocess.reception import Reception
 from app.preprocess.tokenizer_loading import TokenizerLike
 from app.proxy.app import ProxyApp
 from app.proxy.to_backend import Forwarder
+from app.proxy.two_hops import TwoHops
 from app.routing.decider import Decider
+from app.routing.disaggregation import Disaggregation
 from app.routing.router import Router
 
 log = logging.getLogger("sluice")
@@ -89,6 +93,7 @@ class Sluice:
             cooldown=settings.breaker_cooldown,
             probe_path=settings.health_check_path,
             configured=configured_backends(settings.models),
+            roles=backend_roles(settings),
         )
         self.catalog = ModelCatalog(settings.models, settings.max_model_len)
         self.router = Router(router_settings(settings), self.pool, self.metrics.routing)
@@ -287,7 +292,11 @@ class Sluice:
             upstream,
             relay_hub,
         )
-        return ProxyApp(proxy_room, self.reception, forwarder, self.metrics.registry)
+        disaggregation = Disaggregation(
+            disaggregation_settings(self.settings), self.decider, self.pool
+        )
+        two_hops = TwoHops(forwarder, disaggregation, self.metrics.pd)
+        return ProxyApp(proxy_room, self.reception, forwarder, self.metrics.registry, two_hops)
 
     async def _serve(
         self,

@@ -13,6 +13,8 @@ from app.fleet.room import RoomSnapshot
 class BackendRow(TypedDict):
     id: str
     url: str
+    role: str  # both, prefill or decode
+    bootstrap_port: int | None  # an SGLang prefill engine's bootstrap server
     healthy: bool
     takes_traffic: bool
     breaker: str  # the most open of its breakers: closed, half-open, open

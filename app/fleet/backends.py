@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from app.config import BackendRole, Role
 from app.fleet.backend_row import BackendRow
 from app.fleet.engine_metrics import EngineLoad, engine_block
 from app.fleet.room import EngineRoom, Seen
@@ -137,6 +138,10 @@ class Backend:
     # The models a configuration names for it, in the order of its tables; None: those its
     # /v1/models lists.
     configured: tuple[str, ...] | None = None
+    # Its part in disaggregated serving (a `both` engine does a request whole), and for an
+    # SGLang prefill engine, its bootstrap server's port.
+    role: Role = "both"
+    bootstrap_port: int | None = None
     last_error: str | None = None
     tokenizer_state: TokenizerState = "not required"
     tokenizer_detail: str | None = None  # what the last tokenizer check found
@@ -318,17 +323,23 @@ class BackendPool:
         cooldown: float,
         probe_path: str,
         configured: dict[str, tuple[str, ...]] | None = None,
+        roles: dict[str, BackendRole] | None = None,
     ) -> None:
-        """`configured`: URL -> the models a configuration names for that backend."""
+        """`configured`: URL -> the models a configuration names for that backend; `roles`:
+        URL -> its role, for those not `both`."""
         if not urls:
             raise ValueError("at least one backend URL is needed")
         self.backends: list[Backend] = []
+        # Whether any backend has a prefill or decode role: only then is a request's way
+        # decided between one hop and two (app/routing/disaggregation.py).
+        self.disaggregated = False
         self.failures_to_open = failures_to_open
         self.cooldown = cooldown
         self.probe_path = probe_path
         self.tokenizer_probe: TokenizerProbe | None = None
         for url in urls:
-            self.add(url, (configured or {}).get(url.rstrip("/")))
+            role = (roles or {}).get(url.rstrip("/"))
+            self.add(url, (configured or {}).get(url.rstrip("/")), role)
 
     def engines_reported(self) -> None:
         """After a round of engine reports: how many requests of other senders ran beside
@@ -345,13 +356,18 @@ class BackendPool:
         for backend in self.backends:
             backend.others_per_own = ratio if backend.engine is not None else 0.0
 
-    def add(self, url: str, models: tuple[str, ...] | None = None) -> Backend:
+    def add(
+        self, url: str, models: tuple[str, ...] | None = None, role: BackendRole | None = None
+    ) -> Backend:
         """A new backend, unhealthy until its first health check passes; it serves `models`,
         or, without, what its /v1/models lists."""
         url = url.rstrip("/")
         if self.find(url) is not None:
             raise ValueError(f"backend {url} is already in the pool")
         backend = Backend(url, probe_path=self.probe_path, configured=models or None)
+        if role is not None:
+            backend.role, backend.bootstrap_port = role.role, role.bootstrap_port
+            self.disaggregated = True
         if self.tokenizer_probe is not None:
             backend.tokenizer_state = "unchecked"
             backend.tokenizer_detail = "not checked yet"
@@ -380,6 +396,10 @@ class BackendPool:
             and b.takes_traffic(now, model)
             and b not in exclude
         ]
+
+    def with_role(self, now: float, model: str | None, role: Role) -> list[Backend]:
+        """The backends of `model`'s pool that take traffic and have `role`."""
+        return [b for b in self.available(now, (), model) if b.role == role]
 
     def any_available(self, now: float) -> bool:
         return any(b.takes_traffic(now) for b in self.backends)
@@ -446,6 +466,8 @@ class BackendPool:
             {
                 "id": b.id,
                 "url": b.url,
+                "role": b.role,
+                "bootstrap_port": b.bootstrap_port,
                 "healthy": b.healthy,
                 "takes_traffic": b.takes_traffic(now),
                 "breaker": b.breaker_state(now),

@@ -16,6 +16,15 @@ MAX_TEXT = 96  # characters kept of a client-chosen string (model, request id)
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": no response was finished
 
 
+class LegsRecord(TypedDict):
+    """How a request of a disaggregated model was served: two hops, or one and why."""
+
+    mode: str  # disaggregated, or "aggregated (REASON)"
+    prefill: str | None  # the prefill engine's URL (two hops)
+    prefill_ms: float | None  # its leg, request to whole answer
+    transfer: bool  # the prefill's answer named a KV transfer the decode leg carried
+
+
 class RequestRecord(TypedDict):
     seq: int  # 1, 2, 3... in the order requests finished: lets a page render only new rows
     time: float  # Unix seconds when the request arrived
@@ -36,6 +45,7 @@ class RequestRecord(TypedDict):
     ttft_ms: float | None  # until the first body byte went to the client
     duration_ms: float
     client_gone: bool  # the client disconnected before the response was complete
+    legs: NotRequired[LegsRecord]  # a disaggregated model's request: its prefill and decode
     worker: NotRequired[int]  # a supervisor's merged log: the worker that served it
 
 

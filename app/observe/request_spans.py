@@ -2,7 +2,8 @@
 
 Made once per request, after its answer ended, and only with `--otlp-endpoint`: the server
 span covers the request from its first byte to its last; its children are the phases, each
-laid where it happened (`upstream.connect` only where a connection was opened). Template and
+laid where it happened (`upstream.connect` only where a connection was opened; `prefill` and
+`decode` for a request served in two hops). Template and
 tokenize are measured as durations (a render or a tokenization may run in a worker), so they
 are laid end to end from the moment the body was read. A phase the request never reached
 (refused before routing, a backend that never answered) has no span.
@@ -38,6 +39,10 @@ def request_spans(
         if timing.queue:
             children.append(span("queue", timing.routing_at, held_until))
         children.append(span("route", held_until, timing.routed_at))
+    if timing.prefill_at and timing.prefilled_at:
+        children.append(span("prefill", timing.prefill_at, timing.prefilled_at))
+        if timing.sent_at:
+            children.append(span("decode", timing.sent_at, ended))
     if timing.routed_at and timing.sent_at:
         # On a kept-alive connection nothing was connected: sending the request is then part
         # of waiting for the first byte. (A span costs the exporter's thread ~20 µs.)

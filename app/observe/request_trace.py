@@ -19,7 +19,13 @@ from collections.abc import Mapping
 from typing import Any, NotRequired, Protocol, TypedDict
 
 from app.observe.backend_stats import BackendStats
-from app.observe.request_log import CLIENT_GONE_STATUS, RequestLog, RequestRecord, clip
+from app.observe.request_log import (
+    CLIENT_GONE_STATUS,
+    LegsRecord,
+    RequestLog,
+    RequestRecord,
+    clip,
+)
 
 
 class RequestRates(TypedDict):
@@ -110,6 +116,7 @@ class RequestTrace:
         "_ended",
         "_first_byte_at",
         "_kind",
+        "_legs",
         "_model",
         "_prompt_tokens",
         "_recorder",
@@ -142,6 +149,7 @@ class RequestTrace:
         self._first_byte_at: float | None = None
         self._complete = False
         self._ended = self._wall_ended = 0.0
+        self._legs: LegsRecord | None = None
 
     @property
     def model(self) -> str | None:
@@ -174,6 +182,16 @@ class RequestTrace:
         self.route_reason = route.partition(":")[2]
         self._request_id = clip(request_id.decode("latin-1"))
 
+    def legs(self, mode: str, prefill: str | None, prefill_s: float | None) -> None:
+        """A disaggregated model's request: served in two hops (`prefill` the engine that
+        prefilled it, its leg's seconds), or in one (`mode` says why)."""
+        self._legs = {
+            "mode": mode,
+            "prefill": prefill,
+            "prefill_ms": None if prefill_s is None else round(prefill_s * 1000, 3),
+            "transfer": prefill is not None,
+        }
+
     def finish(self, answer: AnswerLike) -> None:
         """Record the request. Without its last byte sent, the client left first: 499, or
         the status it had started to receive."""
@@ -191,7 +209,7 @@ class RequestTrace:
         timing = self._timing
         duration = self._ended - timing.started
         ttft = self.ttft_s
-        return {
+        record: RequestRecord = {
             "seq": seq,
             "time": round(self._wall_ended - duration, 3),
             "id": self._request_id,
@@ -213,3 +231,6 @@ class RequestTrace:
             "duration_ms": round(duration * 1000, 3),
             "client_gone": not self._complete,
         }
+        if self._legs is not None:
+            record["legs"] = self._legs
+        return record

@@ -23,6 +23,9 @@ class Timing:
     sent_at: float = 0.0  # sent: waiting for the first byte
     connected: bool = False  # a new connection was opened for it (else one kept alive)
     answered_at: float = 0.0  # the backend's head arrived: relaying
+    # Two hops (disaggregated serving): the prefill leg's request and its whole answer.
+    prefill_at: float = 0.0
+    prefilled_at: float = 0.0
 
     def header(self) -> bytes:
         return b"template;dur=%.3f, tokenize;dur=%.3f, route;dur=%.3f, queue;dur=%.3f" % (

@@ -33,6 +33,7 @@ from app.proxy.inference import Inference
 from app.proxy.response_ids import IdTagger, untag
 from app.proxy.settings import ProxySettings
 from app.proxy.to_backend import Attempt, Forwarder, Opened
+from app.proxy.two_hops import TwoHops
 from app.routing import refusal
 from app.routing.decider import RequestContext
 
@@ -51,10 +52,12 @@ class ProxyApp:
         reception: Reception,
         forwarder: Forwarder,
         registry: CollectorRegistry,
+        two_hops: TwoHops | None = None,
     ) -> None:
         """`reception` checks, preprocesses and books each request (as the endpoint picker's
-        does); `forwarder` decides and takes it to a backend and back; `registry`: every
-        room's metrics, for /metrics."""
+        does); `forwarder` decides and takes it to a backend and back (`two_hops` instead
+        while the pool has prefill or decode engines); `registry`: every room's metrics, for
+        /metrics."""
         self.settings = settings
         self.reception = reception
         self.preprocessor = reception.preprocessor
@@ -64,7 +67,7 @@ class ProxyApp:
         self.router = forwarder.router
         self.registry = registry
         self.active_requests = 0  # what --max-connections bounds
-        self.inference = Inference(settings, reception, forwarder, self.pool)
+        self.inference = Inference(settings, reception, forwarder, self.pool, two_hops)
         self.forward_tokens = settings.forward == "tokens"
         if self.forward_tokens:
             probe = build_probe(self.preprocessor.encode_plain, self.preprocessor.special_tokens())

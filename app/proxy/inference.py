@@ -28,17 +28,24 @@ from app.proxy.headers import upstream_headers
 from app.proxy.response_ids import untag
 from app.proxy.settings import ProxySettings
 from app.proxy.to_backend import Forwarder, Opened, Outgoing
+from app.proxy.two_hops import TwoHops
 from app.routing.decider import RequestContext
 
 
 class Inference:
     def __init__(
-        self, settings: ProxySettings, reception: Reception, forwarder: Forwarder, pool: BackendPool
+        self,
+        settings: ProxySettings,
+        reception: Reception,
+        forwarder: Forwarder,
+        pool: BackendPool,
+        two_hops: TwoHops | None = None,
     ) -> None:
         self.settings = settings
         self.reception = reception
         self.forwarder = forwarder
         self.pool = pool
+        self.two_hops = two_hops
         self.forward_tokens = settings.forward == "tokens"
         # Request ids this process makes: a random prefix and a count, unique without a
         # system call for 16 random bytes on every request.
@@ -69,11 +76,18 @@ class Inference:
             except (ClientError, Refused) as exc:  # bad input; no model known yet
                 opened = Opened(error_reply(exc))
             else:
-                opened = await self.forwarder.open(outgoing, context)
+                opened = await self._open(outgoing, context)
             await exchange.send(opened.reply)
         finally:
             # However it ended (a client that left, a backend that failed), once.
             await self.forwarder.close(opened, context)
+
+    async def _open(self, outgoing: Outgoing, context: RequestContext) -> Opened:
+        """Forwarded as any request, or in two hops while the pool has prefill or decode
+        engines (app/proxy/two_hops.py)."""
+        if self.two_hops is not None and self.pool.disaggregated:
+            return await self.two_hops.open(outgoing, context)
+        return await self.forwarder.open(outgoing, context)
 
     def _outgoing(
         self,
@@ -106,6 +120,7 @@ class Inference:
             extra_headers=extra_headers,
             answer_as_chat=as_chat,
             known_ids=known_ids,
+            fields=prepared.fields,
         )
 
     @staticmethod

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -29,6 +30,7 @@ from app.http.relay_hub import RelayHub
 from app.http.reply import Reply, error_reply
 from app.observe.timing import Timing
 from app.preprocess.endpoints import Endpoint
+from app.proxy.prefill_usage import Chained, PrefillCachedTokens, PrefillFigure
 from app.proxy.relay import Converter, Passage, chat_reply_from, reply_from
 from app.proxy.response_ids import IdTagger
 from app.routing.decider import Decider, RequestContext
@@ -57,6 +59,10 @@ class Outgoing:
     extra_headers: Headers  # added to the answer's headers
     answer_as_chat: bool = False  # the backend answers a completion to a chat request
     known_ids: tuple[str, ...] = ()  # engine response ids its answer names (to tag them)
+    # Its fields but the prompt, as parsed (what the two hops of disaggregated serving read).
+    fields: dict[str, Any] = field(default_factory=dict)
+    # Two hops: the prefill engine's cached prompt tokens, written over the decode's figure.
+    prefill_figure: PrefillFigure | None = None
 
 
 @dataclass(slots=True)
@@ -104,15 +110,29 @@ class Forwarder:
         timing = context.timing
         route_started = timing.routing_at = time.perf_counter()
         try:
-            decision = context.decision = await self.decider.decide(context.facts)
+            decision = await self.decider.decide(context.facts)
         except Refused as refusal:
             return Opened(error_reply(refusal))
+        self.decided(decision, route_started, context)
+        return await self.open_decided(decision, outgoing, context)
+
+    @staticmethod
+    def decided(decision: Decision, route_started: float, context: RequestContext) -> None:
+        """The request's decision, and the time it took, noted."""
+        timing = context.timing
+        context.decision = decision
         timing.queue = decision.waited
         timing.routed_at = time.perf_counter()
         timing.route = timing.routed_at - route_started - decision.waited
+
+    async def open_decided(
+        self, decision: Decision, outgoing: Outgoing, context: RequestContext
+    ) -> Opened:
+        """The decision's backend's answer, or on a failure before it answered, its first
+        fallback's."""
         for retried in (False, True):
             try:
-                return await self._open(decision, outgoing, context)
+                return await self.open_on(decision, outgoing, context)
             except UpstreamError as exc:
                 log.warning("backend %s failed before answering: %s", decision.backend.url, exc)
                 if retried or not decision.fallbacks:
@@ -121,7 +141,7 @@ class Forwarder:
                 context.decision = decision
         raise AssertionError("unreachable: the second try returns")
 
-    async def _open(
+    async def open_on(
         self, decision: Decision, outgoing: Outgoing, context: RequestContext
     ) -> Opened:
         """One try on the decision's backend. Raises `UpstreamError` while a retry is still
@@ -139,11 +159,14 @@ class Forwarder:
             (b"server-timing", timing.header()),
             *outgoing.extra_headers,
         ]
-        converter = (
+        converter: Converter | None = (
             IdTagger(backend.id, outgoing.known_ids)
             if outgoing.endpoint.tags_response_ids
             else None
         )
+        if outgoing.prefill_figure is not None:
+            usage = PrefillCachedTokens(outgoing.prefill_figure)
+            converter = usage if converter is None else Chained((converter, usage))
         attempt = Attempt(
             b"POST",
             outgoing.path,
@@ -180,7 +203,7 @@ class Forwarder:
                 backend.url, attempt.target, attempt.headers, attempt.body, attempt.method
             )
         except UpstreamError as exc:
-            self._count(backend, "error", exc, model)
+            self.count(backend, "error", exc, model)
             raise
         timing.sent_at, timing.answered_at = response.sent_at, time.perf_counter()
         timing.connected = not response.reused
@@ -193,7 +216,7 @@ class Forwarder:
                     response, extra, idle, hub, attempt.converter, attempt.endpoint, started=started
                 )
         except UpstreamError as exc:
-            self._count(backend, str(response.status_code), exc, model)
+            self.count(backend, str(response.status_code), exc, model)
             await response.release()
             raise
         except BaseException:  # cancelled: the client left while its answer was read
@@ -217,7 +240,7 @@ class Forwarder:
                 model = ANY_MODEL
                 if context is not None and context.decision is not None:
                     model = context.decision.model or ANY_MODEL
-                self._count(backend, code, failure, model)
+                self.count(backend, code, failure, model)
                 if context is not None:
                     context.usage = usage_from_tail(passage.tail)
                 await passage.release()  # closed, if the answer did not end cleanly
@@ -225,9 +248,7 @@ class Forwarder:
             if context is not None:
                 self.decider.complete(context)
 
-    def _count(
-        self, backend: Backend, code: str, failure: UpstreamError | None, model: str
-    ) -> None:
+    def count(self, backend: Backend, code: str, failure: UpstreamError | None, model: str) -> None:
         self.metrics.backend_requests.labels(backend=backend.url, code=code).inc()
         if failure is None:
             self.pool.request_succeeded(backend, model)

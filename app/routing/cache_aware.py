@@ -207,6 +207,19 @@ class CacheAware:
                 best, found = blocks, backend
         return found
 
+    def held_tokens(self, candidates: Sequence[Backend], request: RouteRequest) -> int:
+        """The longest prefix of the prompt one of the candidates is believed to hold, in
+        tokens (0 without token ids): what a prefill there would not compute."""
+        tokens = request.token_ids
+        if tokens is None:
+            return 0
+        hashes = _hashes(request, tokens)
+        blocks = max(
+            (self.index.match(index_holder(b, request.model), hashes) for b in candidates),
+            default=0,
+        )
+        return min(blocks * BLOCK_SIZE, len(tokens))
+
     def feedback(
         self, decision: Decision, cached_tokens: int | None, reported_prompt_tokens: int | None
     ) -> str:

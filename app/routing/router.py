@@ -230,6 +230,16 @@ class Router:
             request.block_hashes = await block_hashes_in_slices(tokens)
         return await self.gate.enter(request, exclude, admission)
 
+    async def prompt_held(self, request: RouteRequest, candidates: Sequence[Backend]) -> int:
+        """Prompt tokens the best of `candidates` is believed to hold already (0 without a
+        prefix index): the part of a prefill that costs nothing there."""
+        policy, tokens = self._cache_aware, request.token_ids
+        if policy is None or tokens is None:
+            return 0
+        if len(tokens) > HASH_SLICE_TOKENS and request.block_hashes is None:
+            request.block_hashes = await block_hashes_in_slices(tokens)
+        return policy.held_tokens(candidates, request)
+
     def _route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         decision = self._reserve(self.policy.choose(candidates, request), request)
         if self._cache_aware is not None and self._cache_aware.pending:
