@@ -207,6 +207,19 @@ class CacheAware:
                 best, found = blocks, backend
         return found
 
+    def record(self, backend: Backend, request: RouteRequest) -> None:
+        """`backend` holds the prompt's blocks now, though the policy did not send it there:
+        a decode engine the prefill's KV cache was transferred to."""
+        tokens = request.token_ids
+        if tokens is None:
+            return
+        hashes = _hashes(request, tokens)
+        holder = index_holder(backend, request.model)
+        if len(hashes) <= RECORD_INLINE_BLOCKS:
+            self.index.record(holder, hashes)
+        else:
+            self._queue(_Pending(holder, hashes, len(hashes)))
+
     def held_tokens(self, candidates: Sequence[Backend], request: RouteRequest) -> int:
         """The longest prefix of the prompt one of the candidates is believed to hold, in
         tokens (0 without token ids): what a prefill there would not compute."""

@@ -6,9 +6,10 @@ Design rules:
    `--prefill`/`--decode` never reaches this module, so it costs nothing there.
 2. A request of a model whose pool has prefill and decode engines takes two hops, unless one
    serves it better, and the reason is named (`ONE_HOP_REASONS`, counted by the proxy):
-   `n > 1` (one transferred prompt cannot seed several sequences), `short` (its uncached
-   prompt tokens are at most `--disaggregate-above`: the hop costs more than the prefill it
-   moves), `prefill saturated` (no prefill engine has room while an engine that serves
+   `n > 1` (one transferred prompt cannot seed several sequences), `short` (the prompt
+   tokens the best engine that serves requests whole does not hold are at most
+   `--disaggregate-above`: the hop costs more than the prefill it moves; a decode engine
+   holds the prompts transferred to it, so a conversation's next turn is often short), `prefill saturated` (no prefill engine has room while an engine that serves
    requests whole has), `no prefill engine`, `no decode engine`.
 3. One hop goes to an engine that serves a request whole: a `both` engine, or with vLLM's
    flow a decode engine, which prefills locally. SGLang's decode engines need a prefill, so
@@ -98,6 +99,9 @@ class Disaggregation:
             self.router.release(decode, None)
             raise
         if prefill is not None:
+            # The transfer leaves the prompt's blocks in the decode engine's cache too: the
+            # conversation's next turn may be short enough to prefill there.
+            self.router.holds_prompt(decode.backend, facts.route)
             return Way(decode, prefill, TWO_HOPS)
         if self.settings.pd_flow == "vllm":  # the decode engine prefills it itself
             return Way(decode, None, "no prefill engine")
@@ -117,7 +121,7 @@ class Disaggregation:
         if n > 1:
             return "n>1"
         route = facts.route
-        uncached = estimated_tokens(route) - await self.router.prompt_held(route, prefills)
+        uncached = estimated_tokens(route) - await self.router.prompt_held(route, whole)
         if uncached <= self.settings.disaggregate_above:
             return "short"
         gate = self.router.gate

@@ -240,6 +240,13 @@ class Router:
             request.block_hashes = await block_hashes_in_slices(tokens)
         return policy.held_tokens(candidates, request)
 
+    def holds_prompt(self, backend: Backend, request: RouteRequest) -> None:
+        """`backend` was given the prompt's KV cache (a decode engine, by transfer)."""
+        if self._cache_aware is not None:
+            self._cache_aware.record(backend, request)
+            if self._cache_aware.pending:
+                self._chain_queued.set()
+
     def _route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
         decision = self._reserve(self.policy.choose(candidates, request), request)
         if self._cache_aware is not None and self._cache_aware.pending:
