@@ -2,6 +2,8 @@
 
     GET    /api/backends        the pool, as in the snapshot's "backends"
     POST   /api/backends        {"url": "http://host:port"}: probed at once, 201 with its state
+                                (and "role": "prefill" | "decode", "bootstrap_port": N for
+                                an engine of disaggregated serving)
     DELETE /api/backends/{id}   by the id the listing shows (or the URL, percent-encoded)
 
 Writes go through the dashboard's own `check_write` (admin token, same origin), like every
@@ -20,6 +22,7 @@ import trio
 from quart import current_app
 from quart_trio import QuartTrio
 
+from app.config import BackendRole
 from app.dashboard.answers import Answer, CheckWrite, json_object
 from app.errors import ClientError
 from app.fleet.backend_row import BackendRow
@@ -76,11 +79,23 @@ class BackendControl:
                 return entry
         return {"id": backend.id, "url": backend.url, "removed": True}
 
-    async def add(self, url: str) -> Backend:
-        backend = self.router.add_backend(url)  # ValueError if it is already there
+    async def add(self, url: str, role: BackendRole | None = None) -> Backend:
+        backend = self.router.add_backend(url, role)  # ValueError if it is already there
         with trio.move_on_after(self.timeout * 2):  # the probe has its own timeouts too
             await self.check(backend)
         return backend
+
+
+def _role(url: str, role: Any, bootstrap_port: Any) -> BackendRole | None:
+    """A backend's role in disaggregated serving, as `--prefill`/`--decode` give it."""
+    if role == "both" and bootstrap_port is None:
+        return None
+    if not isinstance(role, str) or not (bootstrap_port is None or type(bootstrap_port) is int):
+        raise ClientError("'role' is a string, 'bootstrap_port' an integer", "role")
+    try:
+        return BackendRole(url, role, bootstrap_port)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ClientError(str(exc), "role") from None
 
 
 def register_backends_api(app: QuartTrio, check_write: CheckWrite) -> None:
@@ -108,12 +123,13 @@ def register_backends_api(app: QuartTrio, check_write: CheckWrite) -> None:
             url = check_backend_url(payload.get("url"))
         except ValueError as exc:
             raise ClientError(str(exc), "url") from None
+        role = _role(url, payload.get("role", "both"), payload.get("bootstrap_port"))
         pool = control().router.pool
         if len(pool.backends) >= MAX_BACKENDS:
             message = f"the pool already has {MAX_BACKENDS} backends"
             raise ClientError(message, "url", "too_many", status=409)
         try:
-            backend = await control().add(url)
+            backend = await control().add(url, role)
         except ValueError as exc:
             raise ClientError(str(exc), "url", "backend_exists", status=409) from None
         return {"backend": control().describe(backend)}, 201

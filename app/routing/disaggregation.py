@@ -6,11 +6,16 @@ Design rules:
    `--prefill`/`--decode` never reaches this module, so it costs nothing there.
 2. A request of a model whose pool has prefill and decode engines takes two hops, unless one
    serves it better, and the reason is named (`ONE_HOP_REASONS`, counted by the proxy):
-   `n > 1` (one transferred prompt cannot seed several sequences), `short` (the prompt
-   tokens the best engine that serves requests whole does not hold are at most
-   `--disaggregate-above`: the hop costs more than the prefill it moves; a decode engine
-   holds the prompts transferred to it, so a conversation's next turn is often short), `prefill saturated` (no prefill engine has room while an engine that serves
-   requests whole has), `no prefill engine`, `no decode engine`.
+   - `n>1`: one transferred prompt cannot seed several sequences;
+   - `short`: the prompt tokens that the best engine serving requests whole does not hold
+     are at most `--disaggregate-above`, so the hop would cost more than the prefill it
+     moves (a decode engine holds the prompts transferred to it: a conversation's next
+     turn is often short there);
+   - `prefill saturated`: no prefill engine has room while an engine serving requests
+     whole has;
+   - `no prefill engine`, `no decode engine`; and, decided by the proxy once a leg ran,
+     `prefill failed`, `no transfer` (the prefill engine named no KV transfer), `api`
+     (an API that is not generation: Messages, embeddings, ...).
 3. One hop goes to an engine that serves a request whole: a `both` engine, or with vLLM's
    flow a decode engine, which prefills locally. SGLang's decode engines need a prefill, so
    a pool of only prefill and decode engines takes two hops whatever the prompt.
@@ -44,6 +49,7 @@ ONE_HOP_REASONS = (
     "no decode engine",
     "prefill failed",
     "no transfer",
+    "api",
 )
 
 

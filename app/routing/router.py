@@ -26,6 +26,7 @@ import trio
 
 from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
+from app.config import BackendRole
 from app.fleet.backends import Backend, BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
@@ -356,8 +357,8 @@ class Router:
                 decision.prediction.cached_tokens,
             )
 
-    def add_backend(self, url: str) -> Backend:
-        return self.pool.add(url)
+    def add_backend(self, url: str, role: BackendRole | None = None) -> Backend:
+        return self.pool.add(url, None, role)
 
     def remove_backend(self, backend: Backend) -> None:
         self.pool.remove(backend)
