@@ -31,7 +31,7 @@ Role = Literal["both", "prefill", "decode"]
 # The KV-transfer protocol prefill and decode engines speak: vLLM's KV connector (the
 # decode pulls what the prefill's answer names) or SGLang's bootstrap server (both legs at
 # once, meeting in a room).
-PdFlow = Literal["vllm", "sglang"]
+PdProtocol = Literal["vllm", "sglang"]
 # SGLang's `--disaggregation-bootstrap-port` default.
 SGLANG_BOOTSTRAP_PORT = 8998
 
@@ -256,7 +256,7 @@ class Settings(ServerSettings):
     # two hops rather than one (fewer cost more in the hop than they save: see app/README.md).
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
-    pd_flow: PdFlow = "vllm"
+    pd_protocol: PdProtocol = "vllm"
     disaggregate_above: int = 512
     prefill_timeout: float = 60.0  # seconds a prefill leg may take, its whole answer
     policy: Policy = "cache_aware"

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from app.cli.rooms import RoomMetrics, router_settings
-from app.config import BackendRole, PdFlow, Role, Settings
+from app.config import BackendRole, PdProtocol, Role, Settings
 from app.fleet.backends import BackendPool
 from app.routing.cache_aware import CacheAware
 from app.routing.decider import Decider, RequestFacts
@@ -23,7 +23,7 @@ MODEL = "m"
 THRESHOLD = 256
 
 
-def fleet(roles: dict[str, Role], flow: PdFlow = "vllm") -> Disaggregation:
+def fleet(roles: dict[str, Role], flow: PdProtocol = "vllm") -> Disaggregation:
     urls = tuple(roles)
     pool = BackendPool(
         urls,

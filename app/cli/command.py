@@ -27,9 +27,9 @@ from app.sim.settings import SimSettings
 HELP: dict[str, str] = {
     "backend": "OpenAI-compatible backend URL (repeatable)",
     "prefill": "a prefill engine of disaggregated serving (repeatable); =PORT: its SGLang "
-    "bootstrap port (default 8998 with --pd-flow sglang)",
+    "bootstrap port (default 8998 with --pd-protocol sglang)",
     "decode": "a decode engine of disaggregated serving (repeatable)",
-    "pd_flow": "how prefill and decode engines pass the KV cache: vllm (the prefill's answer "
+    "pd_protocol": "how prefill and decode engines pass the KV cache: vllm (the prefill's answer "
     "names it, the decode pulls it) or sglang (bootstrap server; both legs at once)",
     "disaggregate_above": "uncached prompt tokens above which a request is prefilled on a "
     "prefill engine; at or below it, one engine does both (default: 512)",

@@ -73,7 +73,7 @@ def disaggregation_settings(settings: Settings) -> DisaggregationSettings:
 def backend_roles(settings: Settings) -> dict[str, BackendRole]:
     """URL -> role of every backend that has one; an SGLang prefill engine named without its
     bootstrap port has SGLang's default."""
-    default_port = SGLANG_BOOTSTRAP_PORT if settings.pd_flow == "sglang" else None
+    default_port = SGLANG_BOOTSTRAP_PORT if settings.pd_protocol == "sglang" else None
     return {
         role.url: dataclasses.replace(role, bootstrap_port=role.bootstrap_port or default_port)
         if role.role == "prefill"

@@ -146,7 +146,7 @@ class TwoHops:
     ) -> Opened:
         """One hop after every prefill failed: the decode engine prefills it itself (vLLM),
         or an engine that serves it whole takes the reservation over (SGLang)."""
-        if self.settings.pd_flow == "sglang":
+        if self.settings.pd_protocol == "sglang":
             instead = self.disaggregation.one_hop_instead(_facts(context), decode)
             if instead is None:
                 failure = UpstreamError(UpstreamFault.CONNECT, "no prefill engine answered")
@@ -157,7 +157,7 @@ class TwoHops:
     async def _legs(
         self, decode: Decision, prefill: Decision, outgoing: Outgoing, context: RequestContext
     ) -> Opened:
-        if self.settings.pd_flow == "sglang":
+        if self.settings.pd_protocol == "sglang":
             return await self._sglang_legs(decode, prefill, outgoing, context)
         prefilled, prefill = await self._vllm_prefill(prefill, outgoing, context)
         context.timing.prefilled_at = handed_at = time.perf_counter()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import trio
 
-from app.config import PdFlow
+from app.config import PdProtocol
 from app.fleet.backends import Backend, BackendPool
 from app.routing.decider import Decider, RequestFacts
 from app.routing.decision import Decision, RouteRequest
@@ -57,7 +57,7 @@ ONE_HOP_REASONS = (
 class DisaggregationSettings:
     """What disaggregated serving reads of the configuration."""
 
-    pd_flow: PdFlow
+    pd_protocol: PdProtocol
     disaggregate_above: int  # uncached prompt tokens a request must exceed to take two hops
     prefill_timeout: float  # seconds a prefill leg may take, its whole answer
 
@@ -82,7 +82,7 @@ class Disaggregation:
 
     def whole_engines(self, model: str | None, only: frozenset[Backend] | None) -> list[Backend]:
         """The engines of `model` that take a request whole (rule 3)."""
-        roles = ("both", "decode") if self.settings.pd_flow == "vllm" else ("both",)
+        roles = ("both", "decode") if self.settings.pd_protocol == "vllm" else ("both",)
         candidates = self.pool.available(trio.current_time(), (), model)
         return [b for b in candidates if b.role in roles and (only is None or b in only)]
 
@@ -109,7 +109,7 @@ class Disaggregation:
             # conversation's next turn may be short enough to prefill there.
             self.router.holds_prompt(decode.backend, facts.route)
             return Way(decode, prefill, TWO_HOPS)
-        if self.settings.pd_flow == "vllm":  # the decode engine prefills it itself
+        if self.settings.pd_protocol == "vllm":  # the decode engine prefills it itself
             return Way(decode, None, "no prefill engine")
         self.router.release(decode, None)
         return Way(await self.one_hop(facts, admitted=True), None, "no prefill engine")
