@@ -133,9 +133,10 @@ HELP: dict[str, str] = {
     "start_unhealthy": "answer /health with 503 until POST /sim/faults says otherwise (a fault)",
     "seed": "seed of the generated answers and of the error fault's draws",
     "pd_role": "prefill/decode disaggregation: both (no KV transfer), prefill (answer one token "
-    "and hold the prompt's KV for a decode engine) or decode (take it and skip the prompt)",
+    "and hold the prompt's KV for a decode engine) or decode (take it and skip the prompt); "
+    "also --role",
     "pd_flow": "the KV-transfer protocol of prefill/decode engines: vllm (kv_transfer_params, "
-    "the decode pulls) or sglang (bootstrap server and rooms)",
+    "the decode pulls) or sglang (bootstrap server and rooms); also --pd-protocol",
     "bootstrap_port": "an sglang prefill engine's bootstrap server port (0: any free port)",
     "kv_transfer_per_token": "seconds a decode engine takes to receive one prompt token's KV, "
     "outside the GPU's steps",
