@@ -144,7 +144,7 @@ HELP: dict[str, str] = {
     "an sglang decode engine waits for its room",
 }
 # The sim-backend's flags under the names DESIGN.md gave them too.
-SIM_ALIASES = {"pd_role": ("--role",), "pd_flow": ("--pd-protocol",)}
+SIM_ALIASES: dict[str, tuple[str, ...]] = {"pd_role": ("--role",), "pd_flow": ("--pd-protocol",)}
 
 
 class ConfigExit(ConfigError, SystemExit):
