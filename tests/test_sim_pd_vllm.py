@@ -277,4 +277,5 @@ async def test_the_counters_are_in_every_metrics_style(
     assert values["sluice_sim_pd_recomputed_tokens_total", no_params] == prompt_tokens
     assert values["sluice_sim_pd_transfers_total", (("role", "decode"),)] == 0
     assert values["sluice_sim_pd_transfers_total", (("role", "prefill"),)] == 0
-    assert values["sim:pd_recomputed_prompts_total", no_params] == 1
+    assert values["sim:pd_recomputed_prompts_total", ()] == 1
+    assert values["sim:pd_transfers_total", ()] == 0

@@ -21,8 +21,8 @@ that a proxy's scraper meets each engine's real exposition:
 Beside each style's own, every style exposes the simulator's disaggregation counters
 (kv_transfer.py's `PdCounters`) in Prometheus' text format, labelled as no engine does:
 `sluice_sim_pd_recomputed_requests_total{reason}`, `sluice_sim_pd_recomputed_tokens_total{reason}`
-and `sluice_sim_pd_transfers_total{role}`, plus the same under DESIGN.md's names
-(`sim:pd_recomputed_prompts_total{reason}`, `sim:pd_transfers_total{role}`).
+and `sluice_sim_pd_transfers_total{role}`, plus their sums over the label under DESIGN.md's
+names (`sim:pd_recomputed_prompts_total`, `sim:pd_transfers_total`): one number a test reads.
 
 The engine keeps every number; each style reads them at scrape time.
 """
@@ -303,24 +303,22 @@ class _PdCollector:
                 "role",
                 counters.transfers,
             ),
-            (
-                "sim:pd_recomputed_prompts",
-                "The same as sluice_sim_pd_recomputed_requests_total.",
-                "reason",
-                counters.recomputed_requests,
-            ),
-            (
-                "sim:pd_transfers",
-                "The same as sluice_sim_pd_transfers_total.",
-                "role",
-                counters.transfers,
-            ),
         )
         for name, help_text, label, values in series:
             family = CounterMetricFamily(name, help_text, labels=[label])
             for value_label, value in values.items():
                 family.add_metric([value_label], value)
             yield family
+        yield CounterMetricFamily(
+            "sim:pd_recomputed_prompts",
+            "sluice_sim_pd_recomputed_requests_total, every reason.",
+            value=sum(counters.recomputed_requests.values()),
+        )
+        yield CounterMetricFamily(
+            "sim:pd_transfers",
+            "sluice_sim_pd_transfers_total, both roles.",
+            value=sum(counters.transfers.values()),
+        )
 
 
 class SimMetrics:
