@@ -31,15 +31,9 @@ from app.sim.kv_transfer import (
 )
 from app.sim.scheduler import SeqState, StepScheduler
 from app.sim.settings import SimSettings
+from tests.conftest import FAST_SIM
+from tests.sims import KV_TRANSFER_ASK
 
-PREFILL_ASK = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 PREFILL_ANSWER = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -118,14 +112,14 @@ def test_counters_count_requests_and_tokens_by_reason() -> None:
 @pytest.mark.parametrize(
     ("role", "payload", "plan"),
     [
-        ("both", {"kv_transfer_params": PREFILL_ASK}, Aggregated()),
+        ("both", {"kv_transfer_params": KV_TRANSFER_ASK}, Aggregated()),
         ("both", {"kv_transfer_params": PREFILL_ANSWER}, Aggregated()),
-        ("prefill", {"kv_transfer_params": PREFILL_ASK}, HoldForDecode()),
+        ("prefill", {"kv_transfer_params": KV_TRANSFER_ASK}, HoldForDecode()),
         ("prefill", {}, Aggregated()),
         ("prefill", {"kv_transfer_params": PREFILL_ANSWER}, Aggregated()),
         ("decode", {}, Recompute("no_params")),
         ("decode", {"kv_transfer_params": None}, Recompute("no_params")),
-        ("decode", {"kv_transfer_params": PREFILL_ASK}, Recompute("unusable")),
+        ("decode", {"kv_transfer_params": KV_TRANSFER_ASK}, Recompute("unusable")),
         ("decode", {"kv_transfer_params": BAD_PORT}, Recompute("unusable")),
         ("decode", {"kv_transfer_params": PREFILL_ANSWER}, REMOTE),
     ],
@@ -202,12 +196,9 @@ def test_a_prefilled_sequence_needs_one_token_of_budget() -> None:
 
 # --- the engine, in simulated time ------------------------------------------------------------
 
-ENGINE = SimSettings(
-    port=0,
-    prefill_overhead=0.01,
-    prefill_per_token=0.0001,
-    inter_token_latency=0.01,
-    max_num_batched_tokens=2048,
+# A 2048-token prompt chunk costs a step 0.2 s more than its decodes' 0.01-0.02 s.
+ENGINE = dataclasses.replace(
+    FAST_SIM, prefill_overhead=0.01, prefill_per_token=0.0001, inter_token_latency=0.01
 )
 
 

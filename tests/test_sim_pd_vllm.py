@@ -20,15 +20,8 @@ import trio
 
 from app.sim.settings import MetricsStyle
 from tests.conftest import FAST_SIM, MODEL, SimHandle, StartSim
+from tests.sims import KV_TRANSFER_ASK
 
-ASK = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 PROMPT = "Tell me about disaggregated serving. " * 20
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/completions": {"model": MODEL, "prompt": PROMPT, "max_tokens": 6},
@@ -49,7 +42,11 @@ LIMITS = {
 def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The body a proxy sends the prefill engine (pd_contract.md)."""
     leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-    return leg | dict.fromkeys(LIMITS[path], 1) | {"stream": False, "kv_transfer_params": ASK}
+    return (
+        leg
+        | dict.fromkeys(LIMITS[path], 1)
+        | {"stream": False, "kv_transfer_params": KV_TRANSFER_ASK}
+    )
 
 
 async def pd_pair(start_sim: StartSim, **overrides: Any) -> tuple[SimHandle, SimHandle]:
@@ -124,7 +121,7 @@ async def test_the_openai_sdk_carries_the_params_through_both_legs(start_sim: St
             model=MODEL,
             messages=messages,
             max_tokens=1,
-            extra_body={"kv_transfer_params": ASK},
+            extra_body={"kv_transfer_params": KV_TRANSFER_ASK},
             extra_headers=headers,
         )
     params = (first.model_extra or {})["kv_transfer_params"]
