@@ -1,6 +1,6 @@
 """Simulated backends as the tests set them up and read them: an engine of one sequence whose
 second request waits in its queue, vLLM's 404 for a model it does not serve, the events of a
-server-sent stream, and the samples of its Prometheus text.
+server-sent stream, the samples of its Prometheus text, and a vLLM prefill leg's ask.
 """
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ QUEUEING = SimSettings(
 # Eight sequences, each token at once: answers that take no time worth waiting for.
 QUICK = dataclasses.replace(QUEUEING, inter_token_latency=0.001, max_num_seqs=8)
 LONG_CHAT = {"messages": [{"role": "user", "content": "Keep talking."}], "max_tokens": 1000}
+# What a proxy asks a vLLM prefill engine for (pd_contract.md): hold the KV for a decode.
+KV_TRANSFER_ASK = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 # What vLLM answers for a model it does not serve (vllm/entrypoints/openai/models/serving.py,
 # `OpenAIModelRegistry.check_model`, through `create_error_response`).

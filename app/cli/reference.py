@@ -132,15 +132,16 @@ def subcommands() -> dict[str, tuple[str, argparse.ArgumentParser]]:
 
 
 def invocation(action: argparse.Action) -> str:
-    """The flag as a user writes it: `--policy {a,b}`, `--[no-]hang`, `--backend URL`."""
-    longest = max(action.option_strings, key=len)
+    """The flag as a user writes it: `--policy {a,b}`, `--[no-]hang`, `--backend URL`; a flag
+    with another name too (`--pd-flow`, alias `--pd-protocol`) under its first long one."""
+    flag = next(o for o in action.option_strings if o.startswith("--"))
     if isinstance(action, argparse.BooleanOptionalAction):
         return "--[no-]" + action.option_strings[0].removeprefix("--")
     if action.nargs == 0:
-        return longest
+        return flag
     if action.choices is not None:
-        return f"{longest} {{{','.join(map(str, action.choices))}}}"
-    return f"{longest} {action.metavar or action.dest.upper()}"
+        return f"{flag} {{{','.join(map(str, action.choices))}}}"
+    return f"{flag} {action.metavar or action.dest.upper()}"
 
 
 def shown_default(command: str, action: argparse.Action) -> str:

@@ -6,6 +6,11 @@ busy simulated GPU costs its host loop little. A sequence cancelled anywhere (wa
 prefilling or decoding) leaves the batch and gives back its KV blocks at once, which is how a
 client disconnect frees capacity. A pooling request (embeddings, scores: `pool`) is a prefill
 with no decode: the step that computes its prompt's last chunk gives its answer.
+
+Disaggregation (kv_transfer.py): a sequence whose prompt's KV came from a prefill engine
+arrives `prefilled` and decodes from the step that admits it, its prompt put in this
+engine's prefix cache and reported cached whole; a prefill engine's sequence may `keep` its
+KV when it finishes, handing its allocation to whoever holds it for a decode engine.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from app.sim.scheduler import StepScheduler
 from app.sim.settings import SimSettings
 
 EmitToken = Callable[[int], Awaitable[None]]
+# Takes a finished sequence's KV blocks instead of their release (a prefill engine's hold).
+KeepKv = Callable[[KVAllocation], None]
 
 
 @dataclass
@@ -36,6 +43,8 @@ class _Request:
     changed: trio.Event = field(default_factory=trio.Event)
     # A pooling sequence: its one "output" is the pooled prompt, not a generated token.
     pooling: bool = False
+    # Its prompt's KV was transferred: no prompt to compute (scheduler.py, rule 6).
+    prefilled: bool = False
 
 
 class SimEngine:
@@ -103,12 +112,21 @@ class SimEngine:
                 request.changed.set()
             self._notify()
 
-    async def generate(self, prompt: Sequence[int], output_tokens: int, emit: EmitToken) -> int:
-        """Queue, prefill, then call `emit(i)` as output token i is produced.
+    async def generate(
+        self,
+        prompt: Sequence[int],
+        output_tokens: int,
+        emit: EmitToken,
+        *,
+        prefilled: bool = False,
+        keep: KeepKv | None = None,
+    ) -> int:
+        """Queue, prefill (unless `prefilled`), then call `emit(i)` as output token i is
+        produced; a finished sequence's KV goes to `keep` if given, else is released.
 
-        Returns how many prompt tokens the prefix cache served.
+        Returns how many prompt tokens the prefix cache served (all of them when prefilled).
         """
-        return await self._run(_Request(prompt, output_tokens), emit)
+        return await self._run(_Request(prompt, output_tokens, prefilled=prefilled), emit, keep)
 
     async def pool(self, prompt: Sequence[int]) -> int:
         """Queue and prefill a pooling request (an embedding, a score): no token is decoded
@@ -119,15 +137,19 @@ class SimEngine:
 
         return await self._run(_Request(prompt, 1, pooling=True), pooled)
 
-    async def _run(self, request: _Request, emit: EmitToken) -> int:
+    async def _run(self, request: _Request, emit: EmitToken, keep: KeepKv | None = None) -> int:
         if not self._started:
             raise RuntimeError("SimEngine.run must be running before generate is called")
         seq_id = next(self._seq_ids)
         request.arrived = trio.current_time()
         self._requests[seq_id] = request
         output_tokens = request.output_tokens
+        kept = False
         try:
-            self.scheduler.arrive(seq_id, output_tokens)
+            if request.prefilled:
+                self.scheduler.arrive_prefilled(seq_id, output_tokens)
+            else:
+                self.scheduler.arrive(seq_id, output_tokens)
             self._work.set()
             self._notify()
             emitted = 0
@@ -141,11 +163,14 @@ class SimEngine:
             assert request.allocation is not None
             if request.admitted is not None:
                 self.queue_times.observe(request.admitted - request.arrived)
-            return request.allocation.cached_tokens
+            if keep is not None:
+                keep(request.allocation)
+                kept = True
+            return len(request.prompt) if request.prefilled else request.allocation.cached_tokens
         finally:
             self.scheduler.abort(seq_id)
             del self._requests[seq_id]
-            if request.allocation is not None:
+            if request.allocation is not None and not kept:
                 self.kv_cache.release(request.allocation)
             self._notify()
 

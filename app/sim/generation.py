@@ -4,18 +4,21 @@ A client that disconnects cancels its request (the server does it, app/http/conn
 abandoned request frees its batch slot and KV blocks at once instead of decoding to the end
 for nobody. `collect` and `stream_sse` serve every generating endpoint (OpenAI's chat and
 completions here, the Responses API, Anthropic's Messages, transcriptions); each brings its
-own bytes for the head, each token and the tail of a stream.
+own bytes for the head, each token and the tail of a stream. A `Leg` (kv_transfer.py) says how
+the engine runs the request in a disaggregated fleet: decode only, or one token whose KV is
+kept for a decode engine.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from app.errors import WireError
 from app.http.exchange import Exchange
 from app.sim.engine import SimEngine
+from app.sim.kv_transfer import Leg
 from app.sim.openai_format import GenerationRequest, ResponseShapes
 
 # A dropped stream still delivers a couple of tokens first, like a server dying mid-answer.
@@ -29,16 +32,35 @@ class _Dropped(WireError):
 
 
 async def collect(
-    engine: SimEngine, prompt: Sequence[int], output_tokens: int, pieces: Iterator[str]
+    engine: SimEngine,
+    prompt: Sequence[int],
+    output_tokens: int,
+    pieces: Iterator[str],
+    leg: Leg | None = None,
 ) -> tuple[str, int]:
     """The whole generated text and how many prompt tokens the prefix cache served."""
     text: list[str] = []
 
-    async def keep(_index: int) -> None:
+    async def gather(_index: int) -> None:
         text.append(next(pieces))
 
-    cached = await engine.generate(prompt, output_tokens, keep)
+    cached = await generate(engine, prompt, output_tokens, gather, leg)
     return "".join(text), cached
+
+
+async def generate(
+    engine: SimEngine,
+    prompt: Sequence[int],
+    output_tokens: int,
+    emit: Callable[[int], Awaitable[None]],
+    leg: Leg | None,
+) -> int:
+    """`engine.generate` as the request's leg says."""
+    if leg is None:
+        return await engine.generate(prompt, output_tokens, emit)
+    return await engine.generate(
+        prompt, output_tokens, emit, prefilled=leg.prefilled, keep=leg.keep
+    )
 
 
 async def stream_sse(
@@ -51,6 +73,7 @@ async def stream_sse(
     head: bytes,
     token: Callable[[int], bytes],
     tail: Callable[[int], bytes],
+    leg: Leg | None = None,
 ) -> None:
     """`head` at once, `token(i)` as output token i is produced, then `tail(cached_tokens)`.
 
@@ -66,7 +89,7 @@ async def stream_sse(
         await exchange.write(token(index))
 
     try:
-        cached = await engine.generate(prompt, output_tokens, emit)
+        cached = await generate(engine, prompt, output_tokens, emit, leg)
     except _Dropped:
         return
     await exchange.end(tail(cached))
@@ -88,15 +111,13 @@ async def answer_whole(
     engine: SimEngine,
     pieces: Iterator[str],
     exchange: Exchange,
+    leg: Leg | None = None,
 ) -> None:
-    text, cached = await collect(engine, request.prompt_tokens, request.output_tokens, pieces)
-    body = shapes.response(
-        text,
-        request.finish_reason,
-        len(request.prompt_tokens),
-        request.output_tokens,
-        cached,
-    )
+    prompt, output_tokens = request.prompt_tokens, request.output_tokens
+    text, cached = await collect(engine, prompt, output_tokens, pieces, leg)
+    body = shapes.response(text, request.finish_reason, len(prompt), output_tokens, cached)
+    if leg is not None:
+        body |= leg.answer_fields
     await exchange.respond_json(200, body)
 
 
@@ -107,6 +128,7 @@ async def answer_stream(
     pieces: Iterator[str],
     drop_mid_stream: bool,
     exchange: Exchange,
+    leg: Leg | None = None,
 ) -> None:
     """One chunk per token as it is produced, an optional usage chunk, then `[DONE]`."""
     last = request.output_tokens - 1
@@ -134,4 +156,5 @@ async def answer_stream(
         head=b"",
         token=token,
         tail=tail,
+        leg=leg,
     )

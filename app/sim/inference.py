@@ -4,7 +4,8 @@ Reading a request (the `hang` fault holds it after its body arrived, as a stuck 
 would), the model it names (vLLM's 404 for another), the monolithic server's own
 preprocessing time for prompts sent as text, and the drawn `error_rate` 500: chat and
 completions, the Responses and Messages APIs, the pooling endpoints and transcriptions all
-meet the same faults and the same engine.
+meet the same faults and the same engine. The generating endpoints that disaggregation
+serves (chat, completions, Responses) ask `leg` how the engine runs a request.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import trio
 
 from app.http.exchange import Exchange
 from app.preprocess.json_bodies import parse_json_object
+from app.sim.disaggregation import Disaggregation
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import stream_sse
+from app.sim.kv_transfer import Leg
 from app.sim.openai_format import answering_model, request_error
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, generated_pieces
@@ -37,6 +40,7 @@ class Inference:
     tokenizer: TextTokenizer
     engine: SimEngine
     faults: SimFaults
+    pd: Disaggregation
     # One GIL: a monolithic server preprocesses one request at a time.
     _preprocessing: trio.Lock = field(default_factory=trio.Lock, init=False)
 
@@ -61,6 +65,7 @@ class Inference:
         token: Callable[[int], bytes],
         tail: Callable[[int], bytes],
         head: bytes = b"",
+        leg: Leg | None = None,
     ) -> None:
         """`stream_sse` on this backend's engine, cut mid-stream when its fault says so."""
         await stream_sse(
@@ -72,7 +77,12 @@ class Inference:
             head=head,
             token=token,
             tail=tail,
+            leg=leg,
         )
+
+    async def leg(self, payload: dict[str, Any], prompt: Sequence[int], exchange: Exchange) -> Leg:
+        """How the engine runs this request in a disaggregated fleet (disaggregation.py)."""
+        return await self.pd.leg(payload, prompt, exchange)
 
     async def admit(self, prompt_tokens: int, *, as_text: bool = True) -> None:
         """The server's own work before the engine: preprocessing, then the error fault."""

@@ -18,6 +18,12 @@ that a proxy's scraper meets each engine's real exposition:
 - `tgi`: text-generation-inference's router through metrics-exporter-prometheus 0.15:
   unlabelled gauges, counters without a `_total` suffix, and a blank line after each family.
 
+Beside each style's own, every style exposes the simulator's disaggregation counters
+(kv_transfer.py's `PdCounters`) in Prometheus' text format, labelled as no engine does:
+`sluice_sim_pd_recomputed_requests_total{reason}`, `sluice_sim_pd_recomputed_tokens_total{reason}`
+and `sluice_sim_pd_transfers_total{role}`, plus their sums over the label under DESIGN.md's
+names (`sim:pd_recomputed_prompts_total`, `sim:pd_transfers_total`): one number a test reads.
+
 The engine keeps every number; each style reads them at scrape time.
 """
 
@@ -41,6 +47,7 @@ from prometheus_client.core import (
 )
 
 from app.sim.engine import SimEngine
+from app.sim.kv_transfer import PdCounters
 from app.sim.observed import Observed
 from app.sim.settings import SimSettings
 
@@ -271,16 +278,63 @@ def _rust_number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
+class _PdCollector:
+    def __init__(self, counters: PdCounters) -> None:
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        counters = self._counters
+        series = (
+            (
+                "sluice_sim_pd_recomputed_requests",
+                "Requests a decode engine prefilled itself, by why no KV was transferred.",
+                "reason",
+                counters.recomputed_requests,
+            ),
+            (
+                "sluice_sim_pd_recomputed_tokens",
+                "Prompt tokens a decode engine prefilled itself, by why.",
+                "reason",
+                counters.recomputed_tokens,
+            ),
+            (
+                "sluice_sim_pd_transfers",
+                "KV transfers: handed out (prefill) or taken (decode).",
+                "role",
+                counters.transfers,
+            ),
+        )
+        for name, help_text, label, values in series:
+            family = CounterMetricFamily(name, help_text, labels=[label])
+            for value_label, value in values.items():
+                family.add_metric([value_label], value)
+            yield family
+        yield CounterMetricFamily(
+            "sim:pd_recomputed_prompts",
+            "sluice_sim_pd_recomputed_requests_total, every reason.",
+            value=sum(counters.recomputed_requests.values()),
+        )
+        yield CounterMetricFamily(
+            "sim:pd_transfers",
+            "sluice_sim_pd_transfers_total, both roles.",
+            value=sum(counters.transfers.values()),
+        )
+
+
 class SimMetrics:
     """One exposition per simulated server, so several in one process never mix numbers."""
 
-    def __init__(self, engine: SimEngine, settings: SimSettings) -> None:
+    def __init__(
+        self, engine: SimEngine, settings: SimSettings, pd: PdCounters | None = None
+    ) -> None:
         self._exposition: Callable[[], bytes]
         style = settings.metrics_style
+        pd_registry = CollectorRegistry(auto_describe=False)
+        pd_registry.register(_PdCollector(pd or PdCounters()))
         if style == "llamacpp":
-            self._exposition = lambda: llamacpp_exposition(engine)
+            self._exposition = lambda: llamacpp_exposition(engine) + generate_latest(pd_registry)
         elif style == "tgi":
-            self._exposition = lambda: tgi_exposition(engine)
+            self._exposition = lambda: tgi_exposition(engine) + generate_latest(pd_registry)
         else:
             registry = CollectorRegistry(auto_describe=False)
             if style == "vllm":
@@ -291,7 +345,7 @@ class SimMetrics:
                 registry.register(_VllmCollector(engine, settings, time.time()))
             else:
                 registry.register(_SglangCollector(engine, settings))
-            self._exposition = lambda: generate_latest(registry)
+            self._exposition = lambda: generate_latest(registry) + generate_latest(pd_registry)
 
     def exposition(self) -> bytes:
         return self._exposition()

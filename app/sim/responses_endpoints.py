@@ -14,6 +14,7 @@ vLLM mounts create, `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -25,6 +26,7 @@ from app.errors import ClientError
 from app.http.exchange import Exchange
 from app.sim.generation import collect
 from app.sim.inference import Handler, Inference
+from app.sim.kv_transfer import Leg
 from app.sim.openai_format import request_error
 from app.sim.response_store import ResponseStore, StoredResponse
 from app.sim.responses_format import (
@@ -119,10 +121,13 @@ class ResponsesEndpoints:
             await exchange.respond_json(200, self._start_background(job))
             return
         await inference.admit(len(job.prompt))
+        leg = await inference.leg(payload, job.prompt, exchange)
+        if leg.output_tokens is not None:  # a prefill engine's one token
+            job = dataclasses.replace(job, output_tokens=leg.output_tokens)
         if request.stream:
-            await self._stream(job, exchange)
+            await self._stream(job, exchange, leg)
         else:
-            await exchange.respond_json(200, await self._whole(job))
+            await exchange.respond_json(200, await self._whole(job, leg) | leg.answer_fields)
 
     async def retrieve(self, response_id: str, exchange: Exchange) -> None:
         await exchange.respond(200, JSON, self._stored(response_id).body)
@@ -185,12 +190,13 @@ class ResponsesEndpoints:
             max_output_tokens=min(request.max_output_tokens or room, room),
         )
 
-    async def _whole(self, job: _Job) -> dict[str, Any]:
+    async def _whole(self, job: _Job, leg: Leg | None = None) -> dict[str, Any]:
         pieces = self.inference.pieces(job.prompt)
-        text, cached = await collect(self.inference.engine, job.prompt, job.output_tokens, pieces)
+        engine = self.inference.engine
+        text, cached = await collect(engine, job.prompt, job.output_tokens, pieces, leg)
         return self._finish(job, f"msg_{uuid.uuid4().hex}", text, cached)
 
-    async def _stream(self, job: _Job, exchange: Exchange) -> None:
+    async def _stream(self, job: _Job, exchange: Exchange, leg: Leg) -> None:
         pieces = self.inference.pieces(job.prompt)
         item_id = f"msg_{uuid.uuid4().hex}"
         events = ResponseEvents(job.response("in_progress", [], None), item_id)
@@ -201,6 +207,7 @@ class ResponsesEndpoints:
             head=events.head(),
             token=lambda index: events.token(index, next(pieces)),
             tail=lambda cached: events.tail(self._finish(job, item_id, events.text, cached)),
+            leg=leg,
         )
 
     def _finish(self, job: _Job, item_id: str, text: str, cached: int) -> dict[str, Any]:

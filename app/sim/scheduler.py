@@ -10,13 +10,18 @@ Design rules:
 4. The prefix cache is consulted when a sequence is admitted, not when it arrives (the
    `admit` callback answers how many prompt tokens are left to compute), as vLLM does.
 5. The step that computes a prompt's last chunk also samples its first output token.
+6. A sequence whose prompt's KV arrived from a prefill engine (disaggregation) is admitted as
+   any other, but computes no prompt: it decodes in the step that admits it, at one token of
+   budget and no prefill overhead, so a decode engine's steps carry no prompt chunks for it.
 
 States of one sequence, and what moves it (anything else is a bug and raises):
 
     state       event                                   next state
     ---------   -------------------------------------   ----------
     (none)      arrive                                  WAITING
+    (none)      arrive_prefilled (KV transferred)       WAITING (prefilled)
     WAITING     admitted by `plan` (rules 2, 3)         PREFILLING
+    WAITING     admitted by `plan`, prefilled (rule 6)  DECODING (token 0 out at its end)
     PREFILLING  `complete`: last chunk computed         DECODING (token 0 out)
     DECODING    `complete`: last output token out       (removed: finished)
     any         abort (the client went away)            (removed)
@@ -43,6 +48,7 @@ class _Seq:
     state: SeqState = SeqState.WAITING
     to_prefill: int = 0
     produced: int = 0
+    prefilled: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,18 @@ class StepScheduler:
         return None if seq is None else seq.state
 
     def arrive(self, seq_id: int, output_tokens: int) -> None:
+        self._arrive(seq_id, _Seq(output_tokens))
+
+    def arrive_prefilled(self, seq_id: int, output_tokens: int) -> None:
+        """A sequence whose prompt's KV was transferred: it will skip PREFILLING (rule 6)."""
+        self._arrive(seq_id, _Seq(output_tokens, prefilled=True))
+
+    def _arrive(self, seq_id: int, seq: _Seq) -> None:
         if seq_id in self._waiting or seq_id in self._running:
             raise ValueError(f"sequence {seq_id} has already arrived")
-        if output_tokens < 1:
+        if seq.output_tokens < 1:
             raise ValueError("a sequence produces at least one token")
-        self._waiting[seq_id] = _Seq(output_tokens)
+        self._waiting[seq_id] = seq
 
     def abort(self, seq_id: int) -> None:
         """Forget a sequence in any state; a no-op for one already finished."""
@@ -96,7 +109,7 @@ class StepScheduler:
         self._running.pop(seq_id, None)
 
     def plan(self) -> Step:
-        """The next step's work; admits waiting sequences that fit (rules 1-4)."""
+        """The next step's work; admits waiting sequences that fit (rules 1-4, 6)."""
         budget = self.max_num_batched_tokens
         decode: list[int] = []
         prefill: list[tuple[int, int]] = []
@@ -114,9 +127,15 @@ class StepScheduler:
         while budget > 0 and self._waiting and len(self._running) < self.max_num_seqs:
             seq_id = next(iter(self._waiting))
             seq = self._waiting.pop(seq_id)
+            self._running[seq_id] = seq
+            if seq.prefilled:
+                self._admit(seq_id)  # its KV blocks; nothing is left to compute (rule 6)
+                seq.state = SeqState.DECODING
+                decode.append(seq_id)
+                budget -= 1
+                continue
             seq.state = SeqState.PREFILLING
             seq.to_prefill = max(self._admit(seq_id), 1)  # vLLM recomputes the last token
-            self._running[seq_id] = seq
             chunk = min(seq.to_prefill, budget)
             prefill.append((seq_id, chunk))
             budget -= chunk

@@ -22,10 +22,16 @@ subscribers), `GET /sim/state` for the engine's numbers as JSON, plus what tests
 need to see: how many /tokenize calls came, in which form the prompts arrived (messages,
 text or token ids) and the W3C `traceparent` headers of the latest requests. With
 `--kv-events-endpoint` it publishes vLLM's KV-cache events (`kv_publisher.py`).
+
+With `--pd-role prefill|decode` it plays one side of prefill/decode disaggregation
+(disaggregation.py): a vLLM prefill engine answers `POST /sim/kv_transfer/take`, an SGLang
+one runs a bootstrap server, and `GET /get_server_info` reports `disaggregation_mode` and
+`disaggregation_bootstrap_port` as SGLang's does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from functools import partial
@@ -37,6 +43,7 @@ from app.errors import ClientError
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
 from app.preprocess.json_bodies import parse_json_object
+from app.sim.disaggregation import Disaggregation
 from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole
@@ -92,7 +99,6 @@ class SimServer:
         self.prompts_by_form: dict[PromptForm, int] = {"messages": 0, "text": 0, "token_ids": 0}
         self.traceparents: deque[str] = deque(maxlen=TRACEPARENTS_KEPT)
         self.engine = SimEngine(settings)
-        self.metrics = SimMetrics(self.engine, settings)
         self.faults = SimFaults.from_settings(settings)
         self.kv_publisher: SimKvPublisher | None = None
         if settings.kv_events_endpoint:
@@ -101,10 +107,16 @@ class SimServer:
             )
             self.engine.kv_cache.on_events = self.kv_publisher.publish
         self.created = int(time.time())
+        self.pd = Disaggregation(settings, self.engine)
+        self.metrics = SimMetrics(self.engine, settings, self.pd.counters)
         # Every inference endpoint answers through this one: one engine, one set of faults,
         # one preprocessing lock.
         self.inference = Inference(
-            settings, tokenizer or sim_tokenizer(settings.tokenize_with), self.engine, self.faults
+            settings,
+            tokenizer or sim_tokenizer(settings.tokenize_with),
+            self.engine,
+            self.faults,
+            self.pd,
         )
         self.responses = ResponsesEndpoints(self.inference)
         transcription = TranscriptionEndpoint(self.inference)
@@ -127,9 +139,12 @@ class SimServer:
             "/sim/faults": {"POST": self._set_faults},
             "/sim/state": {"GET": self._state},
             "/sim/evict": {"POST": self._evict},
+            **self.pd.routes(),
         }
         if settings.metrics_style in STATED_LIMIT_PATHS:
             self._routes[STATED_LIMIT_PATHS[settings.metrics_style]] = {"GET": self._about}
+        if settings.pd_flow == "sglang":
+            self._routes["/get_server_info"] = {"GET": self._about}
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -171,14 +186,18 @@ class SimServer:
         self.prompts_by_form[request.prompt_form] += 1
         as_text = request.prompt_form != "token_ids"
         await inference.admit(len(request.prompt_tokens), as_text=as_text)
+        leg = await inference.leg(payload, request.prompt_tokens, exchange)
+        if leg.output_tokens is not None:
+            request = dataclasses.replace(
+                request, output_tokens=leg.output_tokens, finish_reason="length"
+            )
         shapes = ResponseShapes(kind, model)
         pieces = inference.pieces(request.prompt_tokens)
         if request.stream:
-            await answer_stream(
-                request, shapes, self.engine, pieces, self.faults.close_mid_stream, exchange
-            )
+            drop = self.faults.close_mid_stream
+            await answer_stream(request, shapes, self.engine, pieces, drop, exchange, leg)
         else:
-            await answer_whole(request, shapes, self.engine, pieces, exchange)
+            await answer_whole(request, shapes, self.engine, pieces, exchange, leg)
 
     async def _models(self, exchange: Exchange) -> None:
         # As vLLM lists its served names: one card each, all rooted in the same weights.
@@ -208,7 +227,16 @@ class SimServer:
         await exchange.respond_json(200, {"version": VERSION})
 
     async def _about(self, exchange: Exchange) -> None:
-        await exchange.respond_json(200, stated_about(self.settings))
+        if exchange.path != "/get_server_info":
+            await exchange.respond_json(200, stated_about(self.settings))
+            return
+        # SGLang's, whatever the metrics style: every server argument, these two among them.
+        about = stated_about(dataclasses.replace(self.settings, metrics_style="sglang"))
+        about["disaggregation_mode"] = self.pd.mode
+        about["disaggregation_bootstrap_port"] = (
+            self.pd.bootstrap_port or self.settings.bootstrap_port
+        )
+        await exchange.respond_json(200, about)
 
     async def _tokenize(self, exchange: Exchange) -> None:
         self.tokenize_requests += 1
@@ -277,6 +305,13 @@ class SimServer:
             "prompts_by_form": dict(self.prompts_by_form),
             "faults": self.faults.as_dict(),
             "stored_responses": len(self.responses.store),
+            "pd": {
+                "role": self.settings.pd_role,
+                "flow": self.settings.pd_flow,
+                "engine_id": self.pd.engine_id,
+                "held_transfers": len(self.pd.held),
+                "bootstrap_port": self.pd.bootstrap_port,
+            },
             "traceparents": list(self.traceparents),
             "kv_events": None
             if self.kv_publisher is None
@@ -308,7 +343,9 @@ async def serve_sim(
             await nursery.start(server.kv_publisher.run)
         await nursery.start(server.engine.run)
         await nursery.start(server.responses.run)
+        await nursery.start(server.pd.run)
         url: str = await nursery.start(
             HttpServer(server).serve, settings.host, settings.port, settings.backlog
         )
+        server.pd.serving(url)
         task_status.started(url)

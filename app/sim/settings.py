@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from app.config import Ranges, ServerSettings, check_ranges, endpoint_problem
+from app.config import PORTS, Ranges, ServerSettings, check_ranges, endpoint_problem
 
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
 # Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
 MetricsStyle = Literal["vllm", "sglang", "llamacpp", "tgi"]
+# What the engine does in a disaggregated fleet, and which transfer protocol it speaks.
+PdRole = Literal["both", "prefill", "decode"]
+PdFlow = Literal["vllm", "sglang"]
 NUMERIC_RANGES: Ranges = (
     (
         ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"),
@@ -18,10 +21,11 @@ NUMERIC_RANGES: Ranges = (
         "must be at least 1",
     ),
     (
-        ("prefill_overhead", "prefill_per_token", "inter_token_latency"),
+        ("prefill_overhead", "prefill_per_token", "inter_token_latency", "kv_transfer_per_token"),
         lambda value: value >= 0,
         "must not be negative",
     ),
+    (("kv_transfer_timeout",), lambda value: value > 0, "must be more than 0 seconds"),
 )
 
 
@@ -66,6 +70,18 @@ class SimSettings(ServerSettings):
     # messages, a replay socket (kv_publisher.py).
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    # Prefill/decode disaggregation. `both` ignores transfer fields (no KV connector); a
+    # `prefill` engine answers one token and holds the prompt's KV for a decode engine to
+    # take; a `decode` engine takes it and skips the prompt. `sglang` prefill engines run a
+    # bootstrap server on `bootstrap_port` (0: any free port).
+    pd_role: PdRole = "both"
+    pd_flow: PdFlow = "vllm"
+    bootstrap_port: int = 8998
+    # The decode side's time to receive one prompt token's KV, outside the GPU's steps.
+    kv_transfer_per_token: float = 0.000002
+    # How long held KV waits to be taken (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT), and how
+    # long an sglang decode waits for its room.
+    kv_transfer_timeout: float = 30.0
     # Faults.
     error_rate: float = 0.0
     hang: bool = False
@@ -92,5 +108,9 @@ class SimSettings(ServerSettings):
                 raise ValueError(f"--{name.replace('_', '-')} {problem}")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.bootstrap_port not in PORTS:
+            raise ValueError(
+                f"--bootstrap-port {self.bootstrap_port}: expected a port from 0 to 65535"
+            )
         if self.time_factor_under_load < 1.0:
             raise ValueError("--time-factor-under-load must be at least 1")
