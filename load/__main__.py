@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from load import bench, compare, harness, profile, report, runner, soak
+from load import bench, compare, harness, profile, report, runner, soak_command
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def main() -> None:
         "bench", help="one claim measured side by side (`bench --list` names them)"
     )
     add_bench(bench_parser)
-    soak.add_arguments(
+    soak_command.add_arguments(
         verbs.add_parser("soak", help="mixed traffic with faults for N minutes, a verdict")
     )
     compare.add_arguments(
@@ -86,7 +86,7 @@ def main() -> None:
     if args.verb == "bench":
         main_bench(bench_parser, args)
         return
-    mains = {"run": runner.main, "soak": soak.main, "compare": compare.main}
+    mains = {"run": runner.main, "soak": soak_command.main, "compare": compare.main}
     mains |= {"profile": profile.main, "report": report.main}
     mains[args.verb](args)
 

@@ -18,7 +18,9 @@ HEAVY_X times `light`'s share of the steady traffic, the bursts and the connecti
 GPUs' capacity Sluice holds requests and sheds some with 429 and Retry-After: an answer, not
 a loss (issue 32: "nothing lost"). `--sim-arg` passes flags to the simulated backends (a
 small `--max-num-seqs` makes a capacity the machine's CPUs can offer twice over). `--door
-epp` sends it all through a real Envoy asking Sluice as its endpoint picker (load/doors.py).
+epp` sends it all through a real Envoy asking Sluice as its endpoint picker (load/doors.py);
+`--fleet pd` serves it disaggregated, two prefill and two decode engines, a prefill engine
+the one killed.
 
 `/health` is polled every 5 ms. Every minute a line: requests, errors by kind (expected
 ones, 429s with Retry-After, 4xx for bad input, 502/503 while a backend was down, fast 503s
@@ -31,7 +33,6 @@ end (targets: 0, 0, <= 10%).
 
 from __future__ import annotations
 
-import argparse
 import random
 import signal
 import subprocess
@@ -46,7 +47,7 @@ from app.cli import command
 from app.sim.settings import SimSettings
 from load import drive, processes
 from load.client import FAILURES, Pool, Prepared, call, encode
-from load.doors import DOORS, open_door
+from load.doors import open_door
 from load.drive import Record, send
 from load.envoy_stack import epp_address
 from load.harness import label_values, metric, parse_metrics
@@ -59,7 +60,6 @@ from load.soak_report import (
     Windows,
     excuse,
     print_minute,
-    verdict,
 )
 from load.workloads import Request, Workload, completion, workload
 
@@ -81,6 +81,10 @@ HEALTH_EVERY_S = 0.005
 REQUEST_TIMEOUT_S = 120.0
 STALLS = "sluice_event_loop_stalls_total"
 CACHES = "sluice_tokenizer_cache"
+
+
+# `--fleet pd`: the second is the prefill engine killed every KILL_EVERY_S.
+PD_ROLES = ("prefill", "prefill", "decode", "decode")
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -105,8 +109,10 @@ class Soak:
         rate: float,
         load: float | None,
         door: str = "proxy",
+        fleet: str = "aggregated",
     ) -> None:
         self.door = door
+        self.fleet = fleet
         self.proxy_flags = proxy_flags
         self.sim_flags = [*SIM_FLAGS, *sim_flags]
         self.seqs = sim_settings(self.sim_flags).max_num_seqs
@@ -117,6 +123,8 @@ class Soak:
         self.seed = seed
         self.stack = Stack()
         self.backends: list[str] = []
+        self.roles: dict[str, list[str]] = {}  # each backend's role flags (--fleet pd)
+        self.plain_backends: list[str] = []  # what the proxy gets as --backend
         self.backend_procs: dict[str, subprocess.Popen[bytes]] = {}
         self.proxy_url = ""  # Sluice's own: /metrics, /health
         self.door_url = ""  # where the clients send: Sluice's proxy, or Envoy asking Sluice
@@ -179,15 +187,26 @@ class Soak:
     # -- processes ---------------------------------------------------------------------
 
     async def start_stack(self) -> None:
-        for _ in range(2):
-            url = await self.stack.sim(*self.sim_flags)
+        """Two engines that do both; or with `--fleet pd`, two prefill engines and two
+        decode engines (vLLM's flow), the second prefill engine the one killed."""
+        roles = PD_ROLES if self.fleet == "pd" else ("both", "both")
+        role_flags: list[str] = []
+        for role in roles:
+            as_role = [] if role == "both" else ["--role", role]
+            url = await self.stack.sim(*self.sim_flags, *as_role)
             self.backends.append(url)
+            self.roles[url] = as_role
             self.backend_procs[url] = self.stack.processes[-1]
-        door = await open_door(self.stack, self.door, self.backends, *self.proxy_flags)
+            if role == "both":
+                self.plain_backends.append(url)
+            else:
+                role_flags += [f"--{role}", url]
+        flags = [*self.proxy_flags, *role_flags]
+        door = await open_door(self.stack, self.door, self.plain_backends, *flags)
         self.door_url, self.proxy_url = door.url, door.sluice
         self.proxy = next(p for p in self.stack.processes if p.pid == door.pids[0])
         port = self.proxy_url.rsplit(":", 1)[1]
-        self.proxy_args = [*self.proxy_flags, "--port", port]
+        self.proxy_args = [*flags, "--port", port]
         if self.door == "epp":  # restarted, the picker is where Envoy looks for it
             picker = await epp_address(self.stack, self.proxy_url)
             self.proxy_args += ["--epp-port", picker.rsplit(":", 1)[1]]
@@ -206,7 +225,7 @@ class Soak:
             self.crashes.append(f"t={self.now():.0f}s exit {code}, log {kept}")
             print(f"!! proxy died (exit {code}) at t={self.now():.0f}s; log in {kept}", flush=True)
             self.stack.forget(self.proxy)
-            self.proxy_url = await self.stack.proxy(self.backends, *self.proxy_args)
+            self.proxy_url = await self.stack.proxy(self.plain_backends, *self.proxy_args)
             self.proxy = self.stack.processes[-1]
 
     async def kill_backends(self) -> None:
@@ -223,7 +242,7 @@ class Soak:
             self.stack.forget(victim)
             print(f"   t={self.now():.0f}s backend {url} killed", flush=True)
             await trio.sleep(KILL_DOWN_S)
-            await self.stack.sim(*self.sim_flags, "--port", port)
+            await self.stack.sim(*self.sim_flags, *self.roles[url], "--port", port)
             self.backend_procs[url] = self.stack.processes[-1]
             window[1] = self.now() + DOWN_GRACE_S
             print(f"   t={self.now():.0f}s backend {url} restarted", flush=True)
@@ -451,42 +470,3 @@ class Soak:
                     nursery.start_soon(job)
                 await trio.sleep_until(self.trio_start + 60.0 * self.minutes + 0.5)
                 nursery.cancel_scope.cancel()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--door", choices=DOORS, default="proxy", help="proxy, or Envoy asking Sluice (epp)"
-    )
-    parser.add_argument(
-        "--proxy-arg", action="append", default=[], help="extra flag for `sluice serve`"
-    )
-    parser.add_argument(
-        "--sim-arg",
-        action="append",
-        default=[],
-        help="extra flag for both `sluice sim-backend`s, e.g. --sim-arg=--max-num-seqs=8",
-    )
-    steady = parser.add_mutually_exclusive_group()
-    steady.add_argument(
-        "--rate", type=float, default=STEADY_RATE, help="steady requests/s (default: %(default)s)"
-    )
-    steady.add_argument(
-        "--load",
-        type=float,
-        help="steady traffic at this multiple of what the two simulated GPUs answer of it, "
-        f"measured for {CAPACITY_WARM_S + CAPACITY_S:g} s before the soak",
-    )
-
-
-def main(args: argparse.Namespace) -> None:
-    if args.minutes < 1:
-        raise SystemExit("soak: --minutes must be at least 1")
-    if args.rate <= 0 or (args.load is not None and args.load <= 0):
-        raise SystemExit("soak: --rate and --load must be above 0")
-    soak = Soak(
-        args.minutes, args.seed, args.proxy_arg, args.sim_arg, args.rate, args.load, args.door
-    )
-    trio.run(soak.run)
-    raise SystemExit(0 if verdict(soak.done, soak.crashes, soak.lost_examples) else 1)
