@@ -20,7 +20,7 @@ from typing import Any, Self, cast
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
 
@@ -113,6 +113,15 @@ class Histogram(_RemembersChildren, prometheus_client.Histogram):
         self._sum.value += amount
         # The first bucket whose upper bound is >= amount, as prometheus_client counts it.
         self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
+
+
+class ReadAtScrape(Collector):
+    """A collector whose families are made when scraped, from counts kept elsewhere. It
+    describes nothing: the names are fixed in its `collect`, and a registry that asked would
+    collect once at registration to learn them."""
+
+    def describe(self) -> list[Metric]:
+        return []
 
 
 class LabelledReading(Collector):
