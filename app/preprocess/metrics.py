@@ -8,7 +8,7 @@ from app.observe.metrics import TOKENIZE_BUCKETS, Declare
 
 
 class TokenCacheMetrics:
-    """L0's and L1's hits, misses and sizes, by model."""
+    """L0's, then L1's: hits, misses and the prompt tokens hits served, by model; sizes."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         declare = Declare(registry)
@@ -17,6 +17,9 @@ class TokenCacheMetrics:
         )
         self.l0_misses = declare.counter(
             "sluice_tokenizer_cache_l0_misses", "L0 exact-match cache misses", ["model"]
+        )
+        self.l0_hit_tokens = declare.counter(
+            "sluice_tokenizer_cache_l0_hit_tokens", "Prompt tokens served by L0 hits", ["model"]
         )
         self.l0_entries = declare.gauge(
             "sluice_tokenizer_cache_l0_entries", "Entries in the L0 cache"
@@ -30,21 +33,18 @@ class TokenCacheMetrics:
         self.l1_misses = declare.counter(
             "sluice_tokenizer_cache_l1_misses", "L1 prefix cache misses", ["model"]
         )
-        self.l1_memory_bytes = declare.gauge(
-            "sluice_tokenizer_cache_l1_memory_bytes", "Bytes held by the L1 cache"
+        self.l1_hit_tokens = declare.counter(
+            "sluice_tokenizer_cache_l1_hit_tokens",
+            "Prompt tokens served from L1's cached prefixes",
+            ["model"],
         )
         self.l1_mismatches = declare.counter(
             "sluice_tokenizer_cache_l1_mismatches",
             "L1 results that differed from a full encode and were discarded",
             ["model"],
         )
-        self.l0_hit_tokens = declare.counter(
-            "sluice_tokenizer_cache_l0_hit_tokens", "Prompt tokens served by L0 hits", ["model"]
-        )
-        self.l1_hit_tokens = declare.counter(
-            "sluice_tokenizer_cache_l1_hit_tokens",
-            "Prompt tokens served from L1's cached prefixes",
-            ["model"],
+        self.l1_memory_bytes = declare.gauge(
+            "sluice_tokenizer_cache_l1_memory_bytes", "Bytes held by the L1 cache"
         )
 
 
