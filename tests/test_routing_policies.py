@@ -162,12 +162,12 @@ def test_feedback_corrects_the_index_after_an_eviction() -> None:
     decision = ca.choose(pool, prompt(2, 1))
     assert decision.prediction is not None and decision.prediction.blocks == 16
     assert ca.feedback(decision, 256, 276) == "hit"
-    assert ca.corrections == 0
+    assert ca.predictions.corrections == 0
     # The backend says it served nothing from cache: it evicted system prompt 2, and with
     # it (LRU) everything it used before, i.e. system prompt 1 too.
     decision = ca.choose(pool, prompt(2, 2))
     assert ca.feedback(decision, 0, 276) == "false-hit"
-    assert ca.corrections == 1
+    assert ca.predictions.corrections == 1
     assert ca.index.match(backend.id, ca_hashes(prompt(1, 5))) == 0
     # What it just recomputed, it holds again.
     again = ca.choose(pool, prompt(2, 3)).prediction

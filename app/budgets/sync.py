@@ -30,6 +30,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from app.budgets.shared import WINDOW_S, SharedBudgets, SharedBudgetsSnapshot, SyncBatch
+from app.observe.metrics import ReadAtScrape
 
 log = logging.getLogger("sluice.budgets")
 
@@ -202,14 +203,11 @@ def _leave_quietly(counters: RedisCounters) -> None:
         counters.leave()
 
 
-class BudgetCollector:
+class BudgetCollector(ReadAtScrape):
     """`sluice_budget_*` at scrape time, from the sync's own counts."""
 
     def __init__(self, sync: BudgetSync) -> None:
         self.sync = sync
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(

@@ -88,23 +88,24 @@ PROXY_WORDS = {
     "/metrics": "Prometheus text: this process's metrics (below)",
     STORED_RESPONSES + "{id}": "a stored response, on the engine that made it (its id's tag)",
 }
+# Each dashboard route, as "METHOD rule" (the rule as its URL map writes it): what it answers.
 DASHBOARD_WORDS = {
-    ("GET", "/"): "the page",
-    ("GET", "/static/<path:filename>"): "the page's scripts, styles and charts",
-    ("GET", "/api/snapshot"): "one JSON snapshot; `?records_after=SEQ` leaves out the request "
+    "GET /": "the page",
+    "GET /static/<path:filename>": "the page's scripts, styles and charts",
+    "GET /api/snapshot": "one JSON snapshot; `?records_after=SEQ` leaves out the request "
     "log's records up to that one, `?counters=1` only what the process counts",
-    ("GET", "/api/schema"): "the snapshot's JSON schema, generated from its types (below)",
-    ("GET", "/api/events"): "server-sent events: a snapshot at once, then one a second, the "
+    "GET /api/schema": "the snapshot's JSON schema, generated from its types (below)",
+    "GET /api/events": "server-sent events: a snapshot at once, then one a second, the "
     "same bytes for every page; 503 past 32 pages",
-    ("PUT", "/api/policy"): '`{"saturation": "wait"}` or `{"saturation": "bail-out"}`',
-    ("POST", "/api/demo/burst"): "`sluice demo` only: a burst of large unique prompts now "
+    "PUT /api/policy": '`{"saturation": "wait"}` or `{"saturation": "bail-out"}`',
+    "POST /api/demo/burst": "`sluice demo` only: a burst of large unique prompts now "
     '(202 `{"queued": true}`)',
-    ("GET", "/api/backends"): "the backends, each with its `id`",
-    ("POST", "/api/backends"): '`{"url": "http://HOST:PORT"}` adds a backend, probed at once '
+    "GET /api/backends": "the backends, each with its `id`",
+    "POST /api/backends": '`{"url": "http://HOST:PORT"}` adds a backend, probed at once '
     "(409 with `--workers`)",
-    ("DELETE", "/api/backends/<path:backend_id>"): "no new request goes there, those in flight "
+    "DELETE /api/backends/<path:backend_id>": "no new request goes there, those in flight "
     "finish, the routing index forgets it (409 for the last one)",
-    ("GET", "/metrics"): "Prometheus text: this process's, or with `--workers` every worker's "
+    "GET /metrics": "Prometheus text: this process's, or with `--workers` every worker's "
     "under a `worker` label",
 }
 # A URL rule's variable part, `<path:name>`, shown as the proxy's paths show theirs: `{name}`.
@@ -286,10 +287,12 @@ def dashboard_routes() -> list[tuple[str, str, str]]:
         for method in rule.methods or ()
         if method not in ("HEAD", "OPTIONS")
     }
-    check_words("dashboard route", served, set(DASHBOARD_WORDS))
+    check_words(
+        "dashboard route", {f"{method} {path}" for method, path in served}, set(DASHBOARD_WORDS)
+    )
     ordered = sorted(served, key=lambda route: (route[1], route[0]))
     return [
-        (method, "`" + RULE_PART.sub(r"{\1}", path) + "`", DASHBOARD_WORDS[(method, path)])
+        (method, "`" + RULE_PART.sub(r"{\1}", path) + "`", DASHBOARD_WORDS[f"{method} {path}"])
         for method, path in ordered
     ]
 

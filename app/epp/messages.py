@@ -28,86 +28,73 @@ _SCALARS = {
 }
 PACKAGE = "sluice.epp"
 
-# Message name -> its fields: (name, number, type, repeated, oneof index or None). A type that
-# is not a scalar names a message of this file, or google.protobuf.Struct.
-_MESSAGES: dict[str, list[tuple[str, int, str, bool, int | None]]] = {
-    "HeaderValue": [("key", 1, "string", False, None), ("raw_value", 3, "bytes", False, None)],
-    "HeaderMap": [("headers", 1, "HeaderValue", True, None)],
-    "HeaderValueOption": [("header", 1, "HeaderValue", False, None)],
-    "MetadataEntry": [
-        ("key", 1, "string", False, None),
-        ("value", 2, ".google.protobuf.Struct", False, None),
-    ],
-    "Metadata": [("filter_metadata", 1, "MetadataEntry", True, None)],
-    "AttributesEntry": [
-        ("key", 1, "string", False, None),
-        ("value", 2, ".google.protobuf.Struct", False, None),
-    ],
-    "HttpHeaders": [
-        ("headers", 1, "HeaderMap", False, None),
-        ("end_of_stream", 3, "bool", False, None),
-    ],
-    "HttpBody": [("body", 1, "bytes", False, None), ("end_of_stream", 2, "bool", False, None)],
-    "HttpTrailers": [("trailers", 1, "HeaderMap", False, None)],
-    "ProcessingRequest": [
-        ("request_headers", 2, "HttpHeaders", False, 0),
-        ("response_headers", 3, "HttpHeaders", False, 0),
-        ("request_body", 4, "HttpBody", False, 0),
-        ("response_body", 5, "HttpBody", False, 0),
-        ("request_trailers", 6, "HttpTrailers", False, 0),
-        ("response_trailers", 7, "HttpTrailers", False, 0),
-        ("metadata_context", 8, "Metadata", False, None),
-        ("attributes", 9, "AttributesEntry", True, None),
-        ("protocol_config", 11, "ProtocolConfiguration", False, None),
-    ],
+# Message name -> its fields, each written as the .proto files write it:
+# "[repeated] TYPE NAME = NUMBER", "oneof" before the ones in the message's oneof (`_ONEOFS`).
+# A type that is not a scalar names a message of this file, or google.protobuf.Struct; map
+# fields are their entries, repeated (`_MAP_ENTRIES`).
+_MESSAGES: dict[str, tuple[str, ...]] = {
+    "HeaderValue": ("string key = 1", "bytes raw_value = 3"),
+    "HeaderMap": ("repeated HeaderValue headers = 1",),
+    "HeaderValueOption": ("HeaderValue header = 1",),
+    "MetadataEntry": ("string key = 1", ".google.protobuf.Struct value = 2"),
+    "Metadata": ("repeated MetadataEntry filter_metadata = 1",),
+    "AttributesEntry": ("string key = 1", ".google.protobuf.Struct value = 2"),
+    "HttpHeaders": ("HeaderMap headers = 1", "bool end_of_stream = 3"),
+    "HttpBody": ("bytes body = 1", "bool end_of_stream = 2"),
+    "HttpTrailers": ("HeaderMap trailers = 1",),
+    "ProcessingRequest": (
+        "oneof HttpHeaders request_headers = 2",
+        "oneof HttpHeaders response_headers = 3",
+        "oneof HttpBody request_body = 4",
+        "oneof HttpBody response_body = 5",
+        "oneof HttpTrailers request_trailers = 6",
+        "oneof HttpTrailers response_trailers = 7",
+        "Metadata metadata_context = 8",
+        "repeated AttributesEntry attributes = 9",
+        "ProtocolConfiguration protocol_config = 11",
+    ),
     # The filter's body modes, sent on a stream's first message (BodySendMode numbers).
-    "ProtocolConfiguration": [
-        ("request_body_mode", 1, "enum", False, None),
-        ("response_body_mode", 2, "enum", False, None),
-    ],
-    "HeaderMutation": [
-        ("set_headers", 1, "HeaderValueOption", True, None),
-        ("remove_headers", 2, "string", True, None),
-    ],
-    "StreamedBodyResponse": [
-        ("body", 1, "bytes", False, None),
-        ("end_of_stream", 2, "bool", False, None),
-    ],
-    "BodyMutation": [
-        ("body", 1, "bytes", False, 0),
-        ("clear_body", 2, "bool", False, 0),
-        ("streamed_response", 3, "StreamedBodyResponse", False, 0),
-    ],
-    "CommonResponse": [
-        ("status", 1, "enum", False, None),  # 0 CONTINUE, 1 CONTINUE_AND_REPLACE
-        ("header_mutation", 2, "HeaderMutation", False, None),
-        ("body_mutation", 3, "BodyMutation", False, None),
-        ("clear_route_cache", 5, "bool", False, None),
-    ],
-    "HeadersResponse": [("response", 1, "CommonResponse", False, None)],
-    "BodyResponse": [("response", 1, "CommonResponse", False, None)],
-    "TrailersResponse": [("header_mutation", 1, "HeaderMutation", False, None)],
-    "HttpStatus": [("code", 1, "enum", False, None)],
-    "ImmediateResponse": [
-        ("status", 1, "HttpStatus", False, None),
-        ("headers", 2, "HeaderMutation", False, None),
-        ("body", 3, "bytes", False, None),
-        ("details", 5, "string", False, None),
-    ],
-    "ProcessingResponse": [
-        ("request_headers", 1, "HeadersResponse", False, 0),
-        ("response_headers", 2, "HeadersResponse", False, 0),
-        ("request_body", 3, "BodyResponse", False, 0),
-        ("response_body", 4, "BodyResponse", False, 0),
-        ("request_trailers", 5, "TrailersResponse", False, 0),
-        ("response_trailers", 6, "TrailersResponse", False, 0),
-        ("immediate_response", 7, "ImmediateResponse", False, 0),
-        ("dynamic_metadata", 8, ".google.protobuf.Struct", False, None),
-    ],
-    "HealthCheckRequest": [("service", 1, "string", False, None)],
-    "HealthCheckResponse": [("status", 1, "enum", False, None)],
+    "ProtocolConfiguration": ("enum request_body_mode = 1", "enum response_body_mode = 2"),
+    "HeaderMutation": (
+        "repeated HeaderValueOption set_headers = 1",
+        "repeated string remove_headers = 2",
+    ),
+    "StreamedBodyResponse": ("bytes body = 1", "bool end_of_stream = 2"),
+    "BodyMutation": (
+        "oneof bytes body = 1",
+        "oneof bool clear_body = 2",
+        "oneof StreamedBodyResponse streamed_response = 3",
+    ),
+    "CommonResponse": (
+        "enum status = 1",  # 0 CONTINUE, 1 CONTINUE_AND_REPLACE
+        "HeaderMutation header_mutation = 2",
+        "BodyMutation body_mutation = 3",
+        "bool clear_route_cache = 5",
+    ),
+    "HeadersResponse": ("CommonResponse response = 1",),
+    "BodyResponse": ("CommonResponse response = 1",),
+    "TrailersResponse": ("HeaderMutation header_mutation = 1",),
+    "HttpStatus": ("enum code = 1",),
+    "ImmediateResponse": (
+        "HttpStatus status = 1",
+        "HeaderMutation headers = 2",
+        "bytes body = 3",
+        "string details = 5",
+    ),
+    "ProcessingResponse": (
+        "oneof HeadersResponse request_headers = 1",
+        "oneof HeadersResponse response_headers = 2",
+        "oneof BodyResponse request_body = 3",
+        "oneof BodyResponse response_body = 4",
+        "oneof TrailersResponse request_trailers = 5",
+        "oneof TrailersResponse response_trailers = 6",
+        "oneof ImmediateResponse immediate_response = 7",
+        ".google.protobuf.Struct dynamic_metadata = 8",
+    ),
+    "HealthCheckRequest": ("string service = 1",),
+    "HealthCheckResponse": ("enum status = 1",),
 }
-# Messages whose first member is a oneof: its name.
+# Messages with a oneof (their fields marked "oneof"): its name.
 _ONEOFS = {
     "ProcessingRequest": "request",
     "BodyMutation": "mutation",
@@ -115,6 +102,15 @@ _ONEOFS = {
 }
 # Map fields are repeated entries marked as such: protobuf then reads them as a mapping.
 _MAP_ENTRIES = {"MetadataEntry": "Metadata", "AttributesEntry": "ProcessingRequest"}
+
+
+def _words(field: str) -> tuple[str | None, str, str, int]:
+    """A field as `_MESSAGES` writes it: its qualifier (repeated, oneof or none), type, name
+    and number."""
+    words = field.split()
+    qualifier = words.pop(0) if words[0] in ("repeated", "oneof") else None
+    type_name, name, _, number = words
+    return qualifier, type_name, name, int(number)
 
 
 def _file() -> descriptor_pb2.FileDescriptorProto:
@@ -129,9 +125,12 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
         message = descriptor_pb2.DescriptorProto(name=name)
         if name in _ONEOFS:
             message.oneof_decl.add(name=_ONEOFS[name])
-        for field_name, number, type_name, repeated, oneof in fields:
+        for text in fields:
+            qualifier, type_name, field_name, number = _words(text)
             field = message.field.add(
-                name=field_name, number=number, label=_REPEATED if repeated else _OPTIONAL
+                name=field_name,
+                number=number,
+                label=_REPEATED if qualifier == "repeated" else _OPTIONAL,
             )
             if type_name in _SCALARS:
                 field.type = _SCALARS[type_name]
@@ -145,8 +144,8 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
                     if outer
                     else f".{PACKAGE}.{type_name}"
                 )
-            if oneof is not None:
-                field.oneof_index = oneof
+            if qualifier == "oneof":
+                field.oneof_index = 0
         if name in _MAP_ENTRIES:
             message.options.map_entry = True
             nested[name] = message

@@ -71,20 +71,13 @@ class _Stream:
     test_selection: bool = False
 
 
+@dataclass(eq=False)
 class EndpointPicker:
-    def __init__(
-        self,
-        reception: Reception,
-        decider: Decider,
-        pool: BackendPool,
-        metrics: DoorMetrics,
-        max_body_bytes: int,
-    ) -> None:
-        self.reception = reception
-        self.decider = decider
-        self.pool = pool
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
+    reception: Reception
+    decider: Decider
+    pool: BackendPool
+    metrics: DoorMetrics
+    max_body_bytes: int
 
     async def process(self, stream: MessageStream) -> None:
         """The ext_proc `Process` RPC: one HTTP request through the gateway."""

@@ -6,16 +6,13 @@ import contextlib
 
 from prometheus_client import CollectorRegistry
 
-from app.observe.metrics import Gauge
+from app.observe.metrics import Declare
 
 
 class FleetMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.backend_healthy = Gauge(
-            "sluice_backend_healthy",
-            "1 if the backend takes traffic",
-            ["backend"],
-            registry=registry,
+        self.backend_healthy = Declare(registry).gauge(
+            "sluice_backend_healthy", "1 if the backend takes traffic", ["backend"]
         )
 
     def forget_backend(self, url: str) -> None:

@@ -8,16 +8,15 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from app.observe.metrics import ReadAtScrape
+
 Counts = Callable[[], Mapping[str, int]]
 
 
-class ExportCollector:
+class ExportCollector(ReadAtScrape):
     def __init__(self, spans: Counts | None, access_log: Counts | None) -> None:
         self._spans = spans
         self._access_log = access_log
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         if self._spans is not None:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from app.observe.metrics import ReadAtScrape
+
 EVENT_KINDS = ("stored", "removed", "cleared", "other")
 BLOCK_OUTCOMES = ("learned", "confirmed", "removed", "unknown", "unmapped", "skipped")
 GAP_OUTCOMES = ("replayed", "rebuilt")
@@ -90,13 +92,10 @@ SOURCE_HELP = (
 )
 
 
-class KvEventCollector:
+class KvEventCollector(ReadAtScrape):
     def __init__(self, snapshots: Snapshots) -> None:
         """`snapshots()`: by backend URL, each subscriber's `snapshot`."""
         self._snapshots = snapshots
-
-    def describe(self) -> list[Metric]:
-        return []  # the names are fixed above; nothing to collect at registration
 
     def collect(self) -> Iterator[Metric]:
         snapshots = self._snapshots()

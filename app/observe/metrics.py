@@ -15,12 +15,12 @@ a label.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Self, cast
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
 
@@ -29,9 +29,6 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 LOOP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-# The decision alone: tens of microseconds to a few milliseconds.
-DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
-OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 # Label values as given: positionally, or by name (in the order the call named them).
 LabelKey = tuple[object, ...] | tuple[tuple[str, object], ...]
@@ -118,6 +115,15 @@ class Histogram(_RemembersChildren, prometheus_client.Histogram):
         self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
 
 
+class ReadAtScrape(Collector):
+    """A collector whose families are made when scraped, from counts kept elsewhere. It
+    describes nothing: the names are fixed in its `collect`, and a registry that asked would
+    collect once at registration to learn them."""
+
+    def describe(self) -> list[Metric]:
+        return []
+
+
 class LabelledReading(Collector):
     """A gauge whose labelled values are read when scraped, from counts the proxy keeps
     anyway (`set_function` for a labelled gauge). A request in flight on a backend moved
@@ -128,12 +134,12 @@ class LabelledReading(Collector):
         self,
         name: str,
         documentation: str,
-        label: str | tuple[str, ...],
+        labels: tuple[str, ...],
         registry: CollectorRegistry,
     ) -> None:
         self._name = name
         self._documentation = documentation
-        self._labels = [label] if isinstance(label, str) else list(label)
+        self._labels = list(labels)
         self._read: Callable[[], Iterable[tuple[str | tuple[str, ...], float]]] = tuple
         registry.register(self)
 
@@ -154,34 +160,51 @@ class LabelledReading(Collector):
         yield family
 
 
+class Declare:
+    """Declares a room's metrics on the registry it was given: one call a metric (its name,
+    help text and label names), so that a room's metrics read as a list."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def counter(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def histogram(
+        self, name: str, documentation: str, labels: Sequence[str] = (), *, buckets: Sequence[float]
+    ) -> Histogram:
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def reading(self, name: str, documentation: str, labels: Sequence[str] = ()) -> LabelledReading:
+        return LabelledReading(name, documentation, tuple(labels), registry=self.registry)
+
+
 class LoopMetrics:
     """The event loop's: how late the lag probe woke, and the stalls the monitor caught."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.loop_lag_seconds = Histogram(
-            "sluice_event_loop_lag_seconds",
-            "How late the lag probe woke up",
-            buckets=LOOP_BUCKETS,
-            registry=registry,
+        declare = Declare(registry)
+        self.loop_lag_seconds = declare.histogram(
+            "sluice_event_loop_lag_seconds", "How late the lag probe woke up", buckets=LOOP_BUCKETS
         )
-        self.loop_stalls = Counter(
+        self.loop_stalls = declare.counter(
             "sluice_event_loop_stalls",
             "Event-loop stalls longer than the threshold, by task step ((unknown): found by "
             "the lag probe) and cause (blocking, gil-wait, preempted; unknown without clocks)",
             ["task", "cause"],
-            registry=registry,
         )
-        self.loop_stall_seconds = Histogram(
+        self.loop_stall_seconds = declare.histogram(
             "sluice_event_loop_stall_seconds",
             "Duration of event-loop stalls longer than the threshold",
             buckets=LOOP_BUCKETS,
-            registry=registry,
         )
-        self.loop_stall_stage_seconds = Histogram(
+        self.loop_stall_stage_seconds = declare.histogram(
             "sluice_event_loop_stall_stage_seconds",
             "Duration of event-loop stalls by stage (the innermost frame of Sluice's code on "
             "the stall's stack, else its request phase) and cause",
             ["stage", "cause"],
             buckets=LOOP_BUCKETS,
-            registry=registry,
         )

@@ -19,15 +19,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from app.observe.metrics import ReadAtScrape
+
 WORKER_LABEL = "worker"
 
 
-class _Families:
+class _Families(ReadAtScrape):
     def __init__(self, families: list[Metric]) -> None:
         self._families = families
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families
@@ -71,15 +70,12 @@ def merge_worker_metrics(
     return generate_latest(registry)
 
 
-class WorkerInfo:
+class WorkerInfo(ReadAtScrape):
     """`sluice_worker_info{worker, pid} 1` in a worker's registry: which process answered a
     scrape of the shared proxy port."""
 
     def __init__(self, worker: int) -> None:
         self.worker = worker
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily(

@@ -9,6 +9,7 @@ what they do differently is only how bytes come and go.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import trio
 
@@ -33,30 +34,22 @@ from app.preprocess.settings import PreprocessSettings
 from app.routing.decider import RequestContext
 
 
+@dataclass(eq=False)
 class Reception:
-    def __init__(
-        self,
-        settings: PreprocessSettings,
-        preprocessor: Preprocessor,
-        catalog: ModelCatalog,
-        pool: BackendPool,
-        metrics: PreprocessMetrics,
-        traffic: TrafficRecorder,
-        tracer: Tracer,
-        access_log: AccessLog | None = None,
-    ) -> None:
-        self.settings = settings
-        self.preprocessor = preprocessor
-        self.catalog = catalog
-        self.pool = pool
-        self.metrics = metrics
-        self.traffic = traffic
-        self.tracer = tracer
-        self.access_log = access_log
-        self.key_labels = KeyLabels()
-        self.keys: KeyTable | None = (
-            None if settings.api_keys is None else load_api_keys(settings.api_keys)
-        )
+    settings: PreprocessSettings
+    preprocessor: Preprocessor
+    catalog: ModelCatalog
+    pool: BackendPool
+    metrics: PreprocessMetrics
+    traffic: TrafficRecorder
+    tracer: Tracer
+    access_log: AccessLog | None = None
+    key_labels: KeyLabels = field(init=False, default_factory=KeyLabels)
+    keys: KeyTable | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        api_keys = self.settings.api_keys
+        self.keys = None if api_keys is None else load_api_keys(api_keys)
 
     def arrive(self, headers: Headers, endpoint: str) -> tuple[RequestContext, Arrival]:
         """Its context (timing from now, its record for the dashboard, its trace: the

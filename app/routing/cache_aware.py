@@ -30,7 +30,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 from app.fleet.backends import Backend
@@ -99,6 +99,34 @@ class _Pending:
     end: int
 
 
+@dataclass
+class PredictionTally:
+    """cache_aware's predictions against what the backends reported, summed (`feedback`)."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    predicted_tokens: int = 0
+    reported_cached_tokens: int = 0
+    # Shares of the prompt, summed over reported answers: unit-free, so comparable even
+    # when the backend counts tokens with another tokenizer.
+    predicted_share_total: float = 0.0
+    reported_share_total: float = 0.0
+    reported: int = 0
+    corrections: int = 0  # reported hits that showed an eviction: the index corrected
+    corrected_blocks: int = 0
+
+    def snapshot(self) -> PredictionStats:
+        reported = max(self.reported, 1)
+        return {
+            "outcomes": {outcome: self.outcomes[outcome] for outcome in OUTCOMES},
+            "predicted_cached_tokens": self.predicted_tokens,
+            "reported_cached_tokens": self.reported_cached_tokens,
+            "mean_predicted_hit": self.predicted_share_total / reported,
+            "mean_reported_hit": self.reported_share_total / reported,
+            "corrections": self.corrections,
+            "corrected_blocks": self.corrected_blocks,
+        }
+
+
 class CacheAware:
     name = "cache_aware"
 
@@ -107,16 +135,7 @@ class CacheAware:
         self.balance = balance
         self.index = BlockIndex(max_index_blocks)
         self._turn = 0  # shares keyless work among equally loaded backends
-        self.outcomes: Counter[str] = Counter()
-        self.predicted_tokens = 0
-        self.reported_cached_tokens = 0
-        self.corrections = 0
-        self.corrected_blocks = 0
-        # Shares of the prompt, summed over reported answers: unit-free, so comparable even
-        # when the backend counts tokens with another tokenizer.
-        self.predicted_share_total = 0.0
-        self.reported_share_total = 0.0
-        self.reported = 0
+        self.predictions = PredictionTally()
         self.pending: deque[_Pending] = deque()  # long chains to record, oldest first
         self._pending_blocks = 0
 
@@ -241,32 +260,32 @@ class CacheAware:
         Token counts are compared as shares of the prompt: the backend may count tokens with
         another tokenizer than Sluice's. Returns the outcome (one of `OUTCOMES`).
         """
-        prediction = decision.prediction
+        prediction, tally = decision.prediction, self.predictions
         if prediction is None or cached_tokens is None or not reported_prompt_tokens:
-            self.outcomes["unreported"] += 1
+            tally.outcomes["unreported"] += 1
             return "unreported"
         predicted = prediction.cached_tokens
-        self.predicted_tokens += predicted
-        self.reported_cached_tokens += cached_tokens
+        tally.predicted_tokens += predicted
+        tally.reported_cached_tokens += cached_tokens
         if predicted and cached_tokens:
             outcome = "hit"
         elif predicted:
             outcome = "false-hit"
         else:
             outcome = "surprise-hit" if cached_tokens else "miss"
-        self.outcomes[outcome] += 1
+        tally.outcomes[outcome] += 1
 
         actual_share = min(cached_tokens / reported_prompt_tokens, 1.0)
         predicted_share = predicted / prediction.prompt_tokens
-        self.predicted_share_total += predicted_share
-        self.reported_share_total += actual_share
-        self.reported += 1
+        tally.predicted_share_total += predicted_share
+        tally.reported_share_total += actual_share
+        tally.reported += 1
         kept = int(actual_share * prediction.prompt_tokens) // BLOCK_SIZE
         if actual_share < predicted_share - CORRECTION_MARGIN and kept < len(prediction.stamps):
             holder = prediction.holder or decision.backend.id
             removed = self.index.forget_before(holder, prediction.stamps[kept])
-            self.corrections += 1
-            self.corrected_blocks += removed
+            tally.corrections += 1
+            tally.corrected_blocks += removed
         return outcome
 
     def forget(self, backend: Backend) -> None:
@@ -298,15 +317,7 @@ class CacheAware:
                 "evictions": self.index.evictions,
                 "by_backend": self._blocks_by_backend(),
             },
-            "prediction": {
-                "outcomes": {outcome: self.outcomes[outcome] for outcome in OUTCOMES},
-                "predicted_cached_tokens": self.predicted_tokens,
-                "reported_cached_tokens": self.reported_cached_tokens,
-                "mean_predicted_hit": self.predicted_share_total / max(self.reported, 1),
-                "mean_reported_hit": self.reported_share_total / max(self.reported, 1),
-                "corrections": self.corrections,
-                "corrected_blocks": self.corrected_blocks,
-            },
+            "prediction": self.predictions.snapshot(),
         }
 
 

@@ -24,7 +24,7 @@ the watch on that rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import trio
 
@@ -72,36 +72,28 @@ class GateLimits:
     timeout: float  # --admission-timeout: the longest a request is held
 
 
+@dataclass(eq=False)
 class Gate:
-    def __init__(
-        self,
-        pool: BackendPool,
-        route: Route,
-        give_back: Callable[[Decision], None],
-        limits: GateLimits,
-        stats: AdmissionStats,
-        *,
-        prefers: Prefers | None = None,
-        refused: Callable[[str | None, str], None] | None = None,
-    ) -> None:
-        """`route` chooses and reserves a backend, `give_back` releases a reservation nobody
-        took; `stats` hears of every request that comes and leaves; `prefers` names the
-        backend holding a request's prefix; `refused(model, reason)` hears of each refusal."""
-        self.pool = pool
-        self._route = route
-        self._give_back = give_back
-        self.limits = limits
-        self.stats = stats
-        self._prefers = prefers
-        self._refused = refused
-        # One per pool (model), made at its first held request: at most MAX_MODELS + 1.
-        self.queues: dict[str | None, FairQueue] = {}
-        self._anything_held = trio.Event()
-        # Backends that report room while requests they may take are held: since when.
-        self._room_since: dict[Backend, float] = {}
-        # By pool: the key whose next request the room its last one left waits for, until when.
-        self._anticipated: dict[str | None, tuple[str, float]] = {}
-        self._anticipating = trio.Event()
+    """`route` chooses and reserves a backend, `give_back` releases a reservation nobody
+    took; `stats` hears of every request that comes and leaves; `prefers` names the backend
+    holding a request's prefix; `refused(model, reason)` hears of each refusal."""
+
+    pool: BackendPool
+    route: Route
+    give_back: Callable[[Decision], None]
+    limits: GateLimits
+    stats: AdmissionStats
+    _: KW_ONLY
+    prefers: Prefers | None = None
+    refused: Callable[[str | None, str], None] | None = None
+    # One per pool (model), made at its first held request: at most MAX_MODELS + 1.
+    queues: dict[str | None, FairQueue] = field(init=False, default_factory=dict)
+    _anything_held: trio.Event = field(init=False, default_factory=trio.Event)
+    # Backends that report room while requests they may take are held: since when.
+    _room_since: dict[Backend, float] = field(init=False, default_factory=dict)
+    # By pool: the key whose next request the room its last one left waits for, until when.
+    _anticipated: dict[str | None, tuple[str, float]] = field(init=False, default_factory=dict)
+    _anticipating: trio.Event = field(init=False, default_factory=trio.Event)
 
     @property
     def held(self) -> int:
@@ -136,7 +128,7 @@ class Gate:
         if queue is None or not queue.holds_ahead_of(admission.priority):
             open_ = self.with_room(candidates)
             if open_:
-                decision = self._route(open_, request)
+                decision = self.route(open_, request)
                 self.stats.left(model, admission.tenant, admission.weight, 0.0)
                 return decision
         return await self._hold(request, exclude, admission, candidates)
@@ -154,7 +146,7 @@ class Gate:
             limits = self.limits
             queue = self.queues[model] = FairQueue(limits.max_held, limits.max_per_tenant)
         ticket = _Ticket(request, exclude)
-        prefers = self._prefers(candidates, request) if self._prefers is not None else None
+        prefers = self.prefers(candidates, request) if self.prefers is not None else None
         arrived = trio.current_time()
         held = Held(
             admission.tenant,
@@ -186,7 +178,7 @@ class Gate:
                 self._watch_room()
             elif ticket.decision is not None and not ticket.taken:
                 # Cancelled after it was routed: nobody will use the reservation.
-                self._give_back(ticket.decision)
+                self.give_back(ticket.decision)
         if ticket.refusal is not None:
             raise ticket.refusal
         if not ticket.taken:
@@ -276,7 +268,7 @@ class Gate:
                 choices = [b for b in open_ if b.url in held.only]
             else:
                 choices = [b for b in open_ if b not in ticket.exclude] or open_
-            decision = self._route(choices, ticket.request)
+            decision = self.route(choices, ticket.request)
             decision.waited = now - held.arrived
             self._wake(held, decision)
             self.stats.left(model, held.tenant, held.weight, decision.waited)
@@ -299,8 +291,8 @@ class Gate:
 
     def _refusal(self, model: str | None, reason: ShedReason) -> Overloaded:
         self.stats.shed(model, reason)
-        if self._refused is not None:
-            self._refused(model, reason)
+        if self.refused is not None:
+            self.refused(model, reason)
         if reason is ShedReason.QUEUE_TIMEOUT:
             message = (
                 f"Every backend stayed saturated for the {self.limits.timeout:g}s this request "

@@ -336,7 +336,7 @@ class Router:
     ) -> None:
         cached = usage.cached_tokens if usage is not None else None
         prompt = usage.prompt_tokens if usage is not None else None
-        corrections = policy.corrections
+        corrections = policy.predictions.corrections
         outcome = policy.feedback(decision, cached, prompt)
         metrics, url = self.metrics, decision.backend.url
         metrics.route_predictions.labels(outcome=outcome).inc()
@@ -346,7 +346,7 @@ class Router:
         metrics.route_predicted_tokens.labels(backend=url).inc(decision.prediction.cached_tokens)
         metrics.route_reported_cached_tokens.labels(backend=url).inc(cached)
         metrics.route_reported_prompt_tokens.labels(backend=url).inc(prompt)
-        if policy.corrections != corrections:
+        if policy.predictions.corrections != corrections:
             metrics.route_index_corrections.inc()
             log.info(
                 "backend %s served %d of %d prompt tokens from cache where %d were predicted: "
