@@ -393,3 +393,17 @@ def test_a_requests_phases_as_spans_laid_end_to_end(connected: bool) -> None:
         "upstream.first_byte": (13.5 if connected else 13.0, 14.0),
         "relay": (14.0, 20.0),
     }
+
+
+def test_a_request_served_in_two_hops_has_a_span_per_leg() -> None:
+    timing = Timing(started=10.0)
+    timing.routing_at, timing.routed_at = 10.5, 11.0
+    timing.prefill_at, timing.prefilled_at = 11.0, 12.0  # the prefill leg, read whole
+    timing.sent_at, timing.answered_at = 12.25, 12.5  # then the decode leg
+    server, children = request_spans("POST /v1/chat/completions", timing, 20.0, {})
+    legs = {
+        child.name: round((child.end_ns - child.start_ns) / 1e9, 6)
+        for child in children
+        if child.name in ("prefill", "decode")
+    }
+    assert legs == {"prefill": 1.0, "decode": 7.75}
