@@ -17,6 +17,15 @@ from tests.conftest import FAST_SIM, MODEL, StartSim, StartSluice
 from tests.sims import samples
 
 LONG = {"role": "user", "content": "tell me " + "about the sea " * 300}
+
+
+def long_chat(topic: str) -> dict[str, Any]:
+    """A long prompt of its own: a decode engine holds the prompts transferred to it, so the
+    same prompt again would be short there (one hop)."""
+    content = f"tell me about {topic} " + "and then some more " * 300
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
 SHORT = {"role": "user", "content": "hi"}
 PD_SIM = dataclasses.replace(FAST_SIM, max_num_seqs=8)
 
@@ -151,3 +160,60 @@ def _shape(value: Any) -> Any:
     if isinstance(value, list):
         return [_shape(item) for item in value]
     return type(value).__name__
+
+
+async def test_a_dead_prefill_engine_is_passed_over_then_the_decode_prefills_itself(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    first = await start_sim(PD_SIM, pd_role="prefill")
+    second = await start_sim(PD_SIM, pd_role="prefill")
+    decode = await start_sim(PD_SIM, pd_role="decode")
+    sluice = await start_sluice(
+        [], prefill=(first.url, second.url), decode=(decode.url,), disaggregate_above=64
+    )
+    first.kill()  # before its health check notices: the leg itself finds it gone
+    answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=long_chat("a"))
+    assert answer.status_code == 200
+    assert answer.headers["x-sluice-pd"] == "disaggregated"
+    assert answer.headers["x-sluice-prefill"] == second.url
+    second.kill()
+    answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=long_chat("b"))
+    assert answer.status_code == 200
+    assert answer.headers["x-sluice-pd"] in (
+        "aggregated (prefill failed)",
+        "aggregated (no prefill engine)",
+    )
+    assert answer.headers["x-sluice-backend"] == decode.url
+
+
+async def test_a_dead_decode_engine_is_passed_over_with_a_fresh_prefill(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    prefill = await start_sim(PD_SIM, pd_role="prefill")
+    first = await start_sim(PD_SIM, pd_role="decode")
+    second = await start_sim(PD_SIM, pd_role="decode")
+    sluice = await start_sluice(
+        [], prefill=(prefill.url,), decode=(first.url, second.url), disaggregate_above=64
+    )
+    first.kill()
+    for topic in ("a", "b"):  # whichever decode engine the first choice is
+        body = long_chat(topic)
+        answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-sluice-pd"] == "disaggregated"
+        assert answer.headers["x-sluice-backend"] == second.url
+    assert await recomputed(client, second.url) == 0
+
+
+async def test_sglang_a_prefill_that_fails_cancels_its_decode_at_once(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    proxy, prefill, decode = await pd_fleet(start_sim, start_sluice, client, "sglang")
+    await client.post(prefill + "/sim/faults", json={"error_rate": 1.0})
+    body = {"model": MODEL, "messages": [LONG], "max_tokens": 4}
+    answer = await client.post(proxy + "/v1/chat/completions", json=body)
+    # No prefill engine is left and none serves requests whole: an error of Sluice's own,
+    # at once, not after the decode engine's wait for its room.
+    assert answer.status_code == 502, answer.text
+    running = (await samples(client, decode)).get("vllm:num_requests_running", 0.0)
+    assert running == 0

@@ -264,6 +264,7 @@ class TwoHops:
             prefilled = Prefilled()
             failed: list[UpstreamError] = []
             opened: Opened | None = None
+            decode_failure: UpstreamError | None = None
             async with trio.open_nursery() as nursery:
                 both = nursery.cancel_scope
                 nursery.start_soon(
@@ -272,9 +273,11 @@ class TwoHops:
                 leg = self._decode_leg(outgoing, body, prefill, prefilled.figure)
                 try:
                     opened = await self.forwarder.open_on(decode, leg, context)
-                except UpstreamError:
+                except UpstreamError as exc:
+                    decode_failure = exc
                     both.cancel()  # the prefill's room would wait for nobody
-                    raise
+            if decode_failure is not None:
+                raise decode_failure
             if not failed:
                 assert opened is not None
                 self._two_hops_taken(decode, prefill, prefilled.seconds, context)
