@@ -160,7 +160,6 @@ class TwoHops:
         if self.settings.pd_protocol == "sglang":
             return await self._sglang_legs(decode, prefill, outgoing, context)
         prefilled, prefill = await self._vllm_prefill(prefill, outgoing, context)
-        context.timing.prefilled_at = handed_at = time.perf_counter()
         if prefilled.refused is not None:
             return prefilled.refused
         if prefilled.params is None:
@@ -168,9 +167,13 @@ class TwoHops:
         members = {"kv_transfer_params": prefilled.params}
         body = leg_bodies.with_members(outgoing.body, members, outgoing.fields)
         leg = self._decode_leg(outgoing, body, prefill, prefilled.figure)
-        self.metrics.handoff_seconds.observe(time.perf_counter() - handed_at)
         self._two_hops_taken(decode, prefill, prefilled.seconds, context)
-        return await self.forwarder.open_on(decode, leg, context)
+        opened = await self.forwarder.open_on(decode, leg, context)
+        # The proxy's own time between the legs: the prefill's answer read to the decode's
+        # request sent.
+        timing = context.timing
+        self.metrics.handoff_seconds.observe(timing.sent_at - timing.prefilled_at)
+        return opened
 
     @staticmethod
     def _decode_leg(
@@ -225,6 +228,7 @@ class TwoHops:
                     answer = await response.read_rest(
                         forwarder.idle_timeout, leg_bodies.MAX_PREFILL_ANSWER
                     )
+                    context.timing.prefilled_at = time.perf_counter()
                 finally:
                     await response.release()
         except (UpstreamError, trio.TooSlowError) as exc:
@@ -310,7 +314,6 @@ class TwoHops:
             return
         prefilled.figure.cached_tokens = outcome.figure.cached_tokens
         prefilled.seconds = outcome.seconds
-        context.timing.prefilled_at = time.perf_counter()
 
 
 def _facts(context: RequestContext) -> RequestFacts:
