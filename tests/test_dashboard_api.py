@@ -117,8 +117,10 @@ async def test_snapshot_schema(
     (model,) = data["models"]
     assert (model["name"], model["requests"]["total"]) == ("m", 2)
     assert model["pool"]["backends"] == [data["backends"][0]["id"]]
-    # Every field but `worker`, which only a supervisor's merged log has.
-    assert set(recent[0]) == set(RequestRecord.__annotations__) - {"worker"}
+    # Every field but `worker`, which only a supervisor's merged log has, and `legs`, which
+    # only a disaggregated model's requests have.
+    assert set(recent[0]) == set(RequestRecord.__annotations__) - {"worker", "legs"}
+    assert "disaggregation" not in model
     streamed, whole = recent  # newest first
     assert (streamed["stream"], whole["stream"]) == (True, False)
     for record in recent:

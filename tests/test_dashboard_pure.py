@@ -270,6 +270,7 @@ def engine(name: str, running: int, kv: float | None, hits: float | None) -> dic
 def pool_backend(id_: str, serves: list[str], **fields: Any) -> dict[str, Any]:
     return {
         "id": id_,
+        "role": "both",
         "serves": serves,
         "healthy": True,
         "breakers": {},
@@ -299,6 +300,8 @@ def test_model_rows_sum_each_pool_and_count_its_requests_and_caches() -> None:
         {"big": {"200": 3.0, "502": 1.0, "404": 2.0}},
         {"l0_hits": {"big": 2.0}, "l0_misses": {"big": 1.0, "small": 4.0}},
         recent,
+        {},
+        {},
     )
     big, small = rows
     assert (big["name"], big["aliases"], big["configured"], big["tokenizer"]) == (

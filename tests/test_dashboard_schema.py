@@ -46,6 +46,7 @@ GIVEN: dict[str, dict[str, tuple[str, ...]]] = {
         "events": ("backends[].kv_events",),
         "b": ("backends[]",),
         "model": ("models[]",),
+        "rolePool": ("models[].disaggregation.pools{}",),
         "admission": ("admission",),
         "held": ("admission.models{}",),
         "block": ("routing", "admission.models{}"),

@@ -166,6 +166,8 @@ class Sluice:
                 for name in CACHE_COUNTERS
             },
             requests["recent"],
+            counts_by_two_labels(metrics.pd.requests, "model", "reason"),
+            counts_by_label(metrics.pd.leg_failures, "leg"),
         )
         kv_events = self.kv_event_snapshots()
         gate = self.router.gate

@@ -101,6 +101,8 @@ WORST = frozenset(
         "ttft_p99_ms",
         "wait_p50_s",
         "wait_p99_s",
+        "prefill_p50_ms",
+        "prefill_p99_ms",
     }
 )
 STALLS_SHOWN = 20

@@ -8,7 +8,11 @@
 // under both; one whose engine Sluice judges saturated says why (full, kv, ceiling), and
 // each shows its engine's room as Sluice judges it (stated by the engine, seen full, or
 // unknown: nothing held for it), with why, and the time requests were held while its engine
-// reported room (kept at zero: red when not). Below,
+// reported room (kept at zero: red when not). A model served disaggregated (prefill and
+// decode engines) has, under its pool's row, a row per role's pool (engines up, in flight,
+// running / waiting, KV cache) and one of how its requests were served: two hops (prefill,
+// then the KV transfer) or one, by reason; each of its backends is tagged with its role (and
+// an SGLang prefill engine with its bootstrap port). Below,
 // each API key's share of the requests that left the admission queue against its fair share.
 
 import { COLORS, TimeChart } from "../charts.js";
@@ -58,15 +62,23 @@ function roomCell(b) {
   return el("td", { class: "num", title, dataset: { basis: room.basis || "unknown" } }, `${value} ${room.basis || "unknown"}${queued}`);
 }
 
-function backendRow(b, model) {
+// Its role in disaggregated serving: shown for every role engine, and for the engines that
+// serve requests whole beside them.
+function roleTag(b, disaggregated) {
+  if (b.role === "both" && !disaggregated) return null;
+  const port = b.bootstrap_port === null || b.bootstrap_port === undefined ? "" : ` · bootstrap ${b.bootstrap_port}`;
+  return el("span", { class: `role-tag role-${b.role}`, dataset: { role: b.role } }, `${b.role}${port}`);
+}
+
+function backendRow(b, model, disaggregated = false) {
   const traffic = b.traffic || {};
   const engine = b.engine || {};
   const breaker = model === null ? b.breaker : (b.breakers || {})[model] || "closed";
   const serving = b.takes_traffic && breaker !== "open";
   const state = !serving ? (b.healthy ? "held back" : "down") : b.saturated ? `saturated (${b.saturated})` : "up";
   const saturatedTitle = b.saturated ? "its engine has no room now: new requests are held at the proxy" : null;
-  return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "" } }, [
-    el("td", { class: "mono", title: (b.models || []).join(", ") }, b.url),
+  return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "", role: b.role } }, [
+    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated)]),
     el("td", { class: serving ? (b.saturated ? "warn" : "up") : "down", title: b.last_error || saturatedTitle }, state),
     el("td", { class: breaker === "closed" ? "" : "down" }, breaker),
     el("td", { class: "num" }, count(b.inflight)),
@@ -118,6 +130,37 @@ function poolRow(model, admission) {
     stat("shed", "shed", count(shed), JSON.stringify(held.shed || {}), shed ? "down" : ""),
   ];
   return el("tr", { class: "pool", dataset: { model: model.name } }, el("td", { colspan: COLUMNS }, parts));
+}
+
+// Each role's pool of a disaggregated model, then how its requests were served.
+function disaggregationRows(model) {
+  const split = model.disaggregation;
+  if (!split) return [];
+  const rows = Object.entries(split.pools).map(([role, rolePool]) => {
+    const up = rolePool.serving_backends;
+    const queue = rolePool.engine_running === null ? DASH : `${count(rolePool.engine_running)} / ${count(rolePool.engine_waiting)}`;
+    return el("tr", { class: "pd", dataset: { model: model.name, role } }, el("td", { colspan: COLUMNS }, [
+      el("span", { class: `role-tag role-${role}` }, `${role} pool`),
+      stat("health", "engines", `${up}/${rolePool.backends.length} up`, rolePool.engines.join(", ") || null, up ? "up" : "down"),
+      stat("inflight", "in flight", count(rolePool.inflight)),
+      stat("queue", "running / waiting", queue),
+      stat("kv", "KV cache", fraction(rolePool.engine_kv_cache_usage)),
+    ]));
+  });
+  const oneHop = Object.entries(split.one_hop).sort((a, b) => b[1] - a[1]);
+  const served = oneHop.reduce((sum, [, n]) => sum + n, split.two_hops);
+  const share = served ? ` (${pct((100 * split.two_hops) / served, 0)})` : "";
+  const failures = Object.values(split.leg_failures).reduce((sum, n) => sum + n, 0);
+  const legs = ["prefill", "decode"].map((leg) => `${leg} ${count(split.leg_failures[leg] || 0)}`).join(" · ");
+  rows.push(
+    el("tr", { class: "pd pd-ways", dataset: { model: model.name } }, el("td", { colspan: COLUMNS }, [
+      stat("two-hops", "two hops", `${count(split.two_hops)}${share}`, "a prefill engine's leg, then the KV cache moved to a decode engine"),
+      stat("one-hop", "one hop", oneHop.length ? oneHop.map(([reason, n]) => `${reason} ${count(n)}`).join(" · ") : DASH, "one engine prefilled and decoded it, and why"),
+      stat("prefill-time", "prefill p50 / p99", `${ms(split.prefill_p50_ms)} / ${ms(split.prefill_p99_ms)}`, "prefill legs of the last logged requests"),
+      stat("leg-failures", "leg failures", legs, "every disaggregated model's legs that failed before answering", failures ? "down" : ""),
+    ])),
+  );
+  return rows;
 }
 
 function keyRows(admission) {
@@ -172,11 +215,11 @@ export function createBackendsPanel(root) {
     const placed = new Set();
     const admission = snapshot.admission || {};
     for (const model of models) {
-      rows.push(poolRow(model, admission));
+      rows.push(poolRow(model, admission), ...disaggregationRows(model));
       for (const id of model.pool.backends) {
         const backend = byId.get(id);
         if (!backend) continue;
-        rows.push(backendRow(backend, model.name));
+        rows.push(backendRow(backend, model.name, Boolean(model.disaggregation)));
         placed.add(id);
       }
     }

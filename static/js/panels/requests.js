@@ -1,6 +1,8 @@
 // Requests: the live log of the last requests (never their text, never a key), filterable by
 // text, status and model. Rows are added as new records arrive (by `seq`) rather than rebuilt
-// every second. The chart has a line per served model beside the totals.
+// every second. The chart has a line per served model beside the totals. A request of a
+// disaggregated model shows, under the backend that answered it (its decode engine), how it
+// was served: two hops, with the prefill engine and its leg's time, or one hop and why.
 
 import { COLORS, TimeChart } from "../charts.js";
 import { DASH, Stats, clock, count, el, ms, rate } from "../format.js";
@@ -10,6 +12,13 @@ function statusClass(record) {
   return `s${Math.floor(record.status / 100)}xx`;
 }
 
+function legsLine(legs) {
+  if (!legs) return null;
+  const prefill = legs.prefill ? ` · prefill ${legs.prefill} · ${ms(legs.prefill_ms)}` : "";
+  const transfer = legs.transfer ? "the decode leg carried the prefill's KV transfer" : "no KV transfer";
+  return el("div", { class: "legs small", dataset: { mode: legs.mode }, title: transfer }, `${legs.mode}${prefill}`);
+}
+
 function row(record) {
   const route = record.route ? record.route.split(":").slice(1).join(":") : DASH;
   const tokens = record.prompt_tokens === null ? (record.tokenize_path === "bailed_out" ? "estimated" : DASH) : count(record.prompt_tokens);
@@ -17,7 +26,7 @@ function row(record) {
   const cells = [
     el("td", { class: "mono" }, clock(record.time)),
     el("td", {}, record.model ?? DASH),
-    el("td", { class: "mono" }, record.backend ?? DASH),
+    el("td", { class: "mono" }, [record.backend ?? DASH, legsLine(record.legs)]),
     el("td", {}, route),
     el("td", { class: "num" }, tokens),
     el("td", {}, record.tokenize_path ?? DASH),
@@ -32,7 +41,8 @@ function row(record) {
     el("td", { class: "mono small" }, record.id ?? DASH),
   ];
   const node = el("tr", { dataset: { seq: record.seq, id: record.id ?? "", kind: record.kind ?? "" } }, cells);
-  node.searchText = [record.model, record.backend, record.route, record.tokenize_path, record.status, record.id, record.kind]
+  const legs = record.legs || {};
+  node.searchText = [record.model, record.backend, record.route, record.tokenize_path, record.status, record.id, record.kind, legs.mode, legs.prefill]
     .filter((v) => v !== null && v !== undefined)
     .join(" ")
     .toLowerCase();
