@@ -400,7 +400,7 @@ def test_a_request_served_in_two_hops_has_a_span_per_leg() -> None:
     timing.routing_at, timing.routed_at = 10.5, 11.0
     timing.prefill_at, timing.prefilled_at = 11.0, 12.0  # the prefill leg, read whole
     timing.sent_at, timing.answered_at = 12.25, 12.5  # then the decode leg
-    server, children = request_spans("POST /v1/chat/completions", timing, 20.0, {})
+    _, children = request_spans("POST /v1/chat/completions", timing, 20.0, {})
     legs = {
         child.name: round((child.end_ns - child.start_ns) / 1e9, 6)
         for child in children

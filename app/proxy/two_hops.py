@@ -67,8 +67,11 @@ class Prefilled:
     seconds: float = 0.0
 
 
-class PrefillFailed(Exception):
+class PrefillFailed(UpstreamError):
     """Every prefill engine failed the leg, or none was left to try."""
+
+    def __init__(self) -> None:
+        super().__init__(UpstreamFault.CONNECT, "no prefill engine prefilled the request")
 
 
 class TwoHops:
@@ -206,7 +209,7 @@ class TwoHops:
                 tried.append(prefill.backend)
                 chosen = await self.disaggregation.prefill(_facts(context), tuple(tried))
                 if chosen is None:
-                    raise PrefillFailed from exc
+                    raise PrefillFailed() from exc
                 prefill = chosen
 
     async def _prefill_on(
@@ -291,7 +294,7 @@ class TwoHops:
             tried.append(backend)
             chosen = await self.disaggregation.prefill(_facts(context), tuple(tried))
             if chosen is None:
-                raise PrefillFailed from failed[0]
+                raise PrefillFailed() from failed[0]
             prefill = chosen
 
     async def _beside(
