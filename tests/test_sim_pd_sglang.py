@@ -1,15 +1,17 @@
 """Simulated prefill and decode engines in SGLang's flow, over real HTTP (127.0.0.1, port 0):
 both legs sent at once with the same bootstrap fields, as a proxy would; the prefill's
 bootstrap server on a port of its own, reported by `/get_server_info`; the decode waits for
-its room, takes the KV and decodes, streamed or not, batched (arrays) or not; a room that
-never comes is a 500, a room never taken expires on the prefill, a decode without bootstrap
-fields prefills locally and counts it, and an engine that does both ignores them.
+its room (counted waiting meanwhile), takes the KV and decodes, streamed or not, batched
+(arrays) or not; a room that never comes is a 500, a room never taken expires on the
+prefill, a decode without bootstrap fields prefills locally and counts it, and an engine
+that does both ignores them.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from functools import partial
 from typing import Any
 
 import httpx
@@ -17,6 +19,7 @@ import pytest
 import trio
 
 from tests.conftest import FAST_SIM, MODEL, SimHandle, StartSim
+from tests.sims import samples
 
 PROMPT = "Explain the bootstrap server. " * 20
 COMPLETION = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6}
@@ -113,6 +116,22 @@ async def test_the_decode_waits_for_its_room_and_recomputes_nothing(
     assert decode.app.pd.counters.transfers["decode"] == 1
     assert prefill.app.pd.counters.transfers["prefill"] == 1
     assert len(prefill.app.pd.held) == 0 and prefill.app.engine.kv_cache.used_blocks == 0
+
+
+async def test_a_decode_waiting_for_its_room_counts_as_waiting(
+    start_sim: StartSim, client: httpx.AsyncClient
+) -> None:
+    prefill, decode = await pd_pair(start_sim)
+    engine = decode.app.engine
+    request = COMPLETION | bootstrap(prefill)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(client.post, decode.url + "/v1/completions", json=request))
+        with trio.fail_after(5):
+            await decode.app.pd.wait_until(lambda: engine.waiting == 1)
+        values = await samples(client, decode.url)
+        assert values["vllm:num_requests_waiting"] == 1
+        await client.post(prefill.url + "/v1/completions", json=request)
+    assert engine.waiting == 0 and decode.app.pd.counters.transfers["decode"] == 1
 
 
 async def test_a_batch_of_one_carries_arrays_of_rooms(

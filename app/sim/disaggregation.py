@@ -104,7 +104,8 @@ class Disaggregation:
                 await self._fetcher.aclose()
 
     async def wait_until(self, condition: Callable[[], bool]) -> None:
-        """Block until `condition()` holds; re-checked whenever held KV changes."""
+        """Block until `condition()` holds; re-checked whenever held KV changes or a request
+        starts waiting for its KV."""
         while not condition():
             await self._changed.wait()
 
@@ -124,15 +125,30 @@ class Disaggregation:
             return Leg()
         if isinstance(plan, HoldForDecode):
             return self._holding(plan, len(prompt), exchange)
-        if isinstance(plan, RemotePrefill):
-            if not await self._pull(plan, len(prompt), exchange):
-                self.counters.recomputed("unusable", len(prompt))
-                return Leg()
-        else:
-            await self._wait_for_room(plan, len(prompt))
-        await trio.sleep(settings.kv_transfer_per_token * len(prompt))
+        self.engine.receiving_kv += 1  # waiting for its KV: vLLM counts it waiting too
+        self._notify()
+        try:
+            received = await self._receive(plan, len(prompt), exchange)
+        finally:
+            self.engine.receiving_kv -= 1
+        if not received:
+            self.counters.recomputed("unusable", len(prompt))
+            return Leg()
         self.counters.transfers["decode"] += 1
         return Leg(prefilled=True)
+
+    async def _receive(
+        self, plan: RemotePrefill | Bootstrap, prompt_tokens: int, exchange: Exchange
+    ) -> bool:
+        """Take the prompt's KV and spend the time it takes to arrive; False if it cannot be
+        had (vLLM's flow), a 500 if it never comes (SGLang's)."""
+        if isinstance(plan, RemotePrefill):
+            if not await self._pull(plan, prompt_tokens, exchange):
+                return False
+        else:
+            await self._wait_for_room(plan, prompt_tokens)
+        await trio.sleep(self.settings.kv_transfer_per_token * prompt_tokens)
+        return True
 
     def _holding(self, plan: HoldForDecode, prompt_tokens: int, exchange: Exchange) -> Leg:
         leg = Leg(output_tokens=1)

@@ -71,6 +71,9 @@ class SimEngine:
         # tokens of a sequence (one step).
         self.queue_times = Observed(QUEUE_TIME_BUCKETS)
         self.token_gaps = Observed(TOKEN_GAP_BUCKETS)
+        # Requests whose prompt's KV is on its way from a prefill engine (disaggregation.py):
+        # not yet in the scheduler, but waiting, as vLLM counts them (WAITING_FOR_REMOTE_KVS).
+        self.receiving_kv = 0
         self._admitted_prompt_tokens = 0
         self._admitted_cached_tokens = 0
         self._seq_ids = itertools.count()
@@ -85,7 +88,7 @@ class SimEngine:
 
     @property
     def waiting(self) -> int:
-        return self.scheduler.waiting
+        return self.scheduler.waiting + self.receiving_kv
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The GPU: one step after another while there is work, idle otherwise."""
