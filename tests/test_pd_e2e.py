@@ -34,8 +34,8 @@ async def pd_fleet(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient, protocol: str
 ) -> tuple[str, str, str]:
     """(proxy URL, prefill URL, decode URL) of a Sluice in front of one of each."""
-    prefill = await start_sim(PD_SIM, pd_role="prefill", pd_flow=protocol, bootstrap_port=0)
-    decode = await start_sim(PD_SIM, pd_role="decode", pd_flow=protocol)
+    prefill = await start_sim(PD_SIM, role="prefill", pd_protocol=protocol, bootstrap_port=0)
+    decode = await start_sim(PD_SIM, role="decode", pd_protocol=protocol)
     entry = prefill.url
     if protocol == "sglang":
         info = (await client.get(prefill.url + "/get_server_info")).json()
@@ -113,7 +113,7 @@ async def test_an_engine_that_names_no_transfer_sends_the_request_one_hop(
 ) -> None:
     """A "prefill" engine without a KV connector answers the request as any other."""
     plain = await start_sim(PD_SIM)
-    decode = await start_sim(PD_SIM, pd_role="decode")
+    decode = await start_sim(PD_SIM, role="decode")
     sluice = await start_sluice([], prefill=(plain.url,), decode=(decode.url,))
     body = {"model": MODEL, "messages": [LONG], "max_tokens": 4}
     answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=body)
@@ -165,9 +165,9 @@ def _shape(value: Any) -> Any:
 async def test_a_dead_prefill_engine_is_passed_over_then_the_decode_prefills_itself(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    first = await start_sim(PD_SIM, pd_role="prefill")
-    second = await start_sim(PD_SIM, pd_role="prefill")
-    decode = await start_sim(PD_SIM, pd_role="decode")
+    first = await start_sim(PD_SIM, role="prefill")
+    second = await start_sim(PD_SIM, role="prefill")
+    decode = await start_sim(PD_SIM, role="decode")
     sluice = await start_sluice(
         [], prefill=(first.url, second.url), decode=(decode.url,), disaggregate_above=64
     )
@@ -189,9 +189,9 @@ async def test_a_dead_prefill_engine_is_passed_over_then_the_decode_prefills_its
 async def test_a_dead_decode_engine_is_passed_over_with_a_fresh_prefill(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    prefill = await start_sim(PD_SIM, pd_role="prefill")
-    first = await start_sim(PD_SIM, pd_role="decode")
-    second = await start_sim(PD_SIM, pd_role="decode")
+    prefill = await start_sim(PD_SIM, role="prefill")
+    first = await start_sim(PD_SIM, role="decode")
+    second = await start_sim(PD_SIM, role="decode")
     sluice = await start_sluice(
         [], prefill=(prefill.url,), decode=(first.url, second.url), disaggregate_above=64
     )

@@ -274,16 +274,13 @@ async def test_decodes_beside_long_prefills_stall_only_where_the_prefills_run(
 
 
 def test_the_flags_parse_and_refuse_what_cannot_work(capsys: pytest.CaptureFixture[str]) -> None:
-    _, settings = parse(["sim-backend", "--pd-role", "prefill", "--pd-flow", "sglang"])
+    _, settings = parse(["sim-backend", "--role", "prefill", "--pd-protocol", "sglang"])
     assert isinstance(settings, SimSettings)
-    assert (settings.pd_role, settings.pd_flow, settings.bootstrap_port) == (
+    assert (settings.role, settings.pd_protocol, settings.bootstrap_port) == (
         "prefill",
         "sglang",
         8998,
     )
-    _, aliased = parse(["sim-backend", "--role", "decode", "--pd-protocol", "sglang"])
-    assert isinstance(aliased, SimSettings)
-    assert (aliased.pd_role, aliased.pd_flow) == ("decode", "sglang")
     refused = {
         ("--bootstrap-port", "70000"): "--bootstrap-port 70000: expected a port from 0 to 65535",
         ("--kv-transfer-timeout", "0"): "--kv-transfer-timeout must be more than 0 seconds",
@@ -293,5 +290,5 @@ def test_the_flags_parse_and_refuse_what_cannot_work(capsys: pytest.CaptureFixtu
         with pytest.raises(ConfigExit, match=message):
             parse(["sim-backend", *flag])
     with pytest.raises(SystemExit):
-        parse(["sim-backend", "--pd-role", "middle"])
+        parse(["sim-backend", "--role", "middle"])
     assert "invalid choice: 'middle'" in capsys.readouterr().err

@@ -28,9 +28,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_
 
 async def pd_pair(start_sim: StartSim, **overrides: Any) -> tuple[SimHandle, SimHandle]:
     prefill = await start_sim(
-        FAST_SIM, pd_role="prefill", pd_flow="sglang", bootstrap_port=0, **overrides
+        FAST_SIM, role="prefill", pd_protocol="sglang", bootstrap_port=0, **overrides
     )
-    decode = await start_sim(FAST_SIM, pd_role="decode", pd_flow="sglang", **overrides)
+    decode = await start_sim(FAST_SIM, role="decode", pd_protocol="sglang", **overrides)
     return prefill, decode
 
 
@@ -191,7 +191,7 @@ async def test_an_engine_that_does_both_ignores_the_bootstrap_fields(
     start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
     prefill, _ = await pd_pair(start_sim)
-    both = await start_sim(FAST_SIM, pd_flow="sglang")
+    both = await start_sim(FAST_SIM, pd_protocol="sglang")
     answer = await client.post(both.url + "/v1/completions", json=COMPLETION | bootstrap(prefill))
     assert answer.json()["usage"]["completion_tokens"] == 6
     assert len(prefill.app.pd.held) == len(both.app.pd.held) == 0

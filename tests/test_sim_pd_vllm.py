@@ -50,8 +50,8 @@ def prefill_leg(path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def pd_pair(start_sim: StartSim, **overrides: Any) -> tuple[SimHandle, SimHandle]:
-    prefill = await start_sim(FAST_SIM, pd_role="prefill", **overrides)
-    decode = await start_sim(FAST_SIM, pd_role="decode", **overrides)
+    prefill = await start_sim(FAST_SIM, role="prefill", **overrides)
+    decode = await start_sim(FAST_SIM, role="decode", **overrides)
     return prefill, decode
 
 
@@ -233,8 +233,8 @@ async def test_a_client_leaving_either_engine_frees_it(
     start_sim: StartSim, client: httpx.AsyncClient
 ) -> None:
     slow = dataclasses.replace(FAST_SIM, inter_token_latency=0.05, prefill_per_token=0.01)
-    prefill = await start_sim(slow, pd_role="prefill")
-    decode = await start_sim(slow, pd_role="decode", kv_transfer_per_token=0.0)
+    prefill = await start_sim(slow, role="prefill")
+    decode = await start_sim(slow, role="decode", kv_transfer_per_token=0.0)
     path = "/v1/completions"
     short = BODIES[path] | {"prompt": "short"}
     first = await client.post(
@@ -257,7 +257,7 @@ async def test_the_counters_are_in_every_metrics_style(
 ) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    decode = await start_sim(FAST_SIM, pd_role="decode", metrics_style=style)
+    decode = await start_sim(FAST_SIM, role="decode", metrics_style=style)
     body = BODIES["/v1/completions"]
     prompt_tokens = usage_of(
         "/v1/completions", (await client.post(decode.url + "/v1/completions", json=body)).json()

@@ -140,19 +140,14 @@ HELP: dict[str, str] = {
     "close_mid_stream": "stop streams before their last token and drop the connection (a fault)",
     "start_unhealthy": "answer /health with 503 until POST /sim/faults says otherwise (a fault)",
     "seed": "seed of the generated answers and of the error fault's draws",
-    "pd_role": "prefill/decode disaggregation: both (no KV transfer), prefill (answer one token "
-    "and hold the prompt's KV for a decode engine) or decode (take it and skip the prompt); "
-    "also --role",
-    "pd_flow": "the KV-transfer protocol of prefill/decode engines: vllm (kv_transfer_params, "
-    "the decode pulls) or sglang (bootstrap server and rooms); also --pd-protocol",
+    "role": "prefill/decode disaggregation: both (no KV transfer), prefill (answer one token "
+    "and hold the prompt's KV for a decode engine) or decode (take it and skip the prompt)",
     "bootstrap_port": "an sglang prefill engine's bootstrap server port (0: any free port)",
     "kv_transfer_per_token": "seconds a decode engine takes to receive one prompt token's KV, "
     "outside the GPU's steps",
     "kv_transfer_timeout": "seconds a prefill engine holds KV for a decode engine to take, and "
     "an sglang decode engine waits for its room",
 }
-# The sim-backend's flags under the names DESIGN.md gave them too.
-SIM_ALIASES: dict[str, tuple[str, ...]] = {"pd_role": ("--role",), "pd_flow": ("--pd-protocol",)}
 
 
 class ConfigExit(ConfigError, SystemExit):
@@ -204,16 +199,15 @@ def _add_dataclass_flags(
     parser: argparse.ArgumentParser,
     cls: type[Any],
     skip: Sequence[str] = (),
-    aliases: dict[str, tuple[str, ...]] | None = None,
 ) -> None:
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         tp = _field_types(cls)[f.name]
-        flags = ["--" + f.name.replace("_", "-"), *(aliases or {}).get(f.name, ())]
+        flag = "--" + f.name.replace("_", "-")
         if tp is bool:
             parser.add_argument(
-                *flags,
+                flag,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
                 default=None,
@@ -224,7 +218,7 @@ def _add_dataclass_flags(
             continue
         conv, choices = _converter(tp)
         parser.add_argument(
-            *flags,
+            flag,
             dest=f.name,
             type=conv,
             choices=choices,
@@ -329,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
     sim.add_argument("--model", dest="models", action="append", metavar="NAME", help=HELP["model"])
-    _add_dataclass_flags(sim, SimSettings, aliases=SIM_ALIASES)
+    _add_dataclass_flags(sim, SimSettings)
     add_envoy_parser(sub)
     return parser
 

@@ -133,8 +133,7 @@ def subcommands() -> dict[str, tuple[str, argparse.ArgumentParser]]:
 
 
 def invocation(action: argparse.Action) -> str:
-    """The flag as a user writes it: `--policy {a,b}`, `--[no-]hang`, `--backend URL`; a flag
-    with another name too (`--pd-flow`, alias `--pd-protocol`) under its first long one."""
+    """The flag as a user writes it: `--policy {a,b}`, `--[no-]hang`, `--backend URL`."""
     flag = next(o for o in action.option_strings if o.startswith("--"))
     if isinstance(action, argparse.BooleanOptionalAction):
         return "--[no-]" + action.option_strings[0].removeprefix("--")

@@ -76,12 +76,12 @@ class Disaggregation:
 
     @property
     def runs_bootstrap_server(self) -> bool:
-        return self.settings.pd_role == "prefill" and self.settings.pd_flow == "sglang"
+        return self.settings.role == "prefill" and self.settings.pd_protocol == "sglang"
 
     @property
     def mode(self) -> str:
         """SGLang's `disaggregation_mode`: "null" for an engine that does both."""
-        return "null" if self.settings.pd_role == "both" else self.settings.pd_role
+        return "null" if self.settings.role == "both" else self.settings.role
 
     def serving(self, url: str) -> None:
         """The engine's own server is up at `url`: its port is what the answers advertise."""
@@ -117,7 +117,7 @@ class Disaggregation:
     async def leg(self, payload: dict[str, Any], prompt: Sequence[int], exchange: Exchange) -> Leg:
         """What this engine does for the request, after any transfer it waits for."""
         settings = self.settings
-        plan = plan_leg(settings.pd_role, settings.pd_flow, payload, prompts=1)
+        plan = plan_leg(settings.role, settings.pd_protocol, payload, prompts=1)
         if isinstance(plan, Aggregated):
             return Leg()
         if isinstance(plan, Recompute):

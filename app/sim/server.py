@@ -23,7 +23,7 @@ need to see: how many /tokenize calls came, in which form the prompts arrived (m
 text or token ids) and the W3C `traceparent` headers of the latest requests. With
 `--kv-events-endpoint` it publishes vLLM's KV-cache events (`kv_publisher.py`).
 
-With `--pd-role prefill|decode` it plays one side of prefill/decode disaggregation
+With `--role prefill|decode` it plays one side of prefill/decode disaggregation
 (disaggregation.py): a vLLM prefill engine answers `POST /sim/kv_transfer/take`, an SGLang
 one runs a bootstrap server, and `GET /get_server_info` reports `disaggregation_mode` and
 `disaggregation_bootstrap_port` as SGLang's does.
@@ -143,7 +143,7 @@ class SimServer:
         }
         if settings.metrics_style in STATED_LIMIT_PATHS:
             self._routes[STATED_LIMIT_PATHS[settings.metrics_style]] = {"GET": self._about}
-        if settings.pd_flow == "sglang":
+        if settings.pd_protocol == "sglang":
             self._routes["/get_server_info"] = {"GET": self._about}
 
     @property
@@ -306,8 +306,8 @@ class SimServer:
             "faults": self.faults.as_dict(),
             "stored_responses": len(self.responses.store),
             "pd": {
-                "role": self.settings.pd_role,
-                "flow": self.settings.pd_flow,
+                "role": self.settings.role,
+                "flow": self.settings.pd_protocol,
                 "engine_id": self.pd.engine_id,
                 "held_transfers": len(self.pd.held),
                 "bootstrap_port": self.pd.bootstrap_port,

@@ -5,15 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from app.config import PORTS, Ranges, ServerSettings, check_ranges, endpoint_problem
+from app.config import (
+    PORTS,
+    PdProtocol,
+    Ranges,
+    Role,
+    ServerSettings,
+    check_ranges,
+    endpoint_problem,
+)
 
 # What a simulated backend is called when no `--model` names it.
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4-sim"
 # Whose `/metrics` names, labels and neighbouring metrics the simulated backend exposes.
 MetricsStyle = Literal["vllm", "sglang", "llamacpp", "tgi"]
-# What the engine does in a disaggregated fleet, and which transfer protocol it speaks.
-PdRole = Literal["both", "prefill", "decode"]
-PdFlow = Literal["vllm", "sglang"]
 NUMERIC_RANGES: Ranges = (
     (
         ("max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks", "block_size"),
@@ -74,8 +79,8 @@ class SimSettings(ServerSettings):
     # `prefill` engine answers one token and holds the prompt's KV for a decode engine to
     # take; a `decode` engine takes it and skips the prompt. `sglang` prefill engines run a
     # bootstrap server on `bootstrap_port` (0: any free port).
-    pd_role: PdRole = "both"
-    pd_flow: PdFlow = "vllm"
+    role: Role = "both"
+    pd_protocol: PdProtocol = "vllm"
     bootstrap_port: int = 8998
     # The decode side's time to receive one prompt token's KV, outside the GPU's steps.
     kv_transfer_per_token: float = 0.000002
