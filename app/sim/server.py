@@ -120,6 +120,7 @@ class SimServer:
         )
         self.responses = ResponsesEndpoints(self.inference)
         transcription = TranscriptionEndpoint(self.inference)
+        messages = MessagesEndpoints(self.inference)
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
             "/v1/completions": {"POST": partial(self._generate, "completion")},
@@ -128,7 +129,8 @@ class SimServer:
             # vLLM's translations endpoint answers in the same shapes; the sim's words are
             # no language in particular.
             "/v1/audio/translations": {"POST": transcription.transcribe},
-            **MessagesEndpoints(self.inference).routes(),
+            "/v1/messages": {"POST": messages.create},
+            "/v1/messages/count_tokens": {"POST": messages.count_tokens},
             **PoolingEndpoints(self.inference).routes(),
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
