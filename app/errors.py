@@ -13,7 +13,9 @@ what a client is told.
                        KV events), or a peer gone before they were whole: whoever read
                        them turns them into one of the above, or drops the connection
 
-(and, on no branch, app/http/connection.py's `StateError`: a bug of the server's own).
+(and, on no branch, app/http/connection.py's `StateError`: a bug of the server's own; and
+`require_at_least`'s ValueError: a structure built with bounds it cannot work with, a bug of
+its caller's, since flags and files are checked before anything is built from them).
 
 Leaves live beside the code that raises them (app/http/framing.py's `FramingError`,
 app/routing/refusal.py's `Overloaded`, ...). Fields are typed: what a caller decides on (a
@@ -176,3 +178,10 @@ def answer_for(error: BaseException) -> ErrorAnswer:
     return ErrorAnswer(
         500, [], error_body(INTERNAL_MESSAGE, "internal_error", None, "internal_error")
     )
+
+
+def require_at_least(minimum: float, **bounds: float) -> None:
+    """A constructor's check of its bounds: ValueError naming each one under `minimum`."""
+    low = [name for name, value in bounds.items() if value < minimum]
+    if low:
+        raise ValueError(f"{' and '.join(low)} must be at least {minimum}")

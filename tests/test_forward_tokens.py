@@ -231,7 +231,7 @@ async def test_a_readmitted_backend_is_checked_again(
     assert tokenizer_state(pool) == "verified"
 
     # Replaced by a model with another vocabulary while it was down: refused on return.
-    sim.tokenizer = WordTokenizer()
+    sim.inference.tokenizer = WordTokenizer()
     await readmit(probes_expected=3)
     assert tokenizer_state(pool) == "refused"
     assert backend.tokenizer_detail is not None

@@ -134,7 +134,7 @@ def prepared(
     """What the preprocessor makes of `payload`: its fields but the prompt's, and `ids`."""
     fields = {k: v for k, v in payload.items() if k not in ("messages", "prompt")}
     token_ids = None if ids is None else array("I", ids)
-    return Prepared(fields.get("model"), fields, prompt, token_ids, ids is None, "thread", 0.0, 0.0)
+    return Prepared(fields.get("model"), fields, prompt, "thread", 0.0, token_ids)
 
 
 # Sampling parameters a token completion takes as the chat gave them.

@@ -209,7 +209,7 @@ def test_l1_memory_is_bounded() -> None:
     l1 = l1_for("chatml", max_bytes=4096)
     for i in range(50):
         l1.tokenize(f"<|im_start|>user\nconversation {i} " + "pad " * 40 + "<|im_end|>\n")
-        assert l1.memory_bytes <= 4096
+        assert l1.store.memory_bytes <= 4096
     assert 0 < len(l1) < 50
 
 

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from app.errors import require_at_least
+
 
 @dataclass
 class _Bucket:
@@ -30,8 +32,7 @@ class _Bucket:
 
 class TokenBuckets:
     def __init__(self, max_keys: int = 10_000) -> None:
-        if max_keys < 1:
-            raise ValueError("max_keys must be at least 1")
+        require_at_least(1, max_keys=max_keys)
         self.max_keys = max_keys
         self._buckets: OrderedDict[Hashable, _Bucket] = OrderedDict()
 

@@ -33,6 +33,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
+from app.errors import require_at_least
+
 WINDOW_S = 60.0
 # Keys whose counters one sync reads back: its cost stays bounded however many keys are busy.
 MAX_READS_PER_SYNC = 256
@@ -130,8 +132,7 @@ class SharedBudgets:
         prefix: str = "sluice:tpm:",
         max_keys: int = 10_000,
     ) -> None:
-        if local_replicas < 1 or max_keys < 1:
-            raise ValueError("local_replicas and max_keys must be at least 1")
+        require_at_least(1, local_replicas=local_replicas, max_keys=max_keys)
         self.per_minute = per_minute
         self.local_replicas = local_replicas
         self.shared = shared

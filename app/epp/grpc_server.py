@@ -37,6 +37,7 @@ from app.epp.grpc_wire import (
     frame_message,
 )
 from app.epp.wakeup import Wakeup
+from app.http.graceful import Listening
 
 log = logging.getLogger("sluice.epp.grpc")
 
@@ -287,9 +288,7 @@ class GrpcServer:
     def __init__(self, handlers: Mapping[str, Handler], limits: Limits = DEFAULT_LIMITS) -> None:
         self.handlers = handlers
         self.limits = limits
-        self.closing = False
-        self._connections: set[_Connection] = set()
-        self._listening = trio.CancelScope()
+        self._listening = Listening(_Connection.drain)
         self._idle = trio.lowlevel.ParkingLot()
 
     async def serve(
@@ -306,33 +305,32 @@ class GrpcServer:
         bound: int = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             task_status.started(bound)
-            with self._listening:
+            with self._listening.accepting:
                 await trio.serve_listeners(self.serve_stream, listeners, handler_nursery=nursery)
 
     async def serve_stream(self, stream: trio.abc.Stream) -> None:
         connection = _Connection(stream, self.handlers, self.limits)
-        self._connections.add(connection)
-        if self.closing:
-            connection.drain()
+        self._listening.add(connection)
         try:
             await connection.serve()
         except Exception:
             # A bug of ours, not the peer's: it costs this connection only.
             log.exception("gRPC connection failed")
         finally:
-            self._connections.discard(connection)
-            if not self._connections:
+            self._listening.discard(connection)
+            if not self._listening.connections:
                 self._idle.unpark_all()
             await trio.aclose_forcefully(stream)
 
+    @property
+    def closing(self) -> bool:
+        return self._listening.closing
+
     def close(self) -> None:
-        self.closing = True
-        self._listening.cancel()
-        for connection in self._connections:
-            connection.drain()
+        self._listening.close()
 
     async def wait_idle(self) -> None:
-        while self._connections:
+        while self._listening.connections:
             await self._idle.park()
 
 

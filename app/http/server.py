@@ -36,6 +36,7 @@ from app.errors import ClientError
 from app.http.connection import DEFAULT_LIMITS, ClientConnection, Limits, Reading
 from app.http.departures import Departures
 from app.http.exchange import ClientGone, Exchange, read_into
+from app.http.graceful import Listening
 from app.http.listeners import reuse_port_listeners
 from app.http.streams import ByteStream, byte_stream
 
@@ -59,9 +60,7 @@ class HttpServer:
         self._handler = handler
         self._reuse_port = reuse_port
         self._limits = Limits(keep_alive_timeout, read_timeout, max_head_bytes)
-        self.closing = False
-        self._listening = trio.CancelScope()
-        self._connections: set[_Served] = set()
+        self._listening = Listening(_Served.shutdown)
         self.answering = 0  # requests being answered now
         self._idle = trio.Event()
         # Clients that leave mid-answer: `serve` runs it (tests of `serve_connection` alone
@@ -92,7 +91,7 @@ class HttpServer:
     async def _accept(
         self, listeners: list[trio.SocketListener], connections: trio.Nursery
     ) -> None:
-        with self._listening:
+        with self._listening.accepting:
             await trio.serve_listeners(self._serve_socket, listeners, handler_nursery=connections)
 
     async def _serve_socket(self, stream: trio.SocketStream) -> None:
@@ -101,10 +100,7 @@ class HttpServer:
     def close(self) -> None:
         """Stop accepting and close idle connections; answers in flight go on, each the last
         on its connection."""
-        self.closing = True
-        self._listening.cancel()
-        for served in self._connections:
-            served.shutdown()
+        self._listening.close()
 
     async def wait_idle(self) -> None:
         """Return once no request is being answered (idle keep-alives don't count)."""
@@ -115,10 +111,8 @@ class HttpServer:
     async def serve_connection(self, stream: ByteStream) -> None:
         """Answer the requests of one connection until it closes, then close its stream."""
         connection = ClientConnection(self._limits, trio.current_time())
-        if self.closing:
-            connection.shutdown()
         served = _Served(connection, stream)
-        self._connections.add(served)
+        self._listening.add(served)
         watched = self.departures.watch(stream, served.peer_left)
         try:
             async with trio.open_nursery() as nursery:
@@ -132,7 +126,7 @@ class HttpServer:
                 if served.timer is not None:
                     served.timer.cancel()
         finally:
-            self._connections.discard(served)
+            self._listening.discard(served)
             if watched:
                 self.departures.forget(stream)
             await stream.aclose()

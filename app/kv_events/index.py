@@ -29,6 +29,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from typing import Literal, TypedDict
 
+from app.errors import require_at_least
 from app.kv_events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -99,8 +100,7 @@ class BackendKvEvents:
     """What one backend's engine published, applied to `index` under the key `backend`."""
 
     def __init__(self, index: BlockIndex, backend: Hashable, max_mapped: int) -> None:
-        if max_mapped < 1:
-            raise ValueError("max_mapped must be at least 1")
+        require_at_least(1, max_mapped=max_mapped)
         self.index = index
         self.backend = backend
         self.max_mapped = max_mapped

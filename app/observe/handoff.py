@@ -26,6 +26,8 @@ from typing import Generic, TypeVar
 
 import trio
 
+from app.errors import require_at_least
+
 log = logging.getLogger("sluice.observe")
 
 T = TypeVar("T")
@@ -36,8 +38,7 @@ class Handoff(Generic[T]):
     def __init__(
         self, capacity: int, *, name: str, interval_s: float = 0.1, batch: int = 256
     ) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
+        require_at_least(1, capacity=capacity)
         self.capacity = capacity
         self.name = name
         self._interval_s = interval_s

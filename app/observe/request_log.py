@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import deque
 from typing import NotRequired, Protocol, TypedDict
 
+from app.errors import require_at_least
+
 MAX_TEXT = 96  # characters kept of a client-chosen string (model, request id)
 CLIENT_GONE_STATUS = 499  # nginx's "client closed request": no response was finished
 
@@ -75,8 +77,7 @@ class RequestLog:
     """The newest `capacity` finished requests, plus running totals by status class."""
 
     def __init__(self, capacity: int = 200) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
+        require_at_least(1, capacity=capacity)
         self.capacity = capacity
         self._finished: deque[tuple[int, Finished]] = deque(maxlen=capacity)
         self.total = 0

@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple, NotRequired, TypedDict
 
+from app.errors import require_at_least
 from app.observe.stall_causes import BLOCKING, GIL_WAIT, PREEMPTED, UNKNOWN
 
 
@@ -105,8 +106,7 @@ class StallRing:
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
+        require_at_least(1, capacity=capacity)
         self._capacity = capacity
         self._records: OrderedDict[tuple[Any, ...], StallRecord] = OrderedDict()
 

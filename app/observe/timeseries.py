@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from itertools import islice
 
+from app.errors import require_at_least
 from app.observe.stalls import HistogramSummary, summarize_histogram
 
 Sample = Mapping[str, float]
@@ -27,8 +28,7 @@ class CounterWindow:
     """The last `span + 1` samples: enough to look `span` ticks back."""
 
     def __init__(self, span: int) -> None:
-        if span < 1:
-            raise ValueError("span must be at least 1")
+        require_at_least(1, span=span)
         self.span = span
         self._samples: deque[tuple[float, Sample]] = deque(maxlen=span + 1)
 
@@ -110,8 +110,7 @@ class Columns:
     """
 
     def __init__(self, capacity: int, max_columns: int = 64) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
+        require_at_least(1, capacity=capacity)
         self.capacity = capacity
         self.max_columns = max_columns
         self._t: deque[float] = deque(maxlen=capacity)

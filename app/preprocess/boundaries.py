@@ -32,7 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from app.preprocess.tokenizer_loading import AddedTokenLike, TokenizerLike
+from tokenizers import AddedToken
+
+from app.preprocess.tokenizer_loading import TokenizerLike
 
 
 class Boundary(NamedTuple):
@@ -49,7 +51,7 @@ class _Pass:
 
 
 class BoundaryFinder:
-    def __init__(self, tokens: Iterable[tuple[int, AddedTokenLike]], identity_normalizer: bool):
+    def __init__(self, tokens: Iterable[tuple[int, AddedToken]], identity_normalizer: bool):
         raw = [(i, t) for i, t in tokens if not t.normalized and t.content]
         normalized = [(i, t) for i, t in tokens if t.normalized and t.content]
         self._first = _build_pass(raw)
@@ -103,7 +105,7 @@ def _scan(p: _Pass, text: str, start: int, end: int, found: list[Boundary]) -> N
             found.append(Boundary(m.start(), m.end(), p.ids[content]))
 
 
-def _build_pass(tokens: list[tuple[int, AddedTokenLike]]) -> _Pass | None:
+def _build_pass(tokens: list[tuple[int, AddedToken]]) -> _Pass | None:
     if not tokens:
         return None
     ids = {t.content: i for i, t in tokens}

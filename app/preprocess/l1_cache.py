@@ -104,14 +104,6 @@ class L1Cache:
         self.mismatches = 0
         self.disabled_reason: str | None = None
 
-    @property
-    def max_bytes(self) -> int:
-        return self.store.max_bytes
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.store.memory_bytes
-
     def __len__(self) -> int:
         """Segments in the store, every tokenizer's."""
         return len(self._entries)

@@ -112,15 +112,20 @@ class Prepared:
     # while proven too long could not be decided); None for token-id prompts and bail-outs
     # before rendering.
     prompt: str | None
-    # None if bailed out; else an array("I") (a list for given ids): list() it for JSON.
-    token_ids: Sequence[int] | None
-    estimated: bool  # True when tokens were skipped (bail-out): token checks skipped
-    tokenize_path: str  # l0 | l1 | thread | fallback | inline | bailed_out | given
+    tokenize_path: str  # l0 | l1 | thread | fallback | inline | given | bailed_out | none
     template_seconds: float
-    tokenize_seconds: float
+    # An array("I") (a list for given ids): list() it for JSON. None when the request goes on
+    # without them (it bailed out, or has no prompt of Sluice's to tokenize).
+    token_ids: Sequence[int] | None = None
+    tokenize_seconds: float = 0.0
     # The body to forward when the model had to be rewritten (an alias, or no model named);
     # None: the client's own.
     forward_body: bytes | None = None
+
+    @property
+    def estimated(self) -> bool:
+        """No token ids: the token checks were skipped, and counts are estimates."""
+        return self.token_ids is None
 
 
 def _no_phase(name: str) -> AbstractContextManager[None]:
@@ -310,10 +315,9 @@ class Preprocessor:
             model=rendered.model,
             fields=rendered.fields,
             prompt=None if isinstance(rendered.prompt, list) else rendered.prompt,
-            token_ids=ids,
-            estimated=ids is None,
             tokenize_path=path,
             template_seconds=template_seconds,
+            token_ids=ids,
             tokenize_seconds=tokenize_seconds,
             forward_body=rendered.body,
         )
@@ -369,36 +373,17 @@ def _bailed_out(
     """Saturated and told to bail out: the request goes on without tokens (and, bailing out
     before its render, unparsed: with one model served, it goes to that one)."""
     if rendered is None:
-        return _without_tokens(model, {}, None, None, "bailed_out", template_seconds)
+        return Prepared(model, {}, None, "bailed_out", template_seconds)
     prompt, body = str(rendered.prompt), rendered.body
-    return _without_tokens(model, rendered.fields, prompt, body, "bailed_out", template_seconds)
+    return Prepared(
+        model, rendered.fields, prompt, "bailed_out", template_seconds, forward_body=body
+    )
 
 
 def _untokenized(rendered: RenderedRequest, template_seconds: float) -> Prepared:
     """A request with no prompt of Sluice's to tokenize: its usage is what the engine says."""
     model, fields, body = rendered.model, rendered.fields, rendered.body
-    return _without_tokens(model, fields, None, body, "none", template_seconds)
-
-
-def _without_tokens(
-    model: str | None,
-    fields: dict[str, Any],
-    prompt: str | None,
-    body: bytes | None,
-    path: str,
-    template_seconds: float,
-) -> Prepared:
-    return Prepared(
-        model=model,
-        fields=fields,
-        prompt=prompt,
-        token_ids=None,
-        estimated=True,
-        tokenize_path=path,
-        template_seconds=template_seconds,
-        tokenize_seconds=0.0,
-        forward_body=body,
-    )
+    return Prepared(model, fields, None, "none", template_seconds, forward_body=body)
 
 
 def _may_bail(plan: RenderPlan) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from app.errors import ConfigError
 
@@ -37,21 +37,6 @@ class TokenizerLoadError(ConfigError):
 class EncodingLike(Protocol):
     @property
     def ids(self) -> list[int]: ...
-
-
-class AddedTokenLike(Protocol):
-    @property
-    def content(self) -> str: ...
-    @property
-    def special(self) -> bool: ...
-    @property
-    def normalized(self) -> bool: ...
-    @property
-    def lstrip(self) -> bool: ...
-    @property
-    def rstrip(self) -> bool: ...
-    @property
-    def single_word(self) -> bool: ...
 
 
 class TokenizerLike(Protocol):
@@ -69,7 +54,7 @@ class TokenizerLike(Protocol):
         self, input: Sequence[Any], is_pretokenized: bool = False, add_special_tokens: bool = True
     ) -> Sequence[EncodingLike]: ...
 
-    def get_added_tokens_decoder(self) -> Mapping[int, AddedTokenLike]: ...
+    def get_added_tokens_decoder(self) -> Mapping[int, AddedToken]: ...
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int: ...
 

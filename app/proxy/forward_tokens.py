@@ -81,7 +81,7 @@ def plan_forward(kind: str, path: str, body: bytes, prepared: Prepared) -> Forwa
     """What to send for one request; `prepared.fields` are its fields but the prompt's."""
     ids = prepared.token_ids
     payload = prepared.fields
-    if ids is None or prepared.estimated:
+    if ids is None:
         return _passthrough(path, body, "no token ids: tokenization was skipped")
     if kind == "completion" and prepared.prompt is None:
         return _passthrough(path, body, "the prompt is token ids already")

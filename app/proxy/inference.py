@@ -11,6 +11,7 @@ to once.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 from app.errors import ClientError, Refused
 from app.fleet.backends import BackendPool
@@ -32,25 +33,21 @@ from app.proxy.two_hops import TwoHops
 from app.routing.decider import RequestContext
 
 
+@dataclass(eq=False)
 class Inference:
-    def __init__(
-        self,
-        settings: ProxySettings,
-        reception: Reception,
-        forwarder: Forwarder,
-        pool: BackendPool,
-        two_hops: TwoHops | None = None,
-    ) -> None:
-        self.settings = settings
-        self.reception = reception
-        self.forwarder = forwarder
-        self.pool = pool
-        self.two_hops = two_hops
-        self.forward_tokens = settings.forward == "tokens"
-        # Request ids this process makes: a random prefix and a count, unique without a
-        # system call for 16 random bytes on every request.
-        self._id_prefix = os.urandom(8).hex().encode()
-        self._ids_made = 0
+    settings: ProxySettings
+    reception: Reception
+    forwarder: Forwarder
+    pool: BackendPool
+    two_hops: TwoHops | None = None
+    forward_tokens: bool = field(init=False)
+    # Request ids this process makes: a random prefix and a count, unique without a system
+    # call for 16 random bytes on every request.
+    _id_prefix: bytes = field(init=False, default_factory=lambda: os.urandom(8).hex().encode())
+    _ids_made: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.forward_tokens = self.settings.forward == "tokens"
 
     def new_request_id(self) -> bytes:
         self._ids_made += 1

@@ -28,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.errors import require_at_least
+
 ANONYMOUS = "anonymous"
 # Another tenant that came to a queue this recently makes the per-tenant bound hold.
 CONTENDED_S = 10.0
@@ -72,8 +74,7 @@ class _Band:
 
 class FairQueue:
     def __init__(self, max_held: int, max_per_tenant: int) -> None:
-        if max_held < 0 or max_per_tenant < 0:
-            raise ValueError("queue bounds must not be negative")
+        require_at_least(0, max_held=max_held, max_per_tenant=max_per_tenant)
         self.max_held = max_held
         self.max_per_tenant = max_per_tenant
         self._bands: dict[int, _Band] = {}

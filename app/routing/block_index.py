@@ -27,6 +27,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
+from app.errors import require_at_least
+
 BLOCK_SIZE = 16
 ROOT_HASH = 0  # what block 0 of every prompt chains from
 _ID_BYTES = 4  # array('I') items: the id space of every tokenizer Sluice loads
@@ -67,8 +69,7 @@ def _packed(token_ids: Sequence[int]) -> tuple[bytes, int]:
 
 class BlockIndex:
     def __init__(self, max_blocks: int) -> None:
-        if max_blocks < 1:
-            raise ValueError("max_blocks must be at least 1")
+        require_at_least(1, max_blocks=max_blocks)
         self.max_blocks = max_blocks
         self._held: dict[Hashable, OrderedDict[int, int]] = {}
         self._size = 0

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from app.errors import require_at_least
 from app.kv_events.wire import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -59,8 +60,7 @@ class KVAllocation:
 
 class PrefixKVCache:
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("the KV cache needs at least one block of at least one token")
+        require_at_least(1, num_blocks=num_blocks, block_size=block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._ref_counts = [0] * num_blocks

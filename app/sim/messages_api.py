@@ -31,7 +31,7 @@ from typing import Any
 from app.errors import ClientError, Shape
 from app.http.exchange import Exchange
 from app.sim.generation import collect, sse_event
-from app.sim.inference import Handler, Inference
+from app.sim.inference import Inference
 from app.sim.openai_format import check_context_length, request_error
 from app.sim.tokens import render_chat
 
@@ -108,15 +108,9 @@ def _blocks_text(value: Any, param: str) -> str:
     raise request_error("expected a string or a list of text blocks", param=param or None)
 
 
+@dataclass(frozen=True)
 class MessagesEndpoints:
-    def __init__(self, inference: Inference) -> None:
-        self.inference = inference
-
-    def routes(self) -> dict[str, dict[str, Handler]]:
-        return {
-            "/v1/messages": {"POST": self.create},
-            "/v1/messages/count_tokens": {"POST": self.count_tokens},
-        }
+    inference: Inference
 
     async def count_tokens(self, exchange: Exchange) -> None:
         payload = await self.inference.read_json(exchange)

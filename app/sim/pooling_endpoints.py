@@ -9,6 +9,7 @@ inputs of one request run at once, as vLLM submits them together.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -33,9 +34,9 @@ from app.sim.pooling import (
 )
 
 
+@dataclass(frozen=True)
 class PoolingEndpoints:
-    def __init__(self, inference: Inference) -> None:
-        self.inference = inference
+    inference: Inference
 
     def routes(self) -> dict[str, dict[str, Handler]]:
         """Where vLLM mounts each (the unversioned paths are its own names for them)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import trio
 
+from app.errors import require_at_least
 from app.sim.responses_format import Turn
 
 CAPACITY = 10_000
@@ -56,8 +57,7 @@ class StoredResponse:
 
 class ResponseStore:
     def __init__(self, capacity: int = CAPACITY) -> None:
-        if capacity < 1:
-            raise ValueError("a response store holds at least one response")
+        require_at_least(1, capacity=capacity)
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 

@@ -33,6 +33,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.errors import require_at_least
 from app.sim.latency import Step
 
 
@@ -64,8 +65,9 @@ class StepScheduler:
     def __init__(
         self, max_num_seqs: int, max_num_batched_tokens: int, admit: Callable[[int], int]
     ) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        require_at_least(
+            1, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self._admit = admit

@@ -120,6 +120,7 @@ class SimServer:
         )
         self.responses = ResponsesEndpoints(self.inference)
         transcription = TranscriptionEndpoint(self.inference)
+        messages = MessagesEndpoints(self.inference)
         self._routes: dict[str, dict[str, Handler]] = {
             "/v1/chat/completions": {"POST": partial(self._generate, "chat")},
             "/v1/completions": {"POST": partial(self._generate, "completion")},
@@ -128,7 +129,8 @@ class SimServer:
             # vLLM's translations endpoint answers in the same shapes; the sim's words are
             # no language in particular.
             "/v1/audio/translations": {"POST": transcription.transcribe},
-            **MessagesEndpoints(self.inference).routes(),
+            "/v1/messages": {"POST": messages.create},
+            "/v1/messages/count_tokens": {"POST": messages.count_tokens},
             **PoolingEndpoints(self.inference).routes(),
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
@@ -145,15 +147,6 @@ class SimServer:
             self._routes[STATED_LIMIT_PATHS[settings.metrics_style]] = {"GET": self._about}
         if settings.pd_protocol == "sglang":
             self._routes["/get_server_info"] = {"GET": self._about}
-
-    @property
-    def tokenizer(self) -> TextTokenizer:
-        return self.inference.tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, tokenizer: TextTokenizer) -> None:
-        """A test may give a running server another tokenizer."""
-        self.inference.tokenizer = tokenizer
 
     async def __call__(self, exchange: Exchange) -> None:
         traceparent = exchange.header(b"traceparent")
@@ -182,7 +175,7 @@ class SimServer:
         inference = self.inference
         payload = await inference.read_json(exchange)
         model = inference.model(payload)
-        request = parse_generation(kind, payload, self.tokenizer, self.settings)
+        request = parse_generation(kind, payload, self.inference.tokenizer, self.settings)
         self.prompts_by_form[request.prompt_form] += 1
         as_text = request.prompt_form != "token_ids"
         await inference.admit(len(request.prompt_tokens), as_text=as_text)
@@ -248,7 +241,7 @@ class SimServer:
             text = payload["prompt"]
         else:
             raise request_error("send a string `prompt` or a list of `messages`", param="prompt")
-        tokens = self.tokenizer.encode(text)
+        tokens = self.inference.tokenizer.encode(text)
         await exchange.respond_json(
             200,
             {
@@ -267,10 +260,11 @@ class SimServer:
             isinstance(token, int) and not isinstance(token, bool) for token in tokens
         ):
             raise request_error("`tokens` must be a list of token ids", param="tokens")
-        out_of_range = [token for token in tokens if not 0 <= token < self.tokenizer.vocab_size]
+        tokenizer = self.inference.tokenizer
+        out_of_range = [token for token in tokens if not 0 <= token < tokenizer.vocab_size]
         if out_of_range:
             raise request_error(f"Token id {out_of_range[0]} is out of vocabulary", param="tokens")
-        await exchange.respond_json(200, {"prompt": self.tokenizer.decode(tokens)})
+        await exchange.respond_json(200, {"prompt": tokenizer.decode(tokens)})
 
     async def _set_faults(self, exchange: Exchange) -> None:
         payload = parse_json_object(await exchange.read_body(MAX_BODY_BYTES))
