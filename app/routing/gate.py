@@ -65,10 +65,10 @@ class _Ticket:
 @dataclass(frozen=True)
 class GateLimits:
     ceiling: int | None  # --max-inflight-per-backend: our requests on one backend, at most
-    max_kv_usage: float  # --max-kv-usage: an engine this full takes no more
+    max_kv_usage: float  # an engine this full takes no more
     max_queued: int  # --max-queued-per-backend: ours waiting in one engine's queue, at most
-    max_held: int  # --admission-queue: held requests of one pool, every tenant's
-    max_per_tenant: int  # --admission-queue-per-key: held requests of one tenant in one pool
+    max_held: int  # held requests of one pool, every tenant's
+    max_per_tenant: int  # held requests of one tenant in one pool
     timeout: float  # --admission-timeout: the longest a request is held
 
 

@@ -112,13 +112,13 @@ class Router:
         self.policy = policy or make_policy(settings.policy, params=settings.params)
         self.requests = 0  # requests that asked for a backend so far: whether traffic flows
         self._requested = trio.Event()  # set by the next one (`next_request`)
-        limits = GateLimits(  # each field's flag in its order (gate.py says which)
-            settings.max_inflight_per_backend,
-            settings.max_kv_usage,
-            settings.max_queued_per_backend,
-            settings.admission_queue,
-            settings.admission_queue_per_key,
-            settings.admission_timeout,
+        limits = GateLimits(
+            ceiling=settings.max_inflight_per_backend,
+            max_kv_usage=settings.max_kv_usage,
+            max_queued=settings.max_queued_per_backend,
+            max_held=settings.admission_queue,
+            max_per_tenant=settings.admission_queue_per_key,
+            timeout=settings.admission_timeout,
         )
         holder = self.policy.holder if isinstance(self.policy, CacheAware) else None
         self.gate = Gate(
