@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import FAST_SIM, MODEL, StartSim, StartSluice
+from tests.conftest import FAST_SIM, MODEL, SimHandle, StartSim, StartSluice
 from tests.sims import samples
 
 LONG = {"role": "user", "content": "tell me " + "about the sea " * 300}
@@ -44,6 +44,21 @@ async def pd_fleet(
         [], prefill=(entry,), decode=(decode.url,), pd_protocol=protocol, disaggregate_above=64
     )
     return sluice.proxy_url, prefill.url, decode.url
+
+
+async def vllm_fleet(
+    start_sim: StartSim, start_sluice: StartSluice, prefills: int, decodes: int
+) -> tuple[str, list[SimHandle], list[SimHandle]]:
+    """(proxy URL, prefill engines, decode engines) of vLLM's flow."""
+    prefill = [await start_sim(PD_SIM, role="prefill") for _ in range(prefills)]
+    decode = [await start_sim(PD_SIM, role="decode") for _ in range(decodes)]
+    sluice = await start_sluice(
+        [],
+        prefill=tuple(sim.url for sim in prefill),
+        decode=tuple(sim.url for sim in decode),
+        disaggregate_above=64,
+    )
+    return sluice.proxy_url, prefill, decode
 
 
 async def recomputed(client: httpx.AsyncClient, url: str) -> float:
@@ -165,19 +180,14 @@ def _shape(value: Any) -> Any:
 async def test_a_dead_prefill_engine_is_passed_over_then_the_decode_prefills_itself(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    first = await start_sim(PD_SIM, role="prefill")
-    second = await start_sim(PD_SIM, role="prefill")
-    decode = await start_sim(PD_SIM, role="decode")
-    sluice = await start_sluice(
-        [], prefill=(first.url, second.url), decode=(decode.url,), disaggregate_above=64
-    )
+    proxy, (first, second), (decode,) = await vllm_fleet(start_sim, start_sluice, 2, 1)
     first.kill()  # before its health check notices: the leg itself finds it gone
-    answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=long_chat("a"))
+    answer = await client.post(proxy + "/v1/chat/completions", json=long_chat("a"))
     assert answer.status_code == 200
     assert answer.headers["x-sluice-pd"] == "disaggregated"
     assert answer.headers["x-sluice-prefill"] == second.url
     second.kill()
-    answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=long_chat("b"))
+    answer = await client.post(proxy + "/v1/chat/completions", json=long_chat("b"))
     assert answer.status_code == 200
     assert answer.headers["x-sluice-pd"] in (
         "aggregated (prefill failed)",
@@ -189,16 +199,11 @@ async def test_a_dead_prefill_engine_is_passed_over_then_the_decode_prefills_its
 async def test_a_dead_decode_engine_is_passed_over_with_a_fresh_prefill(
     start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
 ) -> None:
-    prefill = await start_sim(PD_SIM, role="prefill")
-    first = await start_sim(PD_SIM, role="decode")
-    second = await start_sim(PD_SIM, role="decode")
-    sluice = await start_sluice(
-        [], prefill=(prefill.url,), decode=(first.url, second.url), disaggregate_above=64
-    )
+    proxy, _, (first, second) = await vllm_fleet(start_sim, start_sluice, 1, 2)
     first.kill()
     for topic in ("a", "b"):  # whichever decode engine the first choice is
         body = long_chat(topic)
-        answer = await client.post(sluice.proxy_url + "/v1/chat/completions", json=body)
+        answer = await client.post(proxy + "/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-sluice-pd"] == "disaggregated"
         assert answer.headers["x-sluice-backend"] == second.url
