@@ -83,6 +83,9 @@ class Record:
     # The backend's `usage.prompt_tokens_details.cached_tokens` (a stream's only if it asked
     # for `stream_options.include_usage`); None when the answer did not say.
     cached_tokens: int | None = None
+    # Every gap between a stream's output chunks (asked for with `keep_gaps`: a tail of
+    # inter-token latency is a tail of gaps, which the mean `itl` hides); not in `as_dict`.
+    gaps: list[float] | None = None
 
     @property
     def timing(self) -> dict[str, float]:
@@ -91,7 +94,7 @@ class Record:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["timing"] = self.timing
-        del out["server_timing"]
+        del out["server_timing"], out["gaps"]
         return out
 
 
@@ -108,7 +111,9 @@ def parse_server_timing(value: str) -> dict[str, float]:
     return timing
 
 
-async def _consume_stream(record: Record, connection: Connection, sent: float) -> None:
+async def _consume_stream(
+    record: Record, connection: Connection, sent: float, keep_gaps: bool
+) -> None:
     """Server-sent events to `[DONE]`: the time of each `data:` event, an error event."""
     times: list[float] = []
     pending = b""
@@ -126,6 +131,8 @@ async def _consume_stream(record: Record, connection: Connection, sent: float) -
                     record.ttft = times[0] - sent
                     if len(times) > 1:
                         record.itl = (times[-1] - times[0]) / (len(times) - 1)
+                    if keep_gaps:
+                        record.gaps = [b - a for a, b in itertools.pairwise(times)]
                 record.output_tokens = len(times)
                 return
             if data.startswith(b'{"error"'):
@@ -151,10 +158,12 @@ def count_of(body: bytes, field: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
-async def send(pool: Pool, item: Request | Prepared, start: float) -> Record:
+async def send(
+    pool: Pool, item: Request | Prepared, start: float, keep_gaps: bool = False
+) -> Record:
     """Send one request through `pool` and measure it; `start` is the run's zero on
-    `time.perf_counter()`. Without a pool timeout there is no cancel scope per request: the
-    CPU benchmarks' clients stay lean."""
+    `time.perf_counter()`; `keep_gaps`: a stream's every inter-token gap kept. Without a pool
+    timeout there is no cancel scope per request: the CPU benchmarks' clients stay lean."""
     prepared = item if type(item) is Prepared else pool.prepare(item)  # type: ignore[arg-type]
     sent = time.perf_counter()
     record = Record(prepared.tag, sent - start)
@@ -173,7 +182,7 @@ async def send(pool: Pool, item: Request | Prepared, start: float) -> Record:
                     await connection.read_body()
                     record.error = f"http_{status}"
                 elif prepared.streaming:
-                    await _consume_stream(record, connection, sent)
+                    await _consume_stream(record, connection, sent, keep_gaps)
                 else:
                     body = await connection.read_body()
                     record.output_tokens = completion_tokens(body)
@@ -266,10 +275,12 @@ async def open_loop(
     on_record: Callable[[Record], None] | None = None,
     label: str | None = None,
     start: float | None = None,
+    keep_gaps: bool = False,
 ) -> Run:
     """Each item of `plan` at its time, each its own task; returns once every answer is in.
     A list is sorted by time first (stable: items of one instant keep their order). Records'
-    `start` counts from `start` (a `time.perf_counter()`; default: now)."""
+    `start` counts from `start` (a `time.perf_counter()`; default: now); `keep_gaps`: each
+    stream's inter-token gaps kept (`Record.gaps`)."""
     if isinstance(plan, Sequence):
         plan = sorted(plan, key=lambda entry: entry[0])
     records: list[Record] = []
@@ -281,7 +292,7 @@ async def open_loop(
         nonlocal inflight
         inflight += 1
         try:
-            record = await send(pool, item, start)
+            record = await send(pool, item, start, keep_gaps)
         finally:
             inflight -= 1
         records.append(record)

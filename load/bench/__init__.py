@@ -28,6 +28,7 @@ NAMES = (
     "admission",
     "longprompts",
     "epp",
+    "pd",
 )
 
 
