@@ -57,7 +57,15 @@ async def engines(
 
     async def one(seed: int) -> None:
         urls[seed] = await stack.sim(
-            "--seed", str(seed), "--pd-role", role, "--pd-flow", flow, *TIMING, *flags, model=MODEL
+            "--seed",
+            str(seed),
+            "--pd-role",
+            role,
+            "--pd-protocol",
+            flow,
+            *TIMING,
+            *flags,
+            model=MODEL,
         )
 
     async with trio.open_nursery() as nursery:
@@ -168,7 +176,7 @@ async def test_a_client_leaving_mid_stream_releases_both_engines(
         [],
         prefill=(f"{prefill}={port}" if flow == "sglang" else prefill,),
         decode=(decode,),
-        pd_flow=flow,
+        pd_protocol=flow,
         disaggregate_above=THRESHOLD,
     )
 

@@ -88,16 +88,16 @@ async def start(bench: Bench, name: str) -> Variant:
     # SGLang's bootstrap servers listen on ports told to Sluice up front (`URL=PORT`).
     ports = [free_port() for _ in range(2)] if flow == "sglang" else []
     prefills = [
-        await stack.sim("--seed", str(i), "--pd-role", "prefill", "--pd-flow", flow,
+        await stack.sim("--seed", str(i), "--pd-role", "prefill", "--pd-protocol", flow,
                         *(("--bootstrap-port", str(ports[i])) if ports else ()), *SIM_TIMING)
         for i in range(2)
     ]  # fmt: skip
     decodes = [
-        await stack.sim("--seed", str(i + 2), "--pd-role", "decode", "--pd-flow", flow,
+        await stack.sim("--seed", str(i + 2), "--pd-role", "decode", "--pd-protocol", flow,
                         *SIM_TIMING)
         for i in range(2)
     ]  # fmt: skip
-    flags = ["--pd-flow", flow, "--disaggregate-above", str(THRESHOLD)]
+    flags = ["--pd-protocol", flow, "--disaggregate-above", str(THRESHOLD)]
     for i, url in enumerate(prefills):
         flags += ["--prefill", f"{url}={ports[i]}" if ports else url]
     for url in decodes:
