@@ -59,7 +59,7 @@ async def engines(
         urls[seed] = await stack.sim(
             "--seed",
             str(seed),
-            "--pd-role",
+            "--role",
             role,
             "--pd-protocol",
             flow,

@@ -2,7 +2,7 @@
 (issue 43).
 
 The same 4 simulated GPUs three ways, each behind its own `sluice serve`, taking turns by
-round at the same offered load: `aggregated` (4 `--pd-role both` engines, `--backend`),
+round at the same offered load: `aggregated` (4 `--role both` engines, `--backend`),
 `disaggregated` (2 prefill + 2 decode engines in vLLM's flow: `--prefill`, `--decode`,
 `--disaggregate-above 512`) and, unless `--quick`, `sglang` (the same in SGLang's flow, each
 prefill engine's bootstrap server on a port given up front). Each round sends one open-loop
@@ -32,7 +32,9 @@ share (/proc/stat) and errors. Checked: ITL p99 disaggregated <= 0.5x aggregated
 >= 0.9x (both medians of the per-round ratios); hand-off p50 <= 1 ms, p99 <= 3 ms; every
 short prompt one hop and no prefill leg but the long prompts'; no disaggregated request
 recomputed by its decode engine (a decode engine's recomputes are exactly the one-hop
-requests it served whole); no errors.
+requests it served whole); no errors. The hand-off is the histogram as Sluice defines it, the
+prefill's answer read to the decode's request written whole: on 2 shared cores the write that
+wakes a decode engine may hand it the proxy's core while it reads the body, and that counts.
 """
 
 from __future__ import annotations
@@ -88,12 +90,12 @@ async def start(bench: Bench, name: str) -> Variant:
     # SGLang's bootstrap servers listen on ports told to Sluice up front (`URL=PORT`).
     ports = [free_port() for _ in range(2)] if flow == "sglang" else []
     prefills = [
-        await stack.sim("--seed", str(i), "--pd-role", "prefill", "--pd-protocol", flow,
+        await stack.sim("--seed", str(i), "--role", "prefill", "--pd-protocol", flow,
                         *(("--bootstrap-port", str(ports[i])) if ports else ()), *SIM_TIMING)
         for i in range(2)
     ]  # fmt: skip
     decodes = [
-        await stack.sim("--seed", str(i + 2), "--pd-role", "decode", "--pd-protocol", flow,
+        await stack.sim("--seed", str(i + 2), "--role", "decode", "--pd-protocol", flow,
                         *SIM_TIMING)
         for i in range(2)
     ]  # fmt: skip
