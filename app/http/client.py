@@ -78,7 +78,7 @@ class UpstreamResponse:
             ) from None
         self._arrived = head.rest  # body bytes read along with the head
         self.reused = connection.reused  # sent on a kept-alive connection, not a new one
-        self.sent_at = 0.0  # perf_counter once the request was sent (its first byte awaited)
+        self.sent_at = 0.0  # perf_counter as the request was sent (its first byte awaited)
         self._last_read = b""
         self.complete = self._decoder.done  # the whole body has been decoded
 
@@ -305,13 +305,15 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         host = urlsplit(base_url).netloc.encode()
         stream = connection.stream
+        payload = request_bytes(host, path.encode(), headers, body, method)
+        # Sent: the bytes go to the kernel within this call, before it lets other tasks run.
+        sent_at = time.perf_counter()
         try:
-            await stream.send(request_bytes(host, path.encode(), headers, body, method))
+            await stream.send(payload)
         except trio.BrokenResourceError as exc:
             raise UpstreamError(UpstreamFault.BROKEN, f"while sending: {exc}") from None
         except trio.ClosedResourceError:
             raise self._aborted(connection) from None
-        sent_at = time.perf_counter()
         received = b""
         while True:
             try:
