@@ -33,8 +33,9 @@ share (/proc/stat) and errors. Checked: ITL p99 disaggregated <= 0.5x aggregated
 short prompt one hop and no prefill leg but the long prompts'; no disaggregated request
 recomputed by its decode engine (a decode engine's recomputes are exactly the one-hop
 requests it served whole); no errors. The hand-off is the histogram as Sluice defines it, the
-prefill's answer read to the decode's request written whole: on 2 shared cores the write that
-wakes a decode engine may hand it the proxy's core while it reads the body, and that counts.
+prefill's answer read to the decode's request handed to the kernel (the send's system call
+may wake the decode engine, which on 2 shared cores then takes the proxy's core: that wait
+is the machine's, not the proxy's, and is not counted).
 """
 
 from __future__ import annotations
