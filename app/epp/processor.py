@@ -131,6 +131,10 @@ class EndpointPicker:
             body_at = time.perf_counter()
             # Bad input, a subset with nothing eligible, a budget spent, nothing to serve it.
             facts = await self._facts(state, endpoint, context, head, body)
+            if self.pool.disaggregated:  # Envoy sends a request whole: to an engine doing both
+                only = facts.route.only
+                whole = [b for b in self.pool.backends if b.role == "both"]
+                facts.route.only = frozenset(b for b in whole if only is None or b in only)
             started = time.perf_counter()
             decision = context.decision = await self.decider.decide(facts)
         except (ClientError, Refused) as refusal:
