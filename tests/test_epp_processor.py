@@ -217,6 +217,21 @@ async def test_the_subset_hint_is_obeyed_and_an_empty_one_is_a_503(
     assert headers["retry-after"]
 
 
+async def test_a_disaggregated_fleets_requests_go_whole_to_its_engines_that_do_both(
+    start_sim: StartSim, start_sluice: StartSluice, nursery: trio.Nursery
+) -> None:
+    prefill, decode, both = [await start_sim() for _ in range(3)]
+    running = await start_sluice([both.url], prefill=(prefill.url,), decode=(decode.url,))
+    picker = picker_of(running)
+    for _ in range(3):
+        stream = Stream()
+        nursery.start_soon(picker.process, stream)
+        await stream.put(headers_message())
+        await stream.put(body_message(json.dumps(CHAT).encode()))
+        assert destination(await stream.answer()) == both.url.removeprefix("http://")
+        await stream.end()
+
+
 async def test_the_conformance_hooks_pick_the_named_endpoint_and_say_which_served(
     fleet: RunningSluice, nursery: trio.Nursery
 ) -> None:
