@@ -1,6 +1,7 @@
 """Simulated backends as the tests set them up and read them: an engine of one sequence whose
 second request waits in its queue, vLLM's 404 for a model it does not serve, the events of a
-server-sent stream, the samples of its Prometheus text, and a vLLM prefill leg's ask.
+server-sent stream, the samples of its Prometheus text, and a vLLM prefill leg's ask (the
+proxy's own).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.proxy.leg_bodies import PREFILL_TRANSFER_ASK
 from app.sim.settings import SimSettings
 from tests.conftest import SimHandle
 
@@ -28,15 +30,8 @@ QUEUEING = SimSettings(
 # Eight sequences, each token at once: answers that take no time worth waiting for.
 QUICK = dataclasses.replace(QUEUEING, inter_token_latency=0.001, max_num_seqs=8)
 LONG_CHAT = {"messages": [{"role": "user", "content": "Keep talking."}], "max_tokens": 1000}
-# What a proxy asks a vLLM prefill engine for (pd_contract.md): hold the KV for a decode.
-KV_TRANSFER_ASK = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# What the proxy asks a vLLM prefill engine for: hold the KV for a decode.
+KV_TRANSFER_ASK = PREFILL_TRANSFER_ASK
 
 # What vLLM answers for a model it does not serve (vllm/entrypoints/openai/models/serving.py,
 # `OpenAIModelRegistry.check_model`, through `create_error_response`).
