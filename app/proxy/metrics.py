@@ -3,7 +3,7 @@
 Every request of a disaggregated model is counted once, by how it was served at the end:
 `mode` disaggregated (two hops), or aggregated with the reason it took one (a short prompt,
 n > 1, a saturated or failed prefill, an engine that named no transfer: app/routing/
-disaggregation.py's `ONE_HOP_REASONS`).
+disaggregation.py's rule 2).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class TwoHops:
             except UpstreamError as exc:
                 self.metrics.leg_failures.labels(leg="decode").inc()
                 log.warning("decode engine %s failed before answering: %s", decode.backend.url, exc)
-                moved = None if retried else await self.disaggregation.next_decode(decode)
+                moved = None if retried else self.disaggregation.next_decode(decode)
                 if moved is None:
                     return Opened(error_reply(exc))
                 decode = context.decision = moved

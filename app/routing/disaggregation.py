@@ -5,7 +5,7 @@ Design rules:
 1. Only a pool with role engines is asked (`BackendPool.disaggregated`); a fleet without
    `--prefill`/`--decode` never reaches this module, so it costs nothing there.
 2. A request of a model whose pool has prefill and decode engines takes two hops, unless one
-   serves it better, and the reason is named (`ONE_HOP_REASONS`, counted by the proxy):
+   serves it better, and the reason is named (and counted by the proxy):
    - `n>1`: one transferred prompt cannot seed several sequences;
    - `short`: the prompt tokens that the best engine serving requests whole does not hold
      are at most `--disaggregate-above`, so the hop would cost more than the prefill it
@@ -38,19 +38,10 @@ from app.config import PdProtocol
 from app.fleet.backends import Backend, BackendPool
 from app.routing.decider import Decider, RequestFacts
 from app.routing.decision import Decision, RouteRequest
+from app.routing.refusal import no_backend
 from app.routing.router import estimated_tokens
 
 TWO_HOPS = "disaggregated"
-ONE_HOP_REASONS = (
-    "n>1",
-    "short",
-    "prefill saturated",
-    "no prefill engine",
-    "no decode engine",
-    "prefill failed",
-    "no transfer",
-    "api",
-)
 
 
 @dataclass(frozen=True)
@@ -111,8 +102,11 @@ class Disaggregation:
             return Way(decode, prefill, TWO_HOPS)
         if self.settings.pd_protocol == "vllm":  # the decode engine prefills it itself
             return Way(decode, None, "no prefill engine")
-        self.router.release(decode, None)
-        return Way(await self.one_hop(facts, admitted=True), None, "no prefill engine")
+        instead = self.one_hop_instead(facts, decode)
+        if instead is None:
+            self.router.release(decode, None)
+            raise no_backend(facts.model, self.pool.tokenizer_refusals())
+        return Way(instead, None, "no prefill engine")
 
     async def one_hop_reason(self, facts: RequestFacts, n: int) -> str | None:
         """Why the request takes one hop (rule 2), or None: two."""
@@ -135,11 +129,10 @@ class Disaggregation:
             return "prefill saturated"
         return None
 
-    async def one_hop(self, facts: RequestFacts, *, admitted: bool = False) -> Decision:
+    async def one_hop(self, facts: RequestFacts) -> Decision:
         """A reserved decision among the engines that serve the request whole."""
         whole = self.whole_engines(facts.model, facts.route.only)
-        exclude = tuple(b for b in self.pool.backends if b not in whole) if admitted else ()
-        return await self.decider.decide(self._with_only(facts, whole), exclude)
+        return await self.decider.decide(self._with_only(facts, whole))
 
     async def prefill(self, facts: RequestFacts, exclude: tuple[Backend, ...]) -> Decision | None:
         """A reserved prefill engine (not one of `exclude`), held while every one is full;
@@ -158,7 +151,7 @@ class Disaggregation:
         with_room = self.router.gate.with_room(whole) or whole
         return self.router.moved(decision, min(with_room, key=lambda b: b.load))
 
-    async def next_decode(self, failed: Decision) -> Decision | None:
+    def next_decode(self, failed: Decision) -> Decision | None:
         """Where the request goes after its decode engine failed it before answering: the
         decision's next fallback (the reservation moves there), or None."""
         if not failed.fallbacks:
