@@ -11,8 +11,9 @@ from collections.abc import Sequence
 import trio
 import trio.testing
 
-from app.fleet.backends import Asked, Backend, BackendPool
+from app.fleet.backends import Asked, Backend
 from app.fleet.engine_metrics import EngineLoad
+from app.fleet.pool import BackendPool
 from app.fleet.room import REFUSALS_TO_LEARN
 from app.observe.admission_stats import AdmissionStats
 from app.routing.admission import Admission

@@ -36,8 +36,8 @@ import trio.testing
 
 from app.cli.rooms import RoomMetrics, router_settings
 from app.config import Settings
-from app.fleet.backends import BackendPool
 from app.fleet.load_scraper import LoadScraper
+from app.fleet.pool import BackendPool
 from app.fleet.saturation import queued_ours
 from app.http.fetch import Fetched, Fetcher
 from app.http.fields import Headers

@@ -18,10 +18,10 @@ import trio
 import trio.testing
 
 from app.cli.rooms import RoomMetrics
-from app.fleet.backends import MAX_OTHERS_PER_OWN, BackendPool
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
+from app.fleet.pool import MAX_OTHERS_PER_OWN, BackendPool
 from app.fleet.room import REFUSALS_TO_LEARN, Seen
 from app.http.exchange import Exchange
 from app.http.fetch import Fetcher

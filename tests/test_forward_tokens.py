@@ -15,7 +15,8 @@ import openai
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from app.fleet.backends import BackendPool, TokenizerProbe
+from app.fleet.backends import TokenizerProbe
+from app.fleet.pool import BackendPool
 from app.fleet.tokenizer_check import check_tokenizer
 from app.http.fetch import Fetched, Fetcher
 from app.sim.server import create_sim_app, serve_sim

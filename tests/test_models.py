@@ -16,8 +16,9 @@ import pytest
 from app.budgets.buckets import TokenBuckets
 from app.config import ModelConfig
 from app.errors import ClientError, Refused, answer_for
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
 from app.fleet.catalog import ModelCatalog, configured_backends
+from app.fleet.pool import BackendPool
 from app.models import MAX_MODELS, ModelDirectory
 from app.preprocess.l0_cache import L0Cache
 from app.preprocess.rendering import RenderPlan, RenderSpec

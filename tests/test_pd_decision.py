@@ -12,7 +12,7 @@ import trio
 
 from app.cli.rooms import RoomMetrics, router_settings
 from app.config import BackendRole, PdProtocol, Role, Settings
-from app.fleet.backends import BackendPool
+from app.fleet.pool import BackendPool
 from app.routing.cache_aware import CacheAware
 from app.routing.decider import Decider, RequestFacts
 from app.routing.decision import RouteRequest

@@ -11,7 +11,8 @@ from collections import Counter
 
 import pytest
 
-from app.fleet.backends import Backend, BackendPool, backend_id
+from app.fleet.backends import Backend, backend_id
+from app.fleet.pool import BackendPool
 from app.routing.balance import Balance
 from app.routing.block_index import block_hashes
 from app.routing.cache_aware import CacheAware

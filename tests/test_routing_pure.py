@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from app.fleet.backends import BackendPool
+from app.fleet.pool import BackendPool
 from app.routing.decision import RouteRequest
 from app.routing.policies import PowerOfTwo, RandomChoice, RoundRobin, make_policy
 

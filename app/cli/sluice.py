@@ -34,10 +34,10 @@ from app.dashboard.serving import serve_dashboard
 from app.dashboard.snapshot import Snapshot, backend_view
 from app.epp.door import EppDoor
 from app.epp.processor import EndpointPicker
-from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog, configured_backends
 from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
+from app.fleet.pool import BackendPool
 from app.fleet.saturation import queued_ours
 from app.fleet.tokenizer_check import check_tokenizers_at_startup
 from app.http.client import UpstreamPool

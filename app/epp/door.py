@@ -18,7 +18,7 @@ import trio
 from app.epp.grpc_server import GrpcServer
 from app.epp.health import HealthService
 from app.epp.processor import EndpointPicker
-from app.fleet.backends import BackendPool
+from app.fleet.pool import BackendPool
 
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 READINESS_INTERVAL_S = 1.0

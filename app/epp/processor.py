@@ -29,7 +29,8 @@ from app.epp.grpc_server import MessageStream
 from app.epp.grpc_wire import GrpcError, StatusCode
 from app.epp.messages import FULL_DUPLEX_STREAMED, ProcessingRequest
 from app.errors import ClientError, Refused, SluiceError, WireError, answer_for
-from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
+from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend
+from app.fleet.pool import BackendPool
 from app.preprocess.endpoints import ENDPOINTS, Endpoint
 from app.preprocess.reception import Reception
 from app.routing.decider import Decider, RequestContext, RequestFacts

@@ -3,7 +3,7 @@ model. Pure: the caller passes `now`.
 
 A backend serves the models its configuration names (a `[[models]]` table) or, when none
 does, those its `/v1/models` lists (refreshed by every health check). Each model it serves
-is a pool it belongs to, and `available(now, model=...)` is one pool's candidates.
+is a pool it belongs to (pool.py).
 
 A backend takes a model's traffic when its last active health check passed and its breaker
 for that model is not open. A breaker opens after `failures_to_open` consecutive failed
@@ -17,8 +17,7 @@ and the prompt tokens this process's requests still have to prefill (in units of
 sent, start and end (`sent`, `started`, `ended`, whichever door sent them), plus those its
 engine last reported beyond them (`others_inflight`, scraped by `load_scraper.py`), taken to
 have moved since as ours did, in the fleet's proportion (`engines_reported`): one replica
-alone and each of N replicas weigh a GPU alike. Backends join and leave at run time (`add`,
-`remove`); a removed backend's requests in flight finish where they are.
+alone and each of N replicas weigh a GPU alike.
 
 With `--forward tokens` a backend takes traffic only once its /tokenize answered the probe
 with Sluice's ids, checked again each time it becomes healthy (it may have been replaced by
@@ -33,9 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from app.config import BackendRole, Role
-from app.fleet.backend_row import BackendRow
-from app.fleet.engine_metrics import EngineLoad, engine_block
+from app.config import Role
+from app.fleet.engine_metrics import EngineLoad
 from app.fleet.room import EngineRoom, Seen
 from app.models import MAX_MODELS
 
@@ -308,191 +306,3 @@ class Backend:
     def _breaker_allows(self, now: float, model: str) -> bool:
         breaker = self.breakers.get(model)
         return breaker is None or now >= breaker.open_until
-
-
-# Others' requests assumed to move with each of ours, at most: 8 replicas' worth.
-MAX_OTHERS_PER_OWN = 7.0
-
-
-class BackendPool:
-    def __init__(
-        self,
-        urls: tuple[str, ...],
-        *,
-        failures_to_open: int,
-        cooldown: float,
-        probe_path: str,
-        configured: dict[str, tuple[str, ...]] | None = None,
-        roles: dict[str, BackendRole] | None = None,
-    ) -> None:
-        """`configured`: URL -> the models a configuration names for that backend; `roles`:
-        URL -> its role, for those not `both`."""
-        if not urls:
-            raise ValueError("at least one backend URL is needed")
-        self.backends: list[Backend] = []
-        # Whether any backend has a prefill or decode role: only then is a request's way
-        # decided between one hop and two (app/routing/disaggregation.py).
-        self.disaggregated = False
-        self.failures_to_open = failures_to_open
-        self.cooldown = cooldown
-        self.probe_path = probe_path
-        self.tokenizer_probe: TokenizerProbe | None = None
-        for url in urls:
-            role = (roles or {}).get(url.rstrip("/"))
-            self.add(url, (configured or {}).get(url.rstrip("/")), role)
-
-    def engines_reported(self) -> None:
-        """After a round of engine reports: how many requests of other senders ran beside
-        each of ours, over the whole fleet, which each backend's load then assumes until the
-        next round. Replicas behind one load balancer send alike, so between two reports
-        others' requests on a GPU come and go as ours do, N-1 of theirs for each of ours;
-        counted as still, N replicas piled onto whichever GPU looked free at the last report
-        (4 replicas, hot workload: p50 TTFT 131 ms against one replica's 77). Alone, it is 0,
-        and so it is for a backend whose engine reports nothing: no others to move."""
-        reported = [b for b in self.backends if b.engine is not None]
-        own = sum(b.inflight_at_report for b in reported)
-        others = sum(b.others_inflight for b in reported)
-        ratio = min(others / own, MAX_OTHERS_PER_OWN) if own else 0.0
-        for backend in self.backends:
-            backend.others_per_own = ratio if backend.engine is not None else 0.0
-
-    def add(
-        self, url: str, models: tuple[str, ...] | None = None, role: BackendRole | None = None
-    ) -> Backend:
-        """A new backend, unhealthy until its first health check passes; it serves `models`,
-        or, without, what its /v1/models lists."""
-        url = url.rstrip("/")
-        if self.find(url) is not None:
-            raise ValueError(f"backend {url} is already in the pool")
-        backend = Backend(url, probe_path=self.probe_path, configured=models or None)
-        if role is not None:
-            backend.role, backend.bootstrap_port = role.role, role.bootstrap_port
-            self.disaggregated = True
-        if self.tokenizer_probe is not None:
-            backend.tokenizer_state = "unchecked"
-            backend.tokenizer_detail = "not checked yet"
-        self.backends.append(backend)
-        return backend
-
-    def remove(self, backend: Backend) -> None:
-        """Out of the pool at once; its requests in flight finish where they are."""
-        self.backends.remove(backend)
-
-    def find(self, id_or_url: str) -> Backend | None:
-        wanted = id_or_url.rstrip("/")
-        for backend in self.backends:
-            if wanted in (backend.id, backend.url):
-                return backend
-        return None
-
-    def available(
-        self, now: float, exclude: tuple[Backend, ...] = (), model: str | None = None
-    ) -> list[Backend]:
-        """The backends that take traffic; with `model`, that model's pool only."""
-        return [
-            b
-            for b in self.backends
-            if (model is None or model in b.served)
-            and b.takes_traffic(now, model)
-            and b not in exclude
-        ]
-
-    def with_role(self, now: float, model: str | None, role: Role) -> list[Backend]:
-        """The backends of `model`'s pool that take traffic and have `role`."""
-        return [b for b in self.available(now, (), model) if b.role == role]
-
-    def any_available(self, now: float) -> bool:
-        return any(b.takes_traffic(now) for b in self.backends)
-
-    def request_succeeded(self, backend: Backend, model: str = ANY_MODEL) -> None:
-        breaker = backend.breakers.get(model)
-        if breaker is not None:
-            breaker.consecutive_failures = 0
-            breaker.half_open = False
-        backend.last_error = None
-
-    def request_failed(
-        self, backend: Backend, now: float, error: str, model: str = ANY_MODEL
-    ) -> None:
-        breaker = backend.breaker(model)
-        breaker.consecutive_failures += 1
-        backend.last_error = error
-        if breaker.half_open or breaker.consecutive_failures >= self.failures_to_open:
-            breaker.open_until = now + self.cooldown
-            breaker.half_open = True
-
-    def health_checked(self, backend: Backend, ok: bool, error: str | None = None) -> None:
-        if ok and not backend.healthy:
-            # It may be another process now, with other flags: learn its room again.
-            backend.room.restarted("it turned healthy")
-            if self.tokenizer_probe is not None:
-                backend.tokenizer_state = "unchecked"  # re-admission: check the tokenizer again
-        backend.healthy = ok
-        if not ok:
-            backend.last_error = error
-
-    def require_tokenizer_match(self, probe: TokenizerProbe) -> None:
-        """Tokens mode: from now on a backend takes traffic only once it passed `probe`."""
-        self.tokenizer_probe = probe
-        for backend in self.backends:
-            backend.tokenizer_state = "unchecked"
-            backend.tokenizer_detail = "not checked yet"
-
-    def claim_tokenizer_check(self, backend: Backend) -> TokenizerProbe | None:
-        """The probe to run when `backend` is due a check (marked "checking" so that no
-        other task checks it at the same time), else None."""
-        probe = self.tokenizer_probe
-        if probe is None or not backend.healthy or backend.tokenizer_state != "unchecked":
-            return None
-        backend.tokenizer_state = "checking"
-        return probe
-
-    def tokenizer_checked(self, backend: Backend, outcome: TokenizerOutcome) -> None:
-        backend.tokenizer_state = outcome.state
-        backend.tokenizer_detail = outcome.detail
-        if outcome.state == "refused":
-            backend.last_error = outcome.detail
-
-    def tokenizer_refusals(self) -> dict[str, str]:
-        """Healthy backends kept from traffic by the tokenizer check, with the reason."""
-        return {
-            b.url: b.tokenizer_detail or b.tokenizer_state
-            for b in self.backends
-            if b.healthy and b.tokenizer_state not in TRAFFIC_TOKENIZER_STATES
-        }
-
-    def snapshot(self, now: float) -> list[BackendRow]:
-        return [
-            {
-                "id": b.id,
-                "url": b.url,
-                "role": b.role,
-                "bootstrap_port": b.bootstrap_port,
-                "healthy": b.healthy,
-                "takes_traffic": b.takes_traffic(now),
-                "breaker": b.breaker_state(now),
-                "breakers": {model: b.breaker_state(now, model) for model in sorted(b.served)},
-                "inflight": b.inflight,
-                "unstarted": b.unstarted,
-                "pending_tokens": b.pending_tokens,
-                "load": round(b.load, 3),
-                "reported_waiting": b.reported_waiting,
-                "others_inflight": b.others_inflight,
-                "others_per_own": round(b.others_per_own, 3),
-                "reported_kv_usage": b.reported_kv_usage,
-                "room": b.room.snapshot(),
-                "engine": engine_block(b.engine),
-                "consecutive_failures": max(
-                    (breaker.consecutive_failures for breaker in b.breakers.values()), default=0
-                ),
-                "probe_path": b.probe_path,
-                "models": [m.get("id") for m in b.models],
-                "serves": sorted(b.served),
-                "configured": b.configured is not None,
-                "max_model_len": b.max_model_len,
-                "last_error": b.last_error,
-                "tokenizer": b.tokenizer_state,
-                "tokenizer_detail": b.tokenizer_detail,
-            }
-            for b in self.backends
-        ]

@@ -24,8 +24,9 @@ from typing import Any
 import trio
 
 from app.errors import UpstreamError
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
 from app.fleet.metrics import FleetMetrics
+from app.fleet.pool import BackendPool
 from app.fleet.tokenizer_check import check_tokenizer
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
 from app.http.fetch import Fetched, Fetcher

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import trio
 
 from app.errors import UpstreamError
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
 from app.fleet.engine_limits import LIMIT_PATHS, stated_limit
 from app.fleet.engine_metrics import EngineName, EngineReading, next_load, read_engine
+from app.fleet.pool import BackendPool
 from app.fleet.traffic import NO_TRAFFIC, TrafficSource
 from app.http.fetch import Fetcher
 

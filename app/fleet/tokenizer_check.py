@@ -23,7 +23,8 @@ from typing import Any
 import trio
 
 from app.errors import UpstreamError
-from app.fleet.backends import Backend, BackendPool, TokenizerOutcome, TokenizerProbe
+from app.fleet.backends import Backend, TokenizerOutcome, TokenizerProbe
+from app.fleet.pool import BackendPool
 from app.http.fetch import Fetched, Fetcher
 
 log = logging.getLogger("sluice.tokenizer_check")

@@ -20,7 +20,7 @@ from functools import partial
 import trio
 import zmq
 
-from app.fleet.backends import BackendPool
+from app.fleet.pool import BackendPool
 from app.kv_events.index import BackendKvEvents, KvEventsState
 from app.kv_events.wire import (
     BadMessage,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from app.fleet.backends import BackendPool
 from app.fleet.catalog import ModelCatalog
+from app.fleet.pool import BackendPool
 from app.http.fields import Headers
 from app.models import NO_MODEL
 from app.observe.access_log import AccessLog

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 from app.errors import ClientError, Refused
-from app.fleet.backends import BackendPool
+from app.fleet.pool import BackendPool
 from app.http.exchange import Exchange
 from app.http.fields import Headers
 from app.http.reply import error_reply

@@ -23,7 +23,8 @@ from typing import Any
 import trio
 
 from app.errors import Refused, UpstreamError, UpstreamFault
-from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend, BackendPool
+from app.fleet.backends import ANY_MODEL, FAULT_STATUSES, Backend
+from app.fleet.pool import BackendPool
 from app.http.client import UpstreamPool
 from app.http.fields import Headers
 from app.http.relay_hub import RelayHub

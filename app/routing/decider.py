@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import trio
 
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
+from app.fleet.pool import BackendPool
 from app.observe.request_trace import RequestTrace
 from app.observe.spans import TraceContext
 from app.observe.timing import Timing

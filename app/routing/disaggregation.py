@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import trio
 
 from app.config import PdProtocol
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
+from app.fleet.pool import BackendPool
 from app.routing.decider import Decider, RequestFacts
 from app.routing.decision import Decision, RouteRequest
 from app.routing.refusal import no_backend

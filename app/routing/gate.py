@@ -28,7 +28,8 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import trio
 
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
+from app.fleet.pool import BackendPool
 from app.fleet.saturation import queue_allowance, reports_room, saturation
 from app.observe.admission_stats import AdmissionStats
 from app.routing.admission import Admission, FairQueue, Held

@@ -27,7 +27,8 @@ import trio
 from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
 from app.config import BackendRole
-from app.fleet.backends import Backend, BackendPool
+from app.fleet.backends import Backend
+from app.fleet.pool import BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
 from app.routing.admission import ANYONE, Admission
