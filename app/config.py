@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from app.discovery_targets import check_discovery
 from app.models import MAX_MODELS
 
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
@@ -73,6 +74,7 @@ NUMERIC_RANGES: Ranges = (
             "tokens_per_minute",
             "balance_abs_threshold",
             "disaggregate_above",
+            "drain_timeout",
         ),
         lambda value: value >= 0,
         "must not be negative",
@@ -88,6 +90,7 @@ NUMERIC_RANGES: Ranges = (
             "admission_timeout",
             "budget_sync_interval",
             "prefill_timeout",
+            "discover_interval",
         ),
         lambda value: value > 0,
         "must be positive",
@@ -299,6 +302,16 @@ class Settings(ServerSettings):
     # the replay sockets that fill sequence gaps, in the same form.
     kv_events: tuple[str, ...] = ()
     kv_events_replay: tuple[str, ...] = ()
+    # Discovery (app/discovery_targets.py): engines found beside those named above, by DNS
+    # names re-resolved every discover_interval seconds (sooner when their TTL says) and by a
+    # Kubernetes watch; one that leaves takes no new request and has drain_timeout seconds
+    # to finish those it has.
+    discover_dns: tuple[str, ...] = ()
+    dns_server: str | None = None
+    discover_k8s: str | None = None
+    discover_k8s_port: int = 8000
+    discover_interval: float = 5.0
+    drain_timeout: float = 30.0
 
     # Forwarding.
     connect_timeout: float = 3.0
@@ -421,6 +434,14 @@ class Settings(ServerSettings):
             raise ValueError("--kv-events feeds the prefix index: it needs --policy cache_aware")
         self.kv_event_endpoints()  # every entry checked
         check_roles(self.backend_roles, self.backends)
+        check_discovery(self.discover_dns, self.dns_server, self.discover_k8s)
+        if not 1 <= self.discover_k8s_port <= 65535:
+            raise ValueError("--discover-k8s-port must be a port from 1 to 65535")
+
+    @property
+    def discovers(self) -> bool:
+        """Whether backends may come from discovery, so none need be named at start."""
+        return bool(self.discover_dns or self.discover_k8s)
 
     def kv_event_endpoints(self) -> dict[str, tuple[str, str | None]]:
         """Backend URL -> (publisher endpoint, replay endpoint or None)."""

@@ -26,6 +26,7 @@ LAYERS = (
     "errors",
     "http",
     "models",
+    "discovery_targets",
     "config",
     "observe",
     "budgets",

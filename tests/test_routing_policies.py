@@ -246,8 +246,14 @@ def test_backends_join_and_leave_and_have_stable_ids() -> None:
     assert pool.find(added.id) is added and pool.find("http://b:2/") is added
     with pytest.raises(ValueError):
         pool.add("http://b:2/")
-    pool.remove(added)
+    added.inflight = 1
+    pool.drain(added, now=10.0, timeout=5.0)
     assert pool.find(added.id) is None and len(pool.backends) == 1
+    assert pool.drained(now=12.0) == [] and [d.backend for d in pool.draining] == [added]
+    back = pool.add("http://b:2")  # its URL joins again while the old one drains: a new one
+    assert back is not added and back.id == added.id
+    added.inflight = 0
+    assert [d.backend for d in pool.drained(now=12.5)] == [added] and pool.draining == []
     b = pool.backends[0]
     b.inflight, b.reported_waiting, b.pending_tokens = 2, 1, 2048
     assert b.load == 5.0

@@ -34,6 +34,17 @@ HELP: dict[str, str] = {
     "disaggregate_above": "uncached prompt tokens above which a request is prefilled on a "
     "prefill engine; at or below it, one engine does both (default: 512)",
     "prefill_timeout": "seconds a prefill leg may take, its whole answer (default: 60)",
+    "discover_dns": "NAME:PORT: the name's A/AAAA records are engines on PORT (a headless "
+    "Service); _service._proto.NAME: its SRV records name them (repeatable)",
+    "dns_server": "IP:PORT of the DNS server --discover-dns asks (default: the system's)",
+    "discover_k8s": "NAMESPACE/LABEL_SELECTOR: the Ready pods matching it are engines, "
+    "followed by a Kubernetes watch (in-cluster service account, else the kubeconfig)",
+    "discover_k8s_port": "the port of discovered pods' engines, unless a pod's annotation "
+    "says (default: 8000)",
+    "discover_interval": "seconds between two lookups of a --discover-dns name, sooner when "
+    "its records' TTL says (default: 5)",
+    "drain_timeout": "seconds a backend that leaves (record gone, pod not Ready, DELETE "
+    "/api/backends) has to finish its requests in flight; it takes no new one (default: 30)",
     "policy": "routing policy (default: cache_aware)",
     "cache_threshold": "share of a prompt a backend must hold to count as a prefix hit "
     "(default: 0.3)",
@@ -311,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill", action="append", metavar="URL[=BOOTSTRAP_PORT]", help=HELP["prefill"]
     )
     serve.add_argument("--decode", action="append", metavar="URL", help=HELP["decode"])
+    serve.add_argument(
+        "--discover-dns", action="append", metavar="NAME:PORT", help=HELP["discover_dns"]
+    )
     for name in ("kv_events", "kv_events_replay"):
         serve.add_argument(
             "--" + name.replace("_", "-"), action="append", metavar="URL=ENDPOINT", help=HELP[name]
@@ -352,16 +366,17 @@ def parse(
         known["backends"] = _listed(args.backend, BACKEND_KEYS, file_values, "URLs")
         for role in ("prefill", "decode"):
             known[role] = _listed(getattr(args, role), (role,), file_values, "URLs")
-        if not (known["backends"] or known["prefill"] or known["decode"]) and not any(
-            m.backends for m in known["models"]
-        ):
-            raise ConfigExit(
-                "sluice serve: give at least one --backend URL (or --prefill and --decode), "
-                "or [[models]] tables with backends in --config"
-            )
+        known["discover_dns"] = _listed(
+            args.discover_dns, ("discover_dns",), file_values, "NAME:PORT entries"
+        )
         for name in ("kv_events", "kv_events_replay"):
             known[name] = _listed(getattr(args, name), (name,), file_values, "URL=ENDPOINT")
     settings: Settings = _resolve(Settings, args, file_values, known)
+    if args.command == "serve" and not settings.all_backends and not settings.discovers:
+        raise ConfigExit(
+            "sluice serve: give at least one --backend URL (or --prefill and --decode), "
+            "[[models]] tables with backends in --config, or --discover-dns/--discover-k8s"
+        )
     _check_files(settings)
     return args.command, settings
 

@@ -16,6 +16,7 @@ import trio
 
 from app.budgets.shared import SharedBudgets, SharedBudgetsSnapshot
 from app.budgets.sync import BudgetCollector, BudgetSync, RedisBudgetsSnapshot
+from app.cli.discovery_sources import discovery_sources
 from app.cli.rooms import (
     RoomMetrics,
     backend_roles,
@@ -35,6 +36,7 @@ from app.dashboard.snapshot import Snapshot, backend_view
 from app.epp.door import EppDoor
 from app.epp.processor import EndpointPicker
 from app.fleet.catalog import ModelCatalog, configured_backends
+from app.fleet.discoverer import Discoverer
 from app.fleet.health import HealthChecker
 from app.fleet.load_scraper import LoadScraper
 from app.fleet.pool import BackendPool
@@ -116,7 +118,7 @@ class Sluice:
                 self.access_log.counters if self.access_log is not None else None,
             )
         )
-        self.checker: HealthChecker | None = None  # set once running (backends added later)
+        self.discoverer: Discoverer | None = None  # set once running
         self.monitor = LoopMonitor(
             self.metrics.loop, settings.stall_threshold_ms, settings.stall_instrument
         )
@@ -181,7 +183,7 @@ class Sluice:
                 queued_ours(backend, now),
                 held_with_room.get(backend.url, 0.0),
             )
-            for row, backend in zip(rows, self.pool.backends, strict=True)
+            for row, backend in zip(rows, self.pool.members, strict=True)
         ]
         held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
         return {
@@ -231,7 +233,7 @@ class Sluice:
         settings = self.settings
         client = Fetcher(connect_timeout=settings.health_check_timeout)
         async with self.preprocessor.running(), trio.open_nursery() as nursery:
-            checker = await self._start_watchers(nursery, client)
+            discoverer = await self._start_watchers(nursery, client)
             upstream = UpstreamPool(
                 connect_timeout=settings.connect_timeout,
                 first_byte_timeout=settings.first_byte_timeout,
@@ -241,14 +243,14 @@ class Sluice:
             # Tokens mode: no backend takes traffic before its tokenizer was compared, so
             # compare before listening.
             await check_tokenizers_at_startup(self.pool, settings.health_check_timeout)
-            await self._serve(proxy, checker, task_status)
+            await self._serve(proxy, discoverer, task_status)
             await upstream.aclose()
             await client.aclose()
             nursery.cancel_scope.cancel()
 
-    async def _start_watchers(self, nursery: trio.Nursery, client: Fetcher) -> HealthChecker:
-        """The stall monitor, health checks, the router's watch, KV-event subscribers, budget
-        sync and load scrapes."""
+    async def _start_watchers(self, nursery: trio.Nursery, client: Fetcher) -> Discoverer:
+        """The stall monitor, health checks, discovery, the router's watch, KV-event
+        subscribers, budget sync and load scrapes."""
         settings = self.settings
         checker = HealthChecker(
             self.pool,
@@ -258,9 +260,13 @@ class Sluice:
             timeout=settings.health_check_timeout,
             traffic=self.router,
         )
-        self.checker = checker
         await nursery.start(self.monitor.run)
         await nursery.start(checker.run)
+        discoverer = Discoverer(
+            self.router, checker.check, self.metrics.fleet, settings.drain_timeout
+        )
+        self.discoverer = discoverer
+        await nursery.start(discoverer.run, discovery_sources(settings))
         await nursery.start(self.router.run)
         for subscriber in self.kv_subscribers.values():
             await nursery.start(subscriber.run)
@@ -274,7 +280,7 @@ class Sluice:
             reported=self.router.gate.opened,
         )
         nursery.start_soon(scraper.run)
-        return checker
+        return discoverer
 
     async def _start_proxy(self, nursery: trio.Nursery, upstream: UpstreamPool) -> ProxyApp:
         """The proxy door and what it forwards through, its exporters running."""
@@ -303,7 +309,7 @@ class Sluice:
     async def _serve(
         self,
         proxy: ProxyApp,
-        checker: HealthChecker,
+        discoverer: Discoverer,
         task_status: trio.TaskStatus[tuple[str, str]],
     ) -> None:
         """The dashboard, the proxy's port and the endpoint picker's, until `shutdown`; then
@@ -315,7 +321,9 @@ class Sluice:
             self.set_saturation,
             self.metrics_text,
             self.request_burst,
-            BackendControl(self.router, checker.check, settings.health_check_timeout),
+            BackendControl(
+                self.router, discoverer, discoverer.check, settings.health_check_timeout
+            ),
             self.router,
         )
         server = self.server_factory(proxy)

@@ -4,12 +4,15 @@
     POST   /api/backends        {"url": "http://host:port"}: probed at once, 201 with its state
                                 (and "role": "prefill" | "decode", "bootstrap_port": N for
                                 an engine of disaggregated serving)
-    DELETE /api/backends/{id}   by the id the listing shows (or the URL, percent-encoded)
+    DELETE /api/backends/{id}   by the id the listing shows (or the URL, percent-encoded):
+                                it drains (app/fleet/discoverer.py)
 
 Writes go through the dashboard's own `check_write` (admin token, same origin), like every
 write there. A new backend takes traffic once its health check passes (the answer says
-whether it did); a removed one gets no new request at once, its requests in flight finish,
-and the routing index forgets it. Errors are OpenAI-shaped JSON.
+whether it did); a removed one gets no new request at once, its requests in flight have
+`--drain-timeout` to finish, and the routing index forgets it. A backend a discovery source
+found comes back at that source's next lookup that still lists it: change the source to
+keep it out. Errors are OpenAI-shaped JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from app.dashboard.answers import Answer, CheckWrite, json_object
 from app.errors import ClientError
 from app.fleet.backend_row import BackendRow
 from app.fleet.backends import Backend
+from app.fleet.discoverer import Discoverer
 from app.routing.router import Router
 
 CONTROL_KEY = "SLUICE_BACKEND_CONTROL"
@@ -64,9 +68,14 @@ class BackendControl:
     """What the endpoints change: the router's pool, and a health check on demand."""
 
     def __init__(
-        self, router: Router, check: Callable[[Backend], Awaitable[None]], timeout: float
+        self,
+        router: Router,
+        discoverer: Discoverer,
+        check: Callable[[Backend], Awaitable[None]],
+        timeout: float,
     ) -> None:
         self.router = router
+        self.discoverer = discoverer
         self.check = check
         self.timeout = timeout
 
@@ -81,6 +90,7 @@ class BackendControl:
 
     async def add(self, url: str, role: BackendRole | None = None) -> Backend:
         backend = self.router.add_backend(url, role)  # ValueError if it is already there
+        self.discoverer.added(backend)
         with trio.move_on_after(self.timeout * 2):  # the probe has its own timeouts too
             await self.check(backend)
         return backend
@@ -145,5 +155,6 @@ def register_backends_api(app: QuartTrio, check_write: CheckWrite) -> None:
             )
         if len(router.pool.backends) == 1:
             raise ClientError("the last backend cannot be removed; add another first", status=409)
-        router.remove_backend(backend)
-        return {"removed": {"id": backend.id, "url": backend.url}}, 200
+        control().discoverer.remove(backend)
+        removed = {"id": backend.id, "url": backend.url, "draining": backend.inflight}
+        return {"removed": removed}, 200

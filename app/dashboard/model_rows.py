@@ -107,7 +107,7 @@ def _sum(values: Sequence[int | None]) -> int | None:
 
 def pool_summary(model: str, backends: Sequence[BackendRow]) -> ModelPool:
     """Health and load of one model's pool, from its backends' snapshot rows."""
-    members = [b for b in backends if model in b["serves"]]
+    members = [b for b in backends if model in b["serves"] and b["draining_for"] is None]
     engines = [b["engine"] for b in members if b["engine"] is not None]
     breakers = [b["breakers"].get(model, "closed") for b in members]
     return {
@@ -137,7 +137,7 @@ def disaggregation_summary(
 ) -> ModelDisaggregation | None:
     """`model`'s pool split by role, None when it has no prefill or decode engine. `served`:
     its requests by reason (`TWO_HOPS` for two hops); `leg_failures`: by leg."""
-    members = [b for b in backends if model in b["serves"]]
+    members = [b for b in backends if model in b["serves"] and b["draining_for"] is None]
     if all(b["role"] == "both" for b in members):
         return None
     pools = {

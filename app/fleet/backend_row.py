@@ -38,3 +38,6 @@ class BackendRow(TypedDict):
     last_error: str | None
     tokenizer: str  # not required, unchecked, checking, verified, refused
     tokenizer_detail: str | None
+    source: str  # static, api, or the discovery source that found it (dns:..., k8s:...)
+    joined_ago: float | None  # seconds since it joined the pool (None: there from start)
+    draining_for: float | None  # seconds since it left the pool, while its requests finish

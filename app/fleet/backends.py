@@ -141,6 +141,8 @@ class Backend:
     role: Role = "both"
     bootstrap_port: int | None = None
     last_error: str | None = None
+    source: str = "static"  # what found it (app/fleet/discovery.py), and when (trio's clock)
+    joined_at: float | None = None  # None: at start
     tokenizer_state: TokenizerState = "not required"
     tokenizer_detail: str | None = None  # what the last tokenizer check found
     breakers: dict[str, Breaker] = field(default_factory=dict)  # by model, once one failed

@@ -1,4 +1,5 @@
-"""The backends' own metrics, as the health checks find them."""
+"""The fleet's own metrics: the backends' health as the checks find it, and discovery's
+changes as the sources see them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,33 @@ from app.observe.metrics import Declare
 
 class FleetMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.backend_healthy = Declare(registry).gauge(
+        declare = Declare(registry)
+        self.backend_healthy = declare.gauge(
             "sluice_backend_healthy", "1 if the backend takes traffic", ["backend"]
+        )
+        self.discovery_changes = declare.counter(
+            "sluice_discovery_changes",
+            "Backends a discovery source added (joined) or took away (left: drained), by source "
+            "(static, api, dns:NAME:PORT, k8s:NAMESPACE/SELECTOR)",
+            ["source", "change"],
+        )
+        self.discovery_lookups = declare.counter(
+            "sluice_discovery_lookups",
+            "Lookups (DNS answers, Kubernetes lists and watch events) by source and outcome "
+            "(ok, failed: what was seen before stands)",
+            ["source", "outcome"],
+        )
+        self.discovery_endpoints = declare.reading(
+            "sluice_discovery_endpoints", "Engines each discovery source sees now", ["source"]
+        )
+        self.drains = declare.counter(
+            "sluice_backend_drains",
+            "Backends that left the pool, by how their drain ended: finished (every request "
+            "in flight ended) or timed_out (--drain-timeout passed first)",
+            ["outcome"],
+        )
+        self.draining = declare.gauge(
+            "sluice_backends_draining", "Backends out of the pool whose requests still run"
         )
 
     def forget_backend(self, url: str) -> None:

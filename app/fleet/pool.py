@@ -2,11 +2,16 @@
 happens to them on a request's success or failure, a health check and a tokenizer check.
 Pure: the caller passes `now`.
 
-Backends join and leave at run time (`add`, `remove`); a removed backend's requests in
-flight finish where they are. Each pool of a model is `available(now, model=...)`.
+Backends join and leave at run time (`add`, `drain`). One that leaves is out of the pool at
+once, so no new request goes to it, and waits among the `draining` until its requests in
+flight have ended or its drain timeout has passed (`drained`); its URL may join again
+meanwhile, as a new backend that starts clean. Each pool of a model is
+`available(now, model=...)`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from app.config import BackendRole, Role
 from app.fleet.backend_row import BackendRow
@@ -17,7 +22,18 @@ from app.fleet.backends import (
     TokenizerOutcome,
     TokenizerProbe,
 )
+from app.fleet.discovery import STATIC_SOURCE
 from app.fleet.engine_metrics import engine_block
+
+
+@dataclass(frozen=True)
+class Draining:
+    """A backend that left the pool; its requests in flight have until `deadline`."""
+
+    backend: Backend
+    since: float
+    deadline: float
+
 
 # Others' requests assumed to move with each of ours, at most: 8 replicas' worth.
 MAX_OTHERS_PER_OWN = 7.0
@@ -36,9 +52,8 @@ class BackendPool:
     ) -> None:
         """`configured`: URL -> the models a configuration names for that backend; `roles`:
         URL -> its role, for those not `both`."""
-        if not urls:
-            raise ValueError("at least one backend URL is needed")
         self.backends: list[Backend] = []
+        self.draining: list[Draining] = []
         # Whether any backend has a prefill or decode role: only then is a request's way
         # decided between one hop and two (app/routing/disaggregation.py).
         self.disaggregated = False
@@ -66,14 +81,22 @@ class BackendPool:
             backend.others_per_own = ratio if backend.engine is not None else 0.0
 
     def add(
-        self, url: str, models: tuple[str, ...] | None = None, role: BackendRole | None = None
+        self,
+        url: str,
+        models: tuple[str, ...] | None = None,
+        role: BackendRole | None = None,
+        *,
+        source: str = STATIC_SOURCE,
+        now: float | None = None,
     ) -> Backend:
         """A new backend, unhealthy until its first health check passes; it serves `models`,
-        or, without, what its /v1/models lists."""
+        or, without, what its /v1/models lists. `source`: who found it, at `now` (None: at
+        start)."""
         url = url.rstrip("/")
         if self.find(url) is not None:
             raise ValueError(f"backend {url} is already in the pool")
         backend = Backend(url, probe_path=self.probe_path, configured=models or None)
+        backend.source, backend.joined_at = source, now
         if role is not None:
             backend.role, backend.bootstrap_port = role.role, role.bootstrap_port
             self.disaggregated = True
@@ -83,9 +106,17 @@ class BackendPool:
         self.backends.append(backend)
         return backend
 
-    def remove(self, backend: Backend) -> None:
-        """Out of the pool at once; its requests in flight finish where they are."""
+    def drain(self, backend: Backend, now: float, timeout: float) -> None:
+        """Out of the pool at once; its requests in flight have `timeout` seconds to end."""
         self.backends.remove(backend)
+        self.draining.append(Draining(backend, now, now + timeout))
+
+    def drained(self, now: float) -> list[Draining]:
+        """Those of the draining whose requests have all ended or whose time is up, no
+        longer draining from now on."""
+        done = [d for d in self.draining if d.backend.inflight <= 0 or now >= d.deadline]
+        self.draining = [d for d in self.draining if d not in done]
+        return done
 
     def find(self, id_or_url: str) -> Backend | None:
         wanted = id_or_url.rstrip("/")
@@ -171,6 +202,8 @@ class BackendPool:
         }
 
     def snapshot(self, now: float) -> list[BackendRow]:
+        """The backends in the pool, then those draining."""
+        draining = {d.backend: d for d in self.draining}
         return [
             {
                 "id": b.id,
@@ -178,7 +211,7 @@ class BackendPool:
                 "role": b.role,
                 "bootstrap_port": b.bootstrap_port,
                 "healthy": b.healthy,
-                "takes_traffic": b.takes_traffic(now),
+                "takes_traffic": b not in draining and b.takes_traffic(now),
                 "breaker": b.breaker_state(now),
                 "breakers": {model: b.breaker_state(now, model) for model in sorted(b.served)},
                 "inflight": b.inflight,
@@ -202,6 +235,14 @@ class BackendPool:
                 "last_error": b.last_error,
                 "tokenizer": b.tokenizer_state,
                 "tokenizer_detail": b.tokenizer_detail,
+                "source": b.source,
+                "joined_ago": None if b.joined_at is None else now - b.joined_at,
+                "draining_for": None if b not in draining else now - draining[b].since,
             }
-            for b in self.backends
+            for b in self.members
         ]
+
+    @property
+    def members(self) -> list[Backend]:
+        """The backends in the pool, then those draining: the rows of `snapshot`."""
+        return [*self.backends, *(d.backend for d in self.draining)]

@@ -28,6 +28,7 @@ from app.budgets.buckets import TokenBuckets
 from app.budgets.shared import SharedBudgets
 from app.config import BackendRole
 from app.fleet.backends import Backend
+from app.fleet.discovery import API_SOURCE
 from app.fleet.pool import BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
@@ -358,17 +359,35 @@ class Router:
                 decision.prediction.cached_tokens,
             )
 
-    def add_backend(self, url: str, role: BackendRole | None = None) -> Backend:
-        return self.pool.add(url, None, role)
+    def add_backend(
+        self,
+        url: str,
+        role: BackendRole | None = None,
+        models: tuple[str, ...] | None = None,
+        source: str = API_SOURCE,
+    ) -> Backend:
+        return self.pool.add(url, models, role, source=source, now=trio.current_time())
 
-    def remove_backend(self, backend: Backend) -> None:
-        self.pool.remove(backend)
+    def drain_backend(self, backend: Backend, timeout: float) -> None:
+        """`backend` takes no new request from now on; its prefix-index entries and KV
+        events go at once (nothing will be routed to them), its requests in flight have
+        `timeout` seconds (`backend_drained` once they ended)."""
+        self.pool.drain(backend, trio.current_time(), timeout)
+        self._forget(backend)
+
+    def backend_drained(self, backend: Backend) -> None:
+        """A drained backend is gone: what its last requests recorded goes too, and its
+        metrics, unless its URL joined again meanwhile (the new one's, by the same id)."""
+        if self.pool.find(backend.url) is None:
+            self._forget(backend)
+            self.metrics.forget_backend(backend.url)
+
+    def _forget(self, backend: Backend) -> None:
         if isinstance(self.policy, CacheAware):
             self.policy.forget(backend)
         events = self.kv_events.get(backend.url)
         if events is not None:
             events.clear()
-        self.metrics.forget_backend(backend.url)
 
     def snapshot(self) -> RoutingSnapshot:
         gate = self.gate

@@ -1,0 +1,104 @@
+"""What `--discover-dns`, `--dns-server` and `--discover-k8s` name, parsed and checked at
+start-up as every flag is (a bad one stops `sluice` with exit status 2). Pure.
+
+- `--discover-dns NAME:PORT`: the A/AAAA records of NAME are engines listening on PORT (a
+  headless Service's name). `--discover-dns _service._proto.NAME`: its SRV records name
+  each engine's host and port (a Service's named port, `_http._tcp.vllm.ns.svc...`).
+- `--dns-server HOST:PORT`: the resolver asked (default: the system's, /etc/resolv.conf).
+- `--discover-k8s NAMESPACE/LABEL_SELECTOR`: the Ready pods of NAMESPACE whose labels match
+  the selector (`app=vllm,tier in (gpu)`), as the Kubernetes API's `labelSelector` reads it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+# RFC 1123 labels; an SRV name's first two labels start with an underscore.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*\.?$")
+_SRV_NAME = re.compile(rf"^_[A-Za-z0-9-]+\._(?:tcp|udp)\.{_LABEL}(?:\.{_LABEL})*\.?$")
+_NAMESPACE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def _port(text: str, what: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise ValueError(f"{what}: the port must be a number from 1 to 65535, not {text!r}")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    """A name whose records are engines; `port` None: SRV records give each one's."""
+
+    name: str
+    port: int | None
+
+    @classmethod
+    def parse(cls, text: str) -> DnsTarget:
+        what = f"--discover-dns {text!r}"
+        if _SRV_NAME.match(text):
+            return cls(text.rstrip("."), None)
+        name, sep, port = text.rpartition(":")
+        if not sep or not _HOSTNAME.match(name):
+            raise ValueError(
+                f"{what}: expected NAME:PORT (A/AAAA records) or _service._proto.NAME (SRV)"
+            )
+        return cls(name.rstrip("."), _port(port, what))
+
+    @property
+    def source(self) -> str:
+        """How the dashboard and the metrics name this source."""
+        return f"dns:{self.name}" if self.port is None else f"dns:{self.name}:{self.port}"
+
+
+@dataclass(frozen=True)
+class DnsServer:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> DnsServer:
+        what = f"--dns-server {text!r}"
+        host, sep, port = text.rpartition(":")
+        host = host.strip("[]")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"{what}: expected IP:PORT, e.g. 10.96.0.10:53") from None
+        if not sep:
+            raise ValueError(f"{what}: expected IP:PORT, e.g. 10.96.0.10:53")
+        return cls(host, _port(port, what))
+
+
+@dataclass(frozen=True)
+class K8sTarget:
+    """The pods of `namespace` matching `selector` (the API's own `labelSelector` syntax)."""
+
+    namespace: str
+    selector: str
+
+    @classmethod
+    def parse(cls, text: str) -> K8sTarget:
+        namespace, sep, selector = text.partition("/")
+        if not sep or not _NAMESPACE.match(namespace) or not selector.strip():
+            raise ValueError(
+                f"--discover-k8s {text!r}: expected NAMESPACE/LABEL_SELECTOR, "
+                "e.g. inference/app=vllm"
+            )
+        return cls(namespace, selector.strip())
+
+    @property
+    def source(self) -> str:
+        return f"k8s:{self.namespace}/{self.selector}"
+
+
+def check_discovery(dns: tuple[str, ...], server: str | None, k8s: str | None) -> None:
+    """Every discovery flag parses, or a ValueError says which and why."""
+    for entry in dns:
+        DnsTarget.parse(entry)
+    if server is not None:
+        DnsServer.parse(server)
+    if k8s is not None:
+        K8sTarget.parse(k8s)
