@@ -16,7 +16,7 @@ Design rules:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from app.config import Role
 
@@ -53,7 +53,8 @@ class Membership:
     def sighted(self, source: str, endpoints: Iterable[Endpoint]) -> Changes:
         """`source` sees exactly `endpoints` now."""
         before = self._current()
-        self.seen[source] = {e.url.rstrip("/"): e for e in endpoints}
+        found = (replace(e, url=e.url.rstrip("/")) for e in endpoints)
+        self.seen[source] = {e.url: e for e in found}
         after = self._current()
         joins: list[tuple[Endpoint, str]] = []
         leaves: list[str] = []

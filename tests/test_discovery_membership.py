@@ -1,0 +1,97 @@
+"""Discovery's pure parts: what a source's whole set changes in the pool (joins, leaves,
+an engine whose role or models changed, two sources naming one engine, the operator's
+removal), and the flags that name sources, parsed as a user writes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.discovery_targets import DnsServer, DnsTarget, K8sTarget, check_discovery
+from app.fleet.discovery import STATIC_SOURCE, Endpoint, Membership
+
+A, B, C = (Endpoint(f"http://10.0.0.{n}:8000") for n in (1, 2, 3))
+
+
+def test_a_whole_set_joins_what_is_new_and_drains_what_is_gone() -> None:
+    membership = Membership()
+    first = membership.sighted("dns:x:8000", [A, B])
+    assert first.joins == ((A, "dns:x:8000"), (B, "dns:x:8000")) and first.leaves == ()
+    again = membership.sighted("dns:x:8000", [B, A])
+    assert again.joins == () and again.leaves == ()
+    moved = membership.sighted("dns:x:8000", [B, C])
+    assert moved.joins == ((C, "dns:x:8000"),) and moved.leaves == (A.url,)
+    empty = membership.sighted("dns:x:8000", [])
+    assert empty.joins == () and set(empty.leaves) == {B.url, C.url}
+    assert membership.counts() == {"dns:x:8000": 0}
+
+
+def test_an_engine_whose_word_changed_leaves_and_joins_again() -> None:
+    membership = Membership()
+    membership.sighted("k8s:ns/app=vllm", [A])
+    as_prefill = Endpoint(A.url, role="prefill", bootstrap_port=8998)
+    changes = membership.sighted("k8s:ns/app=vllm", [as_prefill])
+    assert changes.leaves == (A.url,) and changes.joins == ((as_prefill, "k8s:ns/app=vllm"),)
+    named = Endpoint(A.url, role="prefill", bootstrap_port=8998, models=("m",))
+    assert membership.sighted("k8s:ns/app=vllm", [named]).leaves == (A.url,)
+
+
+def test_an_engine_stays_while_any_source_sees_it() -> None:
+    membership = Membership()
+    membership.sighted(STATIC_SOURCE, [A])
+    assert membership.sighted("dns:x:8000", [A, B]).joins == ((B, "dns:x:8000"),)
+    gone = membership.sighted("dns:x:8000", [])
+    assert gone.leaves == (B.url,)  # A is a static backend too: it stays
+    membership.sighted("dns:y:8000", [C])
+    assert membership.sighted("dns:x:8000", [C]).joins == ()  # seen by y already
+
+
+def test_a_url_is_one_engine_with_or_without_its_slash() -> None:
+    membership = Membership()
+    membership.sighted("dns:x:8000", [Endpoint("http://10.0.0.1:8000/")])
+    assert membership.sighted("dns:x:8000", [A]).leaves == ()
+
+
+def test_the_operators_removal_holds_until_a_source_lists_it_again() -> None:
+    membership = Membership()
+    membership.sighted("dns:x:8000", [A, B])
+    membership.forget(A.url)
+    assert membership.counts() == {"dns:x:8000": 1}
+    assert membership.sighted("dns:x:8000", [A, B]).joins == ((A, "dns:x:8000"),)
+
+
+@pytest.mark.parametrize(
+    ("text", "target"),
+    [
+        (
+            "vllm.inference.svc.cluster.local:8000",
+            DnsTarget("vllm.inference.svc.cluster.local", 8000),
+        ),
+        ("engines.test.:80", DnsTarget("engines.test", 80)),
+        ("_http._tcp.vllm.ns.svc", DnsTarget("_http._tcp.vllm.ns.svc", None)),
+    ],
+)
+def test_dns_targets_parse(text: str, target: DnsTarget) -> None:
+    assert DnsTarget.parse(text) == target
+
+
+@pytest.mark.parametrize(
+    "text", ["vllm", "vllm:", "vllm:0", "vllm:70000", "-bad-:80", "_http.vllm", "a b:80"]
+)
+def test_bad_dns_targets_say_what_is_expected(text: str) -> None:
+    with pytest.raises(ValueError, match="--discover-dns"):
+        DnsTarget.parse(text)
+
+
+def test_the_other_discovery_flags_parse_and_refuse() -> None:
+    assert DnsServer.parse("127.0.0.1:5353") == DnsServer("127.0.0.1", 5353)
+    assert DnsServer.parse("[::1]:53") == DnsServer("::1", 53)
+    assert K8sTarget.parse("inference/app=vllm,tier in (gpu)") == K8sTarget(
+        "inference", "app=vllm,tier in (gpu)"
+    )
+    assert K8sTarget.parse("ns/app=vllm").source == "k8s:ns/app=vllm"
+    assert DnsTarget.parse("x.y:8000").source == "dns:x.y:8000"
+    for bad in (("x",), None, None), ((), "dns.google:53", None), ((), None, "Bad_NS/app=x"):
+        with pytest.raises(ValueError):
+            check_discovery(*bad)
+    with pytest.raises(ValueError, match="--discover-k8s"):
+        K8sTarget.parse("ns/")
