@@ -12,7 +12,10 @@
 // decode engines) has, under its pool's row, a row per role's pool (engines up, in flight,
 // running / waiting, KV cache) and one of how its requests were served: two hops (prefill,
 // then the KV transfer) or one, by reason; each of its backends is tagged with its role (and
-// an SGLang prefill engine with its bootstrap port). Below,
+// an SGLang prefill engine with its bootstrap port). A backend a discovery source found is
+// tagged with that source (DNS name, Kubernetes selector, or the admin API) and, in its
+// tooltip, when it came; one that left shows "draining" with its requests still in flight
+// until they ended. Below,
 // each API key's share of the requests that left the admission queue against its fair share.
 
 import { COLORS, TimeChart } from "../charts.js";
@@ -70,16 +73,27 @@ function roleTag(b, disaggregated) {
   return el("span", { class: `role-tag role-${b.role}`, dataset: { role: b.role } }, `${b.role}${port}`);
 }
 
+// Where it came from, when not from the flags or the fleet file.
+function sourceTag(b) {
+  if (!b.source || b.source === "static") return null;
+  const title = b.joined_ago === null || b.joined_ago === undefined ? b.source : `${b.source}, joined ${seconds(b.joined_ago)} ago`;
+  return el("span", { class: "source-tag", dataset: { source: b.source }, title }, b.source);
+}
+
 function backendRow(b, model, disaggregated = false) {
   const traffic = b.traffic || {};
   const engine = b.engine || {};
   const breaker = model === null ? b.breaker : (b.breakers || {})[model] || "closed";
   const serving = b.takes_traffic && breaker !== "open";
-  const state = !serving ? (b.healthy ? "held back" : "down") : b.saturated ? `saturated (${b.saturated})` : "up";
+  const draining = b.draining_for !== null && b.draining_for !== undefined;
+  const state = draining
+    ? `draining (${count(b.inflight)} in flight)`
+    : !serving ? (b.healthy ? "held back" : "down") : b.saturated ? `saturated (${b.saturated})` : "up";
   const saturatedTitle = b.saturated ? "its engine has no room now: new requests are held at the proxy" : null;
-  return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "", role: b.role } }, [
-    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated)]),
-    el("td", { class: serving ? (b.saturated ? "warn" : "up") : "down", title: b.last_error || saturatedTitle }, state),
+  const drainTitle = draining ? `left the pool ${seconds(b.draining_for)} ago: no new request, its own finish` : null;
+  return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "", role: b.role, draining: draining ? "1" : "" } }, [
+    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated), sourceTag(b)]),
+    el("td", { class: draining || (serving && b.saturated) ? "warn" : serving ? "up" : "down", title: drainTitle || b.last_error || saturatedTitle }, state),
     el("td", { class: breaker === "closed" ? "" : "down" }, breaker),
     el("td", { class: "num" }, count(b.inflight)),
     el("td", { class: "num" }, rate(traffic.requests_per_s)),
