@@ -46,11 +46,14 @@ class Adapter:
 
 
 class LoraRegistry:
+    """The adapters registered by name (rule 1), those resident (rule 2), and the series of
+    `vllm:lora_requests_info` (rule 3)."""
+
     def __init__(self, max_loras: int, max_cpu_loras: int) -> None:
         require_at_least(1, max_loras=max_loras, max_cpu_loras=max_cpu_loras)
+        self.adapters: dict[str, Adapter] = {}
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
-        self.adapters: dict[str, Adapter] = {}
         self._resident: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._next_id = 0
         self.loads_total = 0  # loads asked for: the endpoints and `--lora-modules`
