@@ -2,7 +2,7 @@
 unload and their refusals, concurrent loads of one name, the load time, `/v1/models` cards with
 `root` and `parent`, requests naming an adapter (served while loaded, vLLM's 404 after),
 `vllm:lora_requests_info` and the sim's load counter read by the proxy's own metric parser,
-and the flags."""
+SGLang's endpoints and ways to name an adapter, and the flags."""
 
 from __future__ import annotations
 
@@ -198,6 +198,18 @@ async def test_sglang_style_serves_sglangs_endpoints(
     assert unknown.status_code == 400 and unknown.json()["success"] is False
     unloaded = await client.post(sim.url + "/unload_lora_adapter", json={"lora_name": "b"})
     assert unloaded.json()["loaded_adapters"] == {"early": "/loras/early"}
+
+    # SGLang's ways to name an adapter: BASE:ADAPTER, or `lora_path` beside the base model.
+    chat = sim.url + "/v1/chat/completions"
+    for body in ({"model": f"{BASE}:early"}, {"model": BASE, "lora_path": "early"}):
+        answer = await client.post(chat, json={**CHAT, **body})
+        assert (answer.status_code, answer.json()["model"]) == (200, body["model"])
+    missing = await client.post(chat, json={**CHAT, "model": f"{BASE}:b"})
+    assert missing.status_code == 400
+    assert missing.json()["error"]["message"].startswith(
+        "The following requested LoRA adapters are not loaded: b\n"
+    )
+    assert sim.app.state()["lora"]["requests_by_adapter"] == {"early": 2}
 
 
 def test_the_flags_parse_and_refuse_what_cannot_work() -> None:

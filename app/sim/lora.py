@@ -14,6 +14,10 @@ Design rules (vLLM's, `vllm/entrypoints/openai/models/serving.py` and the worker
    The sim keeps the latest `INFO_SERIES_KEPT` label sets so that a long run's scrape stays
    small (vLLM keeps all).
 
+A request names an adapter by its `model` (vLLM); SGLang also reads `model` as
+`BASE:ADAPTER` and a `lora_path` field naming the adapter, and refuses an adapter it has not
+loaded with a 400 rather than the unknown model's 404 (`requested_adapter`).
+
 Which adapter a request runs under travels with the request's task (`REQUEST_ADAPTER`): every
 endpoint names its model through `Inference.model`, and the engine reads it when the request
 arrives, so no endpoint needs to carry it.
@@ -126,3 +130,27 @@ class LoraRegistry:
     def info_series(self) -> list[tuple[str, str, float]]:
         """(running_lora_adapters, waiting_lora_adapters, timestamp) for each series kept."""
         return [(running, waiting, when) for (running, waiting), when in self._info.items()]
+
+
+def requested_adapter(
+    payload: dict[str, Any], registry: LoraRegistry, base_models: tuple[str, ...], sglang: bool
+) -> Adapter | None:
+    """The loaded adapter a request names, or None for the base model (or a name that is no
+    adapter, left to the model check). SGLang's forms raise ValueError, with SGLang's words,
+    for an adapter not loaded."""
+    model = payload.get("model")
+    if isinstance(model, str) and model in registry.adapters:
+        return registry.adapters[model]
+    if not sglang:
+        return None
+    base, sep, suffix = model.partition(":") if isinstance(model, str) else ("", "", "")
+    lora_path = payload.get("lora_path")
+    name = suffix if sep and base in base_models else lora_path
+    if not isinstance(name, str) or not name:
+        return None
+    if name not in registry.adapters:
+        raise ValueError(
+            f"The following requested LoRA adapters are not loaded: {name}\n"
+            f"Loaded adapters: {registry.adapters.keys()}."
+        )
+    return registry.adapters[name]
