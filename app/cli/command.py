@@ -151,7 +151,8 @@ HELP: dict[str, str] = {
     "endpoints",
     "max_cpu_loras": "adapters kept in memory (vLLM's --max-cpu-loras; default: --max-loras); "
     "with --metrics-style sglang, the most that may be loaded (SGLang's --max-loaded-loras)",
-    "lora_modules": "NAME=PATH: an adapter loaded at start (repeatable; vLLM's --lora-modules)",
+    "lora_modules": "an adapter loaded at start (repeatable; vLLM's --lora-modules; needs "
+    "--max-loras)",
     "lora_load_time": "seconds loading one adapter takes",
 }
 
