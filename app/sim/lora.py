@@ -12,7 +12,11 @@ Design rules (vLLM's, `vllm/entrypoints/openai/models/serving.py` and the worker
    the current labels to the wall-clock time and the older series stay, as prometheus_client
    keeps every label set it was given; a reader takes the series with the largest value.
    The sim keeps the latest `INFO_SERIES_KEPT` label sets so that a long run's scrape stays
-   small (vLLM keeps all).
+   small (vLLM keeps all). `running_lora_adapters` lists the adapters with a sequence running,
+   `waiting_lora_adapters` those with one waiting, as vLLM V0 and the first V1 releases did
+   and the Gateway API Inference Extension's protocol reads them; newer vLLM
+   (`LoRARequestStates.update_scheduler_stats`) lists every adapter with a request in flight
+   under both labels.
 
 A request names an adapter by its `model` (vLLM); SGLang also reads `model` as
 `BASE:ADAPTER` and a `lora_path` field naming the adapter, and refuses an adapter it has not
