@@ -23,6 +23,7 @@ from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import stream_sse
 from app.sim.kv_transfer import Leg
+from app.sim.lora import REQUEST_ADAPTER, requested_adapter
 from app.sim.openai_format import answering_model, request_error
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, generated_pieces
@@ -54,7 +55,20 @@ class Inference:
         return parse_json_object(await self.read_body(exchange))
 
     def model(self, payload: dict[str, Any]) -> str:
-        return answering_model(payload, self.settings)
+        """The name the answer carries; a loaded LoRA adapter's name also sets the adapter
+        this task's request runs under (lora.py's REQUEST_ADAPTER), anything else the base."""
+        lora, settings = self.engine.lora, self.settings
+        sglang = settings.metrics_style == "sglang"
+        try:
+            adapter = lora and requested_adapter(payload, lora, settings.served_models, sglang)
+        except ValueError as exc:
+            raise request_error(str(exc)) from None
+        REQUEST_ADAPTER.set(adapter.tag if adapter else None)
+        if not adapter:
+            return answering_model(payload, settings)
+        # As named: the adapter (vLLM), or SGLang's BASE:ADAPTER, or the base with `lora_path`.
+        model = payload.get("model")
+        return model if isinstance(model, str) and model else settings.served_models[0]
 
     async def stream(
         self,
