@@ -1,11 +1,17 @@
 """Discovery's pure parts: what a source's whole set changes in the pool (joins, leaves,
 an engine whose role or models changed, two sources naming one engine, the operator's
-removal), and the flags that name sources, parsed as a user writes them."""
+removal), and the flags that name sources, parsed as a user writes them (flags, SLUICE_*
+variables, the TOML file), a bad one stopping `sluice` with a line naming it."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
+from app.cli.command import ConfigExit, parse
+from app.config import Settings
 from app.discovery_targets import DnsServer, DnsTarget, K8sTarget, check_discovery
 from app.fleet.discovery import STATIC_SOURCE, Endpoint, Membership
 
@@ -95,3 +101,50 @@ def test_the_other_discovery_flags_parse_and_refuse() -> None:
             check_discovery(*bad)
     with pytest.raises(ValueError, match="--discover-k8s"):
         K8sTarget.parse("ns/")
+
+
+def test_discovery_flags_come_from_flags_env_and_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("SLUICE_BACKEND", "SLUICE_BACKENDS", "SLUICE_DISCOVER_DNS"):
+        monkeypatch.delenv(name, raising=False)
+    _, flags = parse(
+        ["serve", "--discover-dns", "a.test:8000", "--discover-dns", "_http._tcp.b.test"]
+    )
+    assert isinstance(flags, Settings) and flags.backends == ()  # discovery alone will do
+    assert flags.discover_dns == ("a.test:8000", "_http._tcp.b.test")
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        'discover-k8s = "inference/app=vllm"\ndiscover_k8s_port = 8080\ndrain-timeout = 45\n'
+    )
+    monkeypatch.setenv("SLUICE_DISCOVER_DNS", "c.test:80,d.test:81")
+    monkeypatch.setenv("SLUICE_DNS_SERVER", "127.0.0.1:5353")
+    _, settings = parse(["serve", "--config", str(config), "--discover-interval", "2"])
+    assert isinstance(settings, Settings)
+    assert settings.discover_dns == ("c.test:80", "d.test:81")
+    assert (settings.discover_k8s, settings.discover_k8s_port) == ("inference/app=vllm", 8080)
+    assert (settings.dns_server, settings.discover_interval, settings.drain_timeout) == (
+        "127.0.0.1:5353",
+        2.0,
+        45.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--discover-dns", "engines"], "--discover-dns 'engines': expected NAME:PORT"),
+        (["--backend", "http://x:1", "--dns-server", "localhost"], "--dns-server"),
+        (["--discover-k8s", "just-a-namespace"], "NAMESPACE/LABEL_SELECTOR"),
+        (["--discover-dns", "a.test:1", "--discover-interval", "0"], "must be positive"),
+        (["--discover-dns", "a.test:1", "--drain-timeout", "-1"], "must not be negative"),
+        ([], "--discover-dns/--discover-k8s"),
+    ],
+)
+def test_bad_discovery_flags_stop_sluice_naming_the_flag(
+    flags: list[str], words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("SLUICE_BACKEND", "SLUICE_BACKENDS", "SLUICE_DISCOVER_DNS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigExit, match=re.escape(words)):
+        parse(["serve", *flags])
