@@ -276,6 +276,7 @@ def pool_backend(id_: str, serves: list[str], **fields: Any) -> dict[str, Any]:
         "breakers": {},
         "inflight": 1,
         "engine": None,
+        "draining_for": None,
         **fields,
     }
 

@@ -186,7 +186,7 @@ class Sluice:
             for row, backend in zip(rows, self.pool.members, strict=True)
         ]
         held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
-        return {
+        snapshot: Snapshot = {
             "time": now,
             "wall_time": time.time(),
             "policy": self.policy.name,
@@ -201,6 +201,9 @@ class Sluice:
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }
+        if self.discoverer is not None and self.discoverer.statuses:
+            snapshot["discovery"] = self.discoverer.snapshot(now)
+        return snapshot
 
     def budgets_snapshot(self) -> RedisBudgetsSnapshot | SharedBudgetsSnapshot | None:
         if self.budget_sync is not None:

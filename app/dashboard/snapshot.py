@@ -17,6 +17,7 @@ from app.budgets.shared import SharedBudgetsSnapshot
 from app.budgets.sync import Notice, RedisBudgetsSnapshot
 from app.dashboard.model_rows import ModelRow
 from app.fleet.backend_row import BackendRow
+from app.fleet.discoverer import SourceRow
 from app.kv_events.subscriber import KvEventsSnapshot
 from app.observe.admission_stats import AdmissionSnapshot
 from app.observe.backend_stats import BackendTraffic
@@ -120,6 +121,7 @@ class Snapshot(TypedDict):
     budgets: RedisBudgetsSnapshot | SharedBudgetsSnapshot | None  # --redis-url, --workers
     notices: list[Notice]
     workers: NotRequired[WorkersBlock]  # --workers N: every other block is their sum
+    discovery: NotRequired[list[SourceRow]]  # --discover-dns, --discover-k8s
     # Added by the feed for a page (not with `?counters=1`).
     window: NotRequired[Window]
     series: NotRequired[Series]  # a page's first snapshot: every point kept

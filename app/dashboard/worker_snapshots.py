@@ -64,6 +64,7 @@ SAME = frozenset(
         "others_per_own",
         "load",
         "consecutive_failures",
+        "joined_ago",
         "sync_interval_s",
         "replicas",
         # A model's pool, as every worker sees it.
@@ -103,6 +104,7 @@ WORST = frozenset(
         "wait_p99_s",
         "prefill_p50_ms",
         "prefill_p99_ms",
+        "draining_for",
     }
 )
 STALLS_SHOWN = 20

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import trio
 
@@ -61,6 +61,17 @@ class SourceStatus:
     failures: int = 0  # in a row, since its last sighting
     last_sighting_at: float | None = None  # trio's clock
     last_error: str | None = None
+
+
+class SourceRow(TypedDict):
+    """A discovery source on the dashboard."""
+
+    name: str  # dns:NAME:PORT, dns:_service._proto.NAME or k8s:NAMESPACE/SELECTOR
+    endpoints: int  # engines it sees now
+    sightings: int  # answers it had
+    failures: int  # lookups failed in a row since its last answer
+    last_sighting_ago: float | None  # seconds since its last answer; None: none yet
+    last_error: str | None
 
 
 class SourceReport:
@@ -110,6 +121,21 @@ class Discoverer:
         self.membership.sighted(STATIC_SOURCE, static)
         metrics.discovery_endpoints.set_function(lambda: self.membership.counts().items())
         metrics.draining.set_function(lambda: len(fleet.pool.draining))
+
+    def snapshot(self, now: float) -> list[SourceRow]:
+        return [
+            {
+                "name": status.name,
+                "endpoints": status.endpoints,
+                "sightings": status.sightings,
+                "failures": status.failures,
+                "last_sighting_ago": None
+                if status.last_sighting_at is None
+                else now - status.last_sighting_at,
+                "last_error": status.last_error,
+            }
+            for status in self.statuses
+        ]
 
     async def run(
         self,

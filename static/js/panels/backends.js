@@ -202,6 +202,13 @@ function keyRows(admission) {
   return rows;
 }
 
+// A discovery source: what it sees, when it last answered, and its failures in a row.
+function sourceLine(source) {
+  const ago = source.last_sighting_ago === null ? "no answer yet" : `answered ${seconds(source.last_sighting_ago)} ago`;
+  const failing = source.failures ? ` · ${count(source.failures)} failed: ${source.last_error}` : "";
+  return el("span", { class: `source ${source.failures ? "down" : ""}`, dataset: { source: source.name } }, `${source.name}: ${count(source.endpoints)} engines, ${ago}${failing}`);
+}
+
 function groupRow(label) {
   return el("tr", { class: "pool" }, el("td", { colspan: COLUMNS, class: "muted" }, label));
 }
@@ -211,6 +218,7 @@ export function createBackendsPanel(root) {
   const routing = root.querySelector(".routing");
   const admissionBlock = root.querySelector(".admission");
   const keysTable = root.querySelector("table.keys tbody");
+  const discovery = root.querySelector(".discovery");
   const chart = new TimeChart(root.querySelector(".charts"), {
     title: "Requests per backend (5 s windows)",
     yLabel: "requests/s",
@@ -237,9 +245,16 @@ export function createBackendsPanel(root) {
         placed.add(id);
       }
     }
-    const rest = backends.filter((b) => !placed.has(b.id));
+    const isDraining = (b) => b.draining_for !== null && b.draining_for !== undefined;
+    const rest = backends.filter((b) => !placed.has(b.id) && !isDraining(b));
     if (rest.length && models.length) rows.push(groupRow("serving no model yet (down, or listing none at /v1/models)"));
     for (const backend of rest) rows.push(backendRow(backend, null));
+    const draining = backends.filter(isDraining);
+    if (draining.length) rows.push(groupRow("left the pool: draining their requests in flight"));
+    for (const backend of draining) rows.push(backendRow(backend, null));
+    const sources = snapshot.discovery || [];
+    discovery.hidden = !sources.length;
+    discovery.replaceChildren(el("span", {}, "Discovery: "), ...sources.map(sourceLine));
     table.replaceChildren(...rows);
     const keys = keyRows(admission);
     admissionBlock.hidden = !keys.length;
