@@ -256,6 +256,7 @@ def targets(
                 check(f"{where} req/s beside heavy {x:.3f}x alone >= 0.7x", x >= 0.7)
         if sluice in b:
             lines += _targets_b(door, b[sluice])
+            lines += _saturation_targets(door, b[sluice].get("saturation"))
         lost = sum(v["answers"]["lost"] for part in (a, short, b) for n, v in part.items()
                    if split(n)[1] == door)  # fmt: skip
         check(f"({door}) every request answered 200 or 429 with Retry-After: {lost} lost",
@@ -280,6 +281,19 @@ def _targets_b(door: str, entry: dict[str, Any]) -> list[str]:
         f"{_verdict(share >= 0.9)} B ({door}): light {share:.0%} of its fair share >= 90% by "
         "Sluice's own count (no server-timing through Envoy)",
         f"n/a C ({door}): no server-timing through Envoy: held or not unknown",
+    ]
+
+
+def _saturation_targets(door: str, signal: dict[str, Any] | None) -> list[str]:
+    """Issue 44's: the autoscalers' gauge rises with the offered load and falls after."""
+    if not signal or not signal["samples"]:
+        return [f"FAIL B ({door}): saturation gauge: no samples"]
+    low, high, last = (signal[k] for k in ("mean_low", "mean_high", "last"))
+    return [
+        f"{_verdict(signal['rises'])} B ({door}): saturation gauge rises with load: mean "
+        f"{low:.2f} at {LOADS[0]:g}x -> {high:.2f} at {LOADS[1]:g}x (peak {signal['peak']:.2f})",
+        f"{_verdict(signal['falls'])} B ({door}): and falls after: {last:.2f} after the last "
+        f"answer < a quarter of {high:.2f}",
     ]
 
 
