@@ -5,6 +5,7 @@
   room; a model without an engine taking traffic reads 1 and more;
 - `--workers N`: the supervisor's merged exposition gives it once per model, the largest
   ratio plus every worker's held requests over the room, not a sum of the workers' figures;
+- the dashboard's merge of several workers' snapshots makes the figure again the same way;
 - the fair queue's oldest held request, and the gate's reading of a pool (autojump clock);
 - a real Sluice before a simulated GPU of one sequence: at /metrics with the model label, above
   1 while requests are held, 0 again once they are answered.
@@ -12,12 +13,16 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import httpx
 import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.dashboard.snapshot import Snapshot
+from app.dashboard.worker_snapshots import merge_snapshots
 from app.observe.saturation_signal import ModelSignal, combine, saturation
 from app.observe.worker_metrics import merge_worker_metrics
 from app.routing.admission import Admission, FairQueue, Held
@@ -66,6 +71,18 @@ def test_the_supervisors_exposition_gives_the_combined_figure_once_per_model() -
     assert (only.labels, only.value) == ({"model": "m"}, 1.75)  # 1.0 + (4 + 2) / 8
     held = families["sluice_admission_held"].samples  # the parts keep their workers
     assert sorted(s.labels["worker"] for s in held) == ["0", "1"]
+
+
+def test_the_dashboards_merge_makes_the_figure_from_the_merged_parts() -> None:
+    def worker(ratio: float, held: int, oldest: float) -> Snapshot:
+        model = {"held": held, "saturation": ratio + held / 8, "engines_saturated_ratio": ratio,
+                 "room": 8, "oldest_held_s": oldest}  # fmt: skip
+        return cast(Snapshot, {"admission": {"window_s": 60, "models": {"m": model}}})
+
+    merged = merge_snapshots([worker(1.0, 4, 2.0), worker(0.5, 2, 3.0)])
+    model = merged["admission"]["models"]["m"]
+    assert (model["held"], model["room"], model["oldest_held_s"]) == (6, 8, 3.0)
+    assert model["saturation"] == 1.75
 
 
 def test_the_oldest_held_request_is_the_first_of_some_tenant() -> None:
