@@ -110,22 +110,26 @@ class Gate:
 
     def signals(self) -> list[ModelSignal]:
         """Each model's pool for an autoscaler (app/observe/saturation_signal.py): every
-        model a backend serves, and any for which requests are held."""
+        model a backend serves, and any for which requests are held. Each backend is judged
+        once, whatever the number of models it serves."""
         now = trio.current_time()
+        judged = {
+            b: (self._full_for_signal(b, now), _room_for_signal(b, now)) for b in self.pool.backends
+        }
         models: set[str | None] = {m for b in self.pool.backends for m in b.served}
         models.update(model for model, queue in self.queues.items() if queue)
         signals = []
         for model in sorted(models, key=lambda m: m or ""):
-            engines = self.pool.available(now, (), model)
+            engines = [judged[b] for b in self.pool.available(now, (), model)]
             queue = self.queues.get(model)
             oldest = queue.oldest_arrival() if queue else None
             signals.append(
                 ModelSignal(
                     model or NO_MODEL,
                     len(engines),
-                    sum(1 for b in engines if self._full_for_signal(b, now)),
+                    sum(full for full, _ in engines),
                     len(queue) if queue else 0,
-                    sum(_room_for_signal(b, now) for b in engines),
+                    sum(room for _, room in engines),
                     0.0 if oldest is None else now - oldest,
                 )
             )
