@@ -16,8 +16,9 @@ Sluice learns its room), so rounds measure the steady state. S (issue 40): as A,
 and proxies of their own (4 sequences, the simulated engine's own prefill), with streams of
 16 tokens at 20 ms a token (~0.3 s, shorter than the 0.5 s between two reads of an engine's
 metrics). B and C, on a fleet of 4 GPUs at 2x its capacity, are
-load/fairness_fleet.py's. Every request must be answered 200, or 429 with Retry-After:
-anything else is lost.
+load/fairness_fleet.py's, as is B's series of the proxy's saturation gauge (issue 44: it
+rises with the offered load and falls after). Every request must be answered 200, or 429
+with Retry-After: anything else is lost.
 
 Each part runs through both doors (`--door proxy|epp|both`, load/doors.py): Sluice's proxy,
 and Envoy with the same Sluice flags as its endpoint picker (`sluice:epp`, `fcfs:epp`: a GPU
@@ -452,7 +453,8 @@ SCENARIO = Scenario(
         "stream's time on the idle GPU, its req/s >= 0.7x alone (FCFS: ~2 s p99 expected);\n"
         "S (issue 40: p99 637 ms and 0.48x before): TTFT p99 <= 400 ms, req/s >= 0.7x alone;\n"
         "B: at 2x a 4-GPU fleet, the light key >= 90% of its fair share; C: held requests hit\n"
-        "the prefix cache no less than unheld ones; every request answered 200 or 429."
+        "the prefix cache no less than unheld ones; every request answered 200 or 429.\n"
+        "issue 44: B's saturation gauge rises with the offered load and falls after."
     ),
     measure=measure,
     tables=tables,
