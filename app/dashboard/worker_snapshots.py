@@ -96,6 +96,8 @@ WORST = frozenset(
         "last_duration_s",
         "last_time",
         "first_time",
+        "engines_saturated_ratio",
+        "oldest_held_s",
         "ttft_p50_s",
         "ttft_p99_s",
         "last_lag_s",
@@ -108,8 +110,6 @@ WORST = frozenset(
         "wait_p99_s",
         "prefill_p50_ms",
         "prefill_p99_ms",
-        "engines_saturated_ratio",
-        "oldest_held_s",
     }
 )
 STALLS_SHOWN = 20
