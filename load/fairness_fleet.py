@@ -10,6 +10,11 @@ proxy's own). C: B's requests, held (queue time > 0) or not, and a prefix hit (t
 `cached_tokens` > 0) or not. Every request must be answered 200, or 429 with Retry-After:
 anything else is lost. A variant's name may end in its door (`sluice:epp`, load/doors.py);
 through Envoy no server-timing comes back, so there B reads Sluice's own count alone.
+
+B also samples the proxy's `sluice_admission_saturation{model="sim"}` (the autoscalers'
+gauge, issue 44) every SAMPLE_S from the first request until TAIL_S after the last answer:
+its series is in the JSON, and it must rise with the offered load and fall after
+(`saturation_verdict`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ LOADS = (0.5, 2.0)  # B's offered load over NOMINAL, phase by phase
 # requests' chunked prefills (1.8 s: 16 sequences served 8.8-9.1 requests/s, 2026-11-26).
 NOMINAL = FLEET * SEQS / 1.8  # requests/s the fleet serves
 GIVE_UP_S = 120.0
+SAMPLE_S = 0.5  # between two reads of the saturation gauge
+TAIL_S = 1.5  # read on after the last answer: an engine's next report shows it idle
+SATURATION_SERIES = 'sluice_admission_saturation{model="sim"} '
 TARGETS = "issue 32's"
 STORY = [{"role": "user", "content": "Tell me a story about a river."}]
 
@@ -135,6 +143,7 @@ async def part_b(bench: Bench, name: str, round_: int, phases: Sequence[float]) 
         await answering(url)
         dashboard = stack.dashboard(door.sluice)
         runs: dict[str, drive.Run] = {}
+        series: list[tuple[float, float]] = []
         start = time.perf_counter()
 
         async def send(key: str) -> None:
@@ -142,14 +151,19 @@ async def part_b(bench: Bench, name: str, round_: int, phases: Sequence[float]) 
                 items = [(at, sender.prepare(r)) for at, r in plans[key]]
                 runs[key] = await drive.open_loop(sender, items, start=start)
 
-        async with trio.open_nursery() as nursery:
-            for key in KEYS:
-                nursery.start_soon(send, key)
-            await trio.sleep(phases[0])
-            cpu0 = door.cpu()
-            await trio.sleep(phases[1])
-            cpu = cpu_shares(cpu0, door.cpu(), phases[1])
-            snapshot = (await client.call(dashboard + "/api/snapshot")).json()
+        async with trio.open_nursery() as sampling:
+            sampling.start_soon(sample_saturation, door.sluice + "/metrics", start, series)
+            async with trio.open_nursery() as nursery:
+                for key in KEYS:
+                    nursery.start_soon(send, key)
+                await trio.sleep(phases[0])
+                cpu0 = door.cpu()
+                await trio.sleep(phases[1])
+                cpu = cpu_shares(cpu0, door.cpu(), phases[1])
+                snapshot = (await client.call(dashboard + "/api/snapshot")).json()
+            answered = time.perf_counter() - start
+            await trio.sleep(TAIL_S)
+            sampling.cancel_scope.cancel()
     shares = snapshot["admission"]["models"].get("sim", {}).get("keys", {})
     by_label = {fingerprint(token.encode()): key for key, token in KEYS.items()}
     every = [r for run in runs.values() for r in run.records]
@@ -165,6 +179,49 @@ async def part_b(bench: Bench, name: str, round_: int, phases: Sequence[float]) 
         "timed": any(r.server_timing for r in every if r.ok),
         "answers": outcomes(every),
         "answers_by_key": {key: outcomes(run.records) for key, run in runs.items()},
+        # [s after the start, gauge]; the phases' ends and the last answer, to read it by.
+        "saturation": {"series": series, "phases": list(phases), "answered": answered},
+    }
+
+
+async def sample_saturation(url: str, start: float, series: list[tuple[float, float]]) -> None:
+    """Read the proxy's saturation gauge every SAMPLE_S into `series` until cancelled."""
+    while True:
+        text = (await client.call(url)).text
+        at = text.find("\n" + SATURATION_SERIES)
+        if at >= 0:
+            line = text[at + 1 + len(SATURATION_SERIES) :].partition("\n")[0]
+            series.append((round(time.perf_counter() - start, 2), float(line)))
+        await trio.sleep(SAMPLE_S)
+
+
+def saturation_verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over a variant's rounds: the gauge's mean in each phase (the first quarter of the
+    second left out: the queue builds), its peak, and its last reading after the last
+    answer; it rises when the 2x phase's mean is over the 0.5x phase's, and falls when the
+    last reading is under a quarter of the 2x phase's mean."""
+    low: list[float] = []
+    high: list[float] = []
+    last: list[float] = []
+    for row in rows:
+        signal = row.get("saturation")
+        if not signal or not signal["series"]:
+            continue
+        first, second = signal["phases"]
+        low += [v for t, v in signal["series"] if t < first]
+        high += [v for t, v in signal["series"] if first + second / 4 <= t < first + second]
+        last.append(signal["series"][-1][1])
+    if not (low and high and last):
+        return {"samples": 0}
+    low_mean, high_mean = sum(low) / len(low), sum(high) / len(high)
+    return {
+        "samples": sum(len(row["saturation"]["series"]) for row in rows if "saturation" in row),
+        "mean_low": low_mean,
+        "mean_high": high_mean,
+        "peak": max(high),
+        "last": max(last),
+        "rises": high_mean > low_mean,
+        "falls": max(last) < high_mean / 4,
     }
 
 
@@ -229,5 +286,6 @@ def summary_b(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "answers": merge([r["answers"] for r in mine]),
             "refused": {k: sum(r["answers_by_key"][k]["refused"] for r in mine) for k in KEYS},
             "hits": hits if timed else {k: [0, 0, 0] for k in hits},
+            "saturation": saturation_verdict(mine),
         }  # fmt: skip
     return out

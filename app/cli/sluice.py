@@ -197,7 +197,7 @@ class Sluice:
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics.preprocess),
             "requests": requests,
-            "admission": self.metrics.routing.admission.snapshot(held, now),
+            "admission": self.metrics.routing.admission.snapshot(held, now, gate.signals()),
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }

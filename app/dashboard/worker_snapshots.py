@@ -11,7 +11,10 @@ fields to stay correct as snapshots grow:
 - a histogram (a dict with `buckets`) is merged bucket by bucket, its p50 and p99 computed
   again from the merged counts;
 - lists of backends are merged by URL, of models by name; stall records are pooled, newest
-  first, each tagged with its worker; other lists, strings and flags are the first worker's.
+  first, each tagged with its worker; other lists, strings and flags are the first worker's;
+- a model's saturation is made again from its merged parts, as the supervisor's /metrics
+  makes it (app/observe/saturation_signal.py, rule 3): the largest engines-saturated ratio
+  plus every worker's held requests over the room, never a sum of the workers' figures.
 
 The request log is merged by `RecordLog`, which numbers records in the order the supervisor
 first sees them, so that `seq` keeps rising across workers and their restarts (the page adds
@@ -26,6 +29,7 @@ from typing import cast
 
 from app.dashboard.snapshot import Snapshot
 from app.observe.request_log import RequestRecord
+from app.observe.saturation_signal import saturation
 from app.observe.stalls import StallRecord, summarize_histogram
 
 # The merge walks the snapshots as plain JSON (any key, any value); its result has their shape.
@@ -74,9 +78,10 @@ SAME = frozenset(
         "engine_waiting",
         "engine_kv_cache_usage",
         "engine_prefix_cache_hit_rate",
-        # Admission: an API key's weight, and the window's length.
+        # Admission: an API key's weight, the window's length, a model's room.
         "weight",
         "window_s",
+        "room",
     }
 )
 # Lists of entries merged entry by entry, by this field.
@@ -92,6 +97,8 @@ WORST = frozenset(
         "last_duration_s",
         "last_time",
         "first_time",
+        "engines_saturated_ratio",
+        "oldest_held_s",
         "ttft_p50_s",
         "ttft_p99_s",
         "last_lag_s",
@@ -122,6 +129,10 @@ def merge_snapshots(snapshots: Sequence[Snapshot]) -> Snapshot:
     if "loop" in merged:
         stalls.sort(key=lambda stall: stall.get("last_time") or 0.0, reverse=True)
         merged["loop"]["recent"] = stalls[:STALLS_SHOWN]
+    for model in merged.get("admission", {}).get("models", {}).values():
+        model["saturation"] = saturation(
+            model["engines_saturated_ratio"], model["held"], model["room"]
+        )
     return merged
 
 

@@ -12,11 +12,12 @@ window slot (the rest are counted as "other"), `MAX_WAITS` waits per model for p
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
 from app.models import NO_MODEL
+from app.observe.saturation_signal import ModelSignal
 
 WINDOW_S = 60
 MAX_TENANTS = 256
@@ -35,7 +36,17 @@ class KeyShare(TypedDict):
     fair_left: float  # its max-min fair number of what left
 
 
-class ModelAdmission(TypedDict):
+class ModelSaturation(TypedDict):
+    """What an autoscaler scales a model's engines on, and its parts
+    (app/observe/saturation_signal.py); 0 for a model no backend serves any more."""
+
+    saturation: float
+    engines_saturated_ratio: float
+    room: int
+    oldest_held_s: float
+
+
+class ModelAdmission(ModelSaturation):
     held: int
     wait_p50_s: float | None  # of its last held requests
     wait_p99_s: float | None
@@ -119,9 +130,13 @@ class AdmissionStats:
     def forget(self, backend: str) -> None:
         self.held_with_room_s.pop(backend, None)
 
-    def snapshot(self, held: Mapping[str, int], now: float) -> AdmissionSnapshot:
-        """Per model: held now, wait p50/p99 of its last held requests, shed by reason; per
-        key over the window: requests it sent, those that left, and its fair number of them."""
+    def snapshot(
+        self, held: Mapping[str, int], now: float, signals: Sequence[ModelSignal] = ()
+    ) -> AdmissionSnapshot:
+        """Per model: held now, its saturation (`signals`, the gate's reading), wait p50/p99
+        of its last held requests, shed by reason; per key over the window: requests it sent,
+        those that left, and its fair number of them."""
+        signal_of = {signal.model: signal for signal in signals}
         asked: dict[str, dict[str, int]] = {}
         left: dict[str, dict[str, int]] = {}
         weights: dict[str, float] = {}
@@ -134,12 +149,14 @@ class AdmissionStats:
                 model_asked[tenant] = model_asked.get(tenant, 0) + arrived
                 model_left = left.setdefault(model, {})
                 model_left[tenant] = model_left.get(tenant, 0) + passed
-        models = sorted({*held, *left, *self._waits, *self._shed})
+        models = sorted({*held, *left, *self._waits, *self._shed, *signal_of})
+        idle = ModelSignal("", 0, 0, 0, 0, 0.0)
         return {
             "window_s": WINDOW_S,
             "models": {
                 model: {
                     "held": held.get(model, 0),
+                    **_saturation(signal_of.get(model, idle)),
                     "wait_p50_s": _percentile(self._waits.get(model, ()), 0.5),
                     "wait_p99_s": _percentile(self._waits.get(model, ()), 0.99),
                     "shed": dict(self._shed.get(model, {})),
@@ -148,6 +165,17 @@ class AdmissionStats:
                 for model in models
             },
         }
+
+
+def _saturation(signal: ModelSignal) -> ModelSaturation:
+    if not signal.engines and not signal.held:  # no backend serves it any more
+        return {"saturation": 0.0, "engines_saturated_ratio": 0.0, "room": 0, "oldest_held_s": 0.0}
+    return {
+        "saturation": signal.saturation,
+        "engines_saturated_ratio": signal.engines_saturated_ratio,
+        "room": signal.room,
+        "oldest_held_s": signal.oldest_held_s,
+    }
 
 
 def _shares(

@@ -6,7 +6,10 @@ of them are nonsense. The supervisor's dashboard port serves this instead: each 
 own text, read from its private dashboard, merged family by family (one `# TYPE` per name,
 as the format requires) with `worker="i"` added to every sample, and the supervisor's own
 series (`sluice_worker_up`, `sluice_worker_restarts_total`). Sums across workers are then
-the scraper's `sum without (worker) (...)`. Pure: texts in, text out.
+the scraper's `sum without (worker) (...)`. One family is combined here instead, as a sum
+would be wrong: `sluice_admission_saturation` is given once per model, without the label,
+from every worker's parts (app/observe/saturation_signal.py, rule 3). Pure: texts in, text
+out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from app.observe.metrics import ReadAtScrape
+from app.observe.saturation_signal import (
+    ENGINES_SATURATED,
+    HELD,
+    MODEL_LABEL,
+    ROOM,
+    SATURATION,
+    combine,
+    saturation_family,
+)
 
 WORKER_LABEL = "worker"
 
@@ -54,6 +66,8 @@ def merge_worker_metrics(
                 )
                 for s in family.samples
             )
+    if SATURATION in families:
+        families[SATURATION] = _combined_saturation(families)
     workers_up = GaugeMetricFamily(
         "sluice_worker_up", "1 while the worker process listens", labels=[WORKER_LABEL]
     )
@@ -68,6 +82,16 @@ def merge_worker_metrics(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families([*families.values(), workers_up, restarted]))
     return generate_latest(registry)
+
+
+def _combined_saturation(families: Mapping[str, Metric]) -> Metric:
+    def readings(name: str) -> list[tuple[str, float]]:
+        family = families.get(name)
+        samples = family.samples if family is not None else []
+        return [(s.labels[MODEL_LABEL], s.value) for s in samples if MODEL_LABEL in s.labels]
+
+    combined = combine(readings(ENGINES_SATURATED), readings(HELD), readings(ROOM))
+    return saturation_family(sorted(combined.items()))
 
 
 class WorkerInfo(ReadAtScrape):

@@ -145,6 +145,12 @@ class FairQueue:
         self.remove(chosen)
         return chosen
 
+    def oldest_arrival(self) -> float | None:
+        """When the longest-held request came (None: none held). A tenant's requests are
+        queued in arrival order, so only each tenant's first is looked at."""
+        firsts = [q[0].arrived for band in self._bands.values() for q in band.tenants.values()]
+        return min(firsts, default=None)
+
     def waiting_for(self, eligible: Callable[[Held], bool]) -> bool:
         """Whether `pop` would give a request that is `eligible`."""
         return bool(self._heads(eligible))

@@ -31,7 +31,9 @@ import trio
 from app.fleet.backends import Backend
 from app.fleet.pool import BackendPool
 from app.fleet.saturation import queue_allowance, reports_room, saturation
+from app.models import NO_MODEL
 from app.observe.admission_stats import AdmissionStats
+from app.observe.saturation_signal import ModelSignal
 from app.routing.admission import Admission, FairQueue, Held
 from app.routing.decision import Decision, RouteRequest
 from app.routing.refusal import Overloaded, ShedReason
@@ -106,6 +108,39 @@ class Gate:
         held = any(self.queues.get(model) for model in (None, *backend.served))
         queued = queue_allowance(backend, now, limits.max_queued, held)
         return saturation(backend, now, limits.ceiling, limits.max_kv_usage, queued)
+
+    def signals(self) -> list[ModelSignal]:
+        """Each model's pool for an autoscaler (app/observe/saturation_signal.py): every
+        model a backend serves, and any for which requests are held. Each backend is judged
+        once, whatever the number of models it serves."""
+        now = trio.current_time()
+        judged = {
+            b: (self._full_for_signal(b, now), _room_for_signal(b, now)) for b in self.pool.backends
+        }
+        models: set[str | None] = {m for b in self.pool.backends for m in b.served}
+        models.update(model for model, queue in self.queues.items() if queue)
+        signals = []
+        for model in sorted(models, key=lambda m: m or ""):
+            engines = [judged[b] for b in self.pool.available(now, (), model)]
+            queue = self.queues.get(model)
+            oldest = queue.oldest_arrival() if queue else None
+            signals.append(
+                ModelSignal(
+                    model or NO_MODEL,
+                    len(engines),
+                    sum(full for full, _ in engines),
+                    len(queue) if queue else 0,
+                    sum(room for _, room in engines),
+                    0.0 if oldest is None else now - oldest,
+                )
+            )
+        return signals
+
+    def _full_for_signal(self, backend: Backend, now: float) -> bool:
+        """Saturated for an autoscaler: the gate holds requests back from it, or its engine's
+        current report shows its own queue (an engine whose room is unknown queues there)."""
+        queueing = backend.report_current(now) and backend.reported_waiting > 0
+        return queueing or self.saturated(backend) is not None
 
     def with_room(self, candidates: Iterable[Backend]) -> list[Backend]:
         return [b for b in candidates if self.saturated(b) is None]
@@ -334,6 +369,14 @@ class Gate:
             for model in over:
                 del self._anticipated[model]
             self.opened(over)
+
+
+def _room_for_signal(backend: Backend, now: float) -> int:
+    """Its room; unknown, what it runs now (as last reported, else ours), at least 1."""
+    if backend.room.room is not None:
+        return backend.room.room
+    running = backend.reported_running if backend.report_current(now) else backend.inflight
+    return max(1, running)
 
 
 def _prefers_one_of(urls: frozenset[str]) -> Callable[[Held], bool]:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from app.fleet.metrics import FleetMetrics
 from app.observe.admission_stats import WAIT_BUCKETS, AdmissionStats
 from app.observe.metrics import Declare
+from app.observe.saturation_signal import SaturationCollector
 
 # The decision alone: tens of microseconds to a few milliseconds.
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
@@ -77,6 +78,8 @@ class AdmissionMetrics:
         self.admission_held = declare.reading(
             "sluice_admission_held", "Requests held now, by model", ["model"]
         )
+        # What an autoscaler scales on, and its parts (app/observe/saturation_signal.py).
+        self.saturation_signal = SaturationCollector(registry)
         self.admission_held_with_room = held_with_room = declare.counter(
             "sluice_admission_held_with_room_seconds",
             "Seconds requests were held at the proxy while this backend's engine reported "

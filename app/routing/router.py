@@ -143,6 +143,7 @@ class Router:
         metrics.admission_held.set_function(
             lambda: [(model or NO_MODEL, len(queue)) for model, queue in self.gate.queues.items()]
         )
+        metrics.saturation_signal.set_function(self.gate.signals)
         metrics.backend_inflight.set_function(
             lambda: [(backend.url, backend.inflight) for backend in pool.backends]
         )

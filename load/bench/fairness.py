@@ -16,8 +16,9 @@ Sluice learns its room), so rounds measure the steady state. S (issue 40): as A,
 and proxies of their own (4 sequences, the simulated engine's own prefill), with streams of
 16 tokens at 20 ms a token (~0.3 s, shorter than the 0.5 s between two reads of an engine's
 metrics). B and C, on a fleet of 4 GPUs at 2x its capacity, are
-load/fairness_fleet.py's. Every request must be answered 200, or 429 with Retry-After:
-anything else is lost.
+load/fairness_fleet.py's, as is B's series of the proxy's saturation gauge (issue 44: it
+rises with the offered load and falls after). Every request must be answered 200, or 429
+with Retry-After: anything else is lost.
 
 Each part runs through both doors (`--door proxy|epp|both`, load/doors.py): Sluice's proxy,
 and Envoy with the same Sluice flags as its endpoint picker (`sluice:epp`, `fcfs:epp`: a GPU
@@ -256,6 +257,7 @@ def targets(
                 check(f"{where} req/s beside heavy {x:.3f}x alone >= 0.7x", x >= 0.7)
         if sluice in b:
             lines += _targets_b(door, b[sluice])
+            lines += _saturation_targets(door, b[sluice].get("saturation"))
         lost = sum(v["answers"]["lost"] for part in (a, short, b) for n, v in part.items()
                    if split(n)[1] == door)  # fmt: skip
         check(f"({door}) every request answered 200 or 429 with Retry-After: {lost} lost",
@@ -280,6 +282,19 @@ def _targets_b(door: str, entry: dict[str, Any]) -> list[str]:
         f"{_verdict(share >= 0.9)} B ({door}): light {share:.0%} of its fair share >= 90% by "
         "Sluice's own count (no server-timing through Envoy)",
         f"n/a C ({door}): no server-timing through Envoy: held or not unknown",
+    ]
+
+
+def _saturation_targets(door: str, signal: dict[str, Any] | None) -> list[str]:
+    """Issue 44's: the autoscalers' gauge rises with the offered load and falls after."""
+    if not signal or not signal["samples"]:
+        return [f"FAIL B ({door}): saturation gauge: no samples"]
+    low, high, last = (signal[k] for k in ("mean_low", "mean_high", "last"))
+    return [
+        f"{_verdict(signal['rises'])} B ({door}): saturation gauge rises with load: mean "
+        f"{low:.2f} at {LOADS[0]:g}x -> {high:.2f} at {LOADS[1]:g}x (peak {signal['peak']:.2f})",
+        f"{_verdict(signal['falls'])} B ({door}): and falls after: {last:.2f} after the last "
+        f"answer < a quarter of {high:.2f}",
     ]
 
 
@@ -438,7 +453,8 @@ SCENARIO = Scenario(
         "stream's time on the idle GPU, its req/s >= 0.7x alone (FCFS: ~2 s p99 expected);\n"
         "S (issue 40: p99 637 ms and 0.48x before): TTFT p99 <= 400 ms, req/s >= 0.7x alone;\n"
         "B: at 2x a 4-GPU fleet, the light key >= 90% of its fair share; C: held requests hit\n"
-        "the prefix cache no less than unheld ones; every request answered 200 or 429."
+        "the prefix cache no less than unheld ones; every request answered 200 or 429.\n"
+        "issue 44: B's saturation gauge rises with the offered load and falls after."
     ),
     measure=measure,
     tables=tables,

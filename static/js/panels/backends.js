@@ -140,6 +140,9 @@ function poolRow(model, admission) {
     stat("l0", "L0 hits", pct(caches.l0_hit_pct), "exact-text cache, last 10 s"),
     stat("l1", "L1 hits", pct(caches.l1_hit_pct), "prefix cache of L0 misses, last 10 s"),
     stat("held", "held", count(held.held || 0), "requests waiting at the proxy for an engine with room"),
+    stat("pool-saturation", "saturation", held.saturation == null ? DASH : held.saturation.toFixed(2),
+      held.saturation == null ? null : `what an autoscaler scales on: ${fraction(held.engines_saturated_ratio)} of the engines saturated + held over a room of ${count(held.room)}; oldest held ${seconds(held.oldest_held_s)}`,
+      held.saturation >= 1 ? "down" : ""),
     stat("wait", "wait p50 / p99", held.wait_p50_s == null ? DASH : `${seconds(held.wait_p50_s)} / ${seconds(held.wait_p99_s)}`, "of the last held requests"),
     stat("shed", "shed", count(shed), JSON.stringify(held.shed || {}), shed ? "down" : ""),
   ];
