@@ -108,7 +108,7 @@ class Discoverer:
         self._drain_started = trio.Event()
         static = [Endpoint(b.url, b.role, b.bootstrap_port) for b in fleet.pool.backends]
         self.membership.sighted(STATIC_SOURCE, static)
-        metrics.discovery_endpoints.set_function(self.membership.counts().items)
+        metrics.discovery_endpoints.set_function(lambda: self.membership.counts().items())
         metrics.draining.set_function(lambda: len(fleet.pool.draining))
 
     async def run(
