@@ -22,12 +22,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import dns.message
+import dns.rrset
 import pytest
 import trio
 
 from app.discovery_targets import DnsServer, DnsTarget
 from app.fleet.dns_schedule import FIRST_RETRY_S, TTL_FLOOR_S, LookupSchedule, engine_url
-from app.fleet.dns_source import DnsSource
+from app.fleet.dns_source import DnsSource, negative_ttl
 from load import harness
 from load.client import CHAT, Connection, Pool, Prepared, encode
 from load.dnsmasq import DNSMASQ, Dnsmasq
@@ -97,6 +99,18 @@ def test_failures_back_off_up_to_the_interval_and_an_answer_ends_it() -> None:
     assert LookupSchedule(interval=0.1).after_failure() == 0.1
     assert LookupSchedule(interval=60).lookup_timeout == 5.0
     assert LookupSchedule(interval=0.1).lookup_timeout == TTL_FLOOR_S
+
+
+def test_a_negative_answer_holds_for_its_soas_ttl_or_minimum_whichever_is_less() -> None:
+    response = dns.message.make_response(dns.message.make_query(NAME, "A"))
+    soa = "ns.test. admin.test. 1 3600 600 86400 {minimum}"
+    for ttl, minimum in ((30, 10), (5, 60)):
+        response.authority = [
+            dns.rrset.from_text("test.", ttl, "IN", "SOA", soa.format(minimum=minimum))
+        ]
+        assert negative_ttl([response]) == min(ttl, minimum)
+    response.authority = []
+    assert negative_ttl([response]) is None
 
 
 def test_engine_urls_write_ipv6_in_brackets() -> None:
