@@ -279,9 +279,10 @@ async def test_engines_join_and_leave_as_records_change_under_streamed_traffic(
     # engine drains, and must still end with [DONE].
     async with Pool(running.proxy_url, timeout=30.0) as pool:
         opened: list[tuple[str, Connection]] = []
-        while not any(backend == first.url for backend, _ in opened):
-            connection = await pool.start(stream(pool.netloc, 200).data)
-            opened.append((connection.headers["x-sluice-backend"], connection))
+        with trio.fail_after(10):
+            while not any(backend == first.url for backend, _ in opened):
+                connection = await pool.start(stream(pool.netloc, 200).data)
+                opened.append((connection.headers["x-sluice-backend"], connection))
         await dnsmasq.set_hosts({NAME: ["127.0.0.3", "127.0.0.4"]})
         await until(lambda: first.url not in in_pool(running), timeout=10)
         left_at = time.perf_counter()

@@ -114,7 +114,8 @@ class DnsSource:
         except dns.resolver.NoAnswer as exc:
             response = exc.kwargs.get("response")
             return [], negative_ttl([response] if response is not None else [])
-        return list(answer), answer.rrset.ttl if answer.rrset is not None else None
+        # The shortest TTL along the chain: a CNAME's (an ExternalName Service's) counts too.
+        return list(answer), answer.chaining_result.minimum_ttl
 
     def _make_resolver(self) -> dns.asyncresolver.Resolver:
         resolver = dns.asyncresolver.Resolver(configure=self.server is None)
