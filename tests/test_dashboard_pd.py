@@ -38,6 +38,7 @@ def backend(id_: str, role: str, serves: list[str], **fields: Any) -> dict[str, 
         "breakers": {},
         "inflight": 1,
         "engine": engine(1, 0.25),
+        "draining_for": None,
         **fields,
     }
 
