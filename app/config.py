@@ -173,6 +173,23 @@ class ModelConfig:
                 raise ValueError(f"{name} must not be empty")
 
 
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A LoRA adapter Sluice may load on demand (the fleet file's `[adapters]` table): the
+    name clients send, where its engine finds its weights, and the base model it applies to
+    (None: any engine's)."""
+
+    name: str
+    path: str
+    base: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name.strip() or not self.path.strip():
+            raise ValueError("an adapter needs a name and a path")
+        if self.base is not None and not self.base.strip():
+            raise ValueError(f"adapter {self.name!r}: base must not be empty")
+
+
 def check_backend_url(url: str) -> None:
     if not url.startswith("http://"):
         raise ValueError(f"backend {url!r}: only http:// backend URLs are supported")
@@ -251,6 +268,10 @@ class Settings(ServerSettings):
     # (the fleet's tables) name their own backends.
     backends: tuple[str, ...] = ()
     models: tuple[ModelConfig, ...] = ()
+    # LoRA adapters (the fleet file's `[adapters]`): with lora_load_on_demand, a request for
+    # one no engine has loaded loads it on an engine of its base (app/fleet/adapter_loader.py).
+    adapters: tuple[AdapterConfig, ...] = ()
+    lora_load_on_demand: bool = False
     # Disaggregated serving: prefill engines ("URL" or "URL=BOOTSTRAP_PORT"), decode engines,
     # the protocol they speak, and the uncached prompt tokens above which a request takes
     # two hops rather than one (fewer cost more in the hop than they save: see app/README.md).
@@ -380,6 +401,8 @@ class Settings(ServerSettings):
         for url in self.backends:
             check_backend_url(url)
         check_fleet(self.models)
+        if self.lora_load_on_demand and not self.adapters:
+            raise ValueError("--lora-load-on-demand needs an [adapters] table in --config")
         if self.max_inflight_per_backend is not None and self.max_inflight_per_backend < 1:
             raise ValueError("--max-inflight-per-backend must be at least 1 (leave it out: none)")
         if not 0.0 < self.max_kv_usage <= 1.0:
