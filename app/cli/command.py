@@ -150,6 +150,12 @@ HELP: dict[str, str] = {
     "outside the GPU's steps",
     "kv_transfer_timeout": "seconds a prefill engine holds KV for a decode engine to take, and "
     "an sglang decode engine waits for its room",
+    "max_loras": "LoRA adapters one batch may run (vLLM's --max-loras); 0: LoRA off, no adapter "
+    "endpoints",
+    "max_cpu_loras": "adapters kept in memory (vLLM's --max-cpu-loras; default: --max-loras); "
+    "with --metrics-style sglang, the most that may be loaded (SGLang's --max-loaded-loras)",
+    "lora_modules": "NAME=PATH: an adapter loaded at start (repeatable; vLLM's --lora-modules)",
+    "lora_load_time": "seconds loading one adapter takes",
 }
 
 
@@ -326,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim-backend", help="one simulated GPU inference server")
     sim.add_argument("--model", dest="models", action="append", metavar="NAME", help=HELP["model"])
+    sim.add_argument(
+        "--lora-modules", action="append", metavar="NAME=PATH", help=HELP["lora_modules"]
+    )
     _add_dataclass_flags(sim, SimSettings)
     add_envoy_parser(sub)
     return parser
@@ -341,7 +350,11 @@ def parse(
         except ValueError as exc:
             raise ConfigExit(str(exc)) from None
     if args.command == "sim-backend":
-        return args.command, _resolve(SimSettings, args, {}, {"models": tuple(args.models or ())})
+        listed = {
+            "models": tuple(args.models or ()),
+            "lora_modules": tuple(args.lora_modules or ()),
+        }
+        return args.command, _resolve(SimSettings, args, {}, listed)
     try:
         file_values = read_config(args.config)
     except ConfigError as exc:

@@ -7,6 +7,11 @@ prefilling or decoding) leaves the batch and gives back its KV blocks at once, w
 client disconnect frees capacity. A pooling request (embeddings, scores: `pool`) is a prefill
 with no decode: the step that computes its prompt's last chunk gives its answer.
 
+LoRA (lora.py): a request runs under the adapter its task names (`REQUEST_ADAPTER`); the
+scheduler keeps at most `max_loras` adapters in the batch, its prefix-cache blocks are keyed by
+the adapter, a step whose adapter was evicted from memory pays `lora_load_time` per reload, and
+each step records the adapters running and waiting for `vllm:lora_requests_info`.
+
 Disaggregation (kv_transfer.py): a sequence whose prompt's KV came from a prefill engine
 arrives `prefilled` and decodes from the step that admits it, its prompt put in this
 engine's prefix cache and reported cached whole; a prefill engine's sequence may `keep` its
@@ -16,13 +21,15 @@ KV when it finishes, handing its allocation to whoever holds it for a decode eng
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
-from app.sim.kv_cache import KVAllocation, PrefixKVCache
+from app.sim.kv_cache import KVAllocation, LoraTag, PrefixKVCache
 from app.sim.latency import LatencyModel, Step
+from app.sim.lora import REQUEST_ADAPTER, LoraRegistry
 from app.sim.observed import QUEUE_TIME_BUCKETS, TOKEN_GAP_BUCKETS, Observed
 from app.sim.scheduler import StepScheduler
 from app.sim.settings import SimSettings
@@ -45,6 +52,7 @@ class _Request:
     pooling: bool = False
     # Its prompt's KV was transferred: no prompt to compute (scheduler.py, rule 6).
     prefilled: bool = False
+    lora: LoraTag | None = None
 
 
 class SimEngine:
@@ -52,8 +60,14 @@ class SimEngine:
         self.latency = LatencyModel.from_settings(settings)
         self.kv_cache = PrefixKVCache(settings.kv_cache_blocks, settings.block_size)
         self.scheduler = StepScheduler(
-            settings.max_num_seqs, settings.max_num_batched_tokens, self._admit
+            settings.max_num_seqs, settings.max_num_batched_tokens, self._admit, settings.max_loras
         )
+        self.lora = (
+            LoraRegistry(settings.max_loras, settings.max_cpu_loras or settings.max_loras)
+            if settings.max_loras
+            else None
+        )
+        self.lora_load_time = settings.lora_load_time
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
@@ -103,7 +117,7 @@ class SimEngine:
             self._notify()  # admissions change running/waiting
             self._account(step)
             step_seconds = self.latency.step_seconds(step)
-            await trio.sleep(step_seconds)
+            await trio.sleep(step_seconds + self._lora_step(step))
             self.steps += 1
             if step.decode:
                 self.token_gaps.observe(step_seconds, len(step.decode))
@@ -113,7 +127,21 @@ class SimEngine:
                     self.generation_tokens_total += progress.produced - request.produced
                 request.produced = progress.produced
                 request.changed.set()
+            self._record_lora()
             self._notify()
+
+    def _lora_step(self, step: Step) -> float:
+        """Seconds the step spends loading again adapters evicted from memory."""
+        if self.lora is None:
+            return 0.0
+        seq_ids = [seq_id for seq_id, _ in step.prefill] + list(step.decode)
+        names = {lora.name for i in seq_ids if (lora := self._requests[i].lora) is not None}
+        return self.lora.activate(names) * self.lora_load_time
+
+    def _record_lora(self) -> None:
+        if self.lora is not None:
+            running, waiting = self.scheduler.adapters()
+            self.lora.record_step(list(running), list(waiting), time.time())
 
     async def generate(
         self,
@@ -145,14 +173,19 @@ class SimEngine:
             raise RuntimeError("SimEngine.run must be running before generate is called")
         seq_id = next(self._seq_ids)
         request.arrived = trio.current_time()
+        request.lora = REQUEST_ADAPTER.get()
+        adapter = None if request.lora is None else request.lora.name
+        if self.lora is not None and adapter is not None:
+            self.lora.counted_request(adapter)
         self._requests[seq_id] = request
         output_tokens = request.output_tokens
         kept = False
         try:
             if request.prefilled:
-                self.scheduler.arrive_prefilled(seq_id, output_tokens)
+                self.scheduler.arrive_prefilled(seq_id, output_tokens, adapter)
             else:
-                self.scheduler.arrive(seq_id, output_tokens)
+                self.scheduler.arrive(seq_id, output_tokens, adapter)
+            self._record_lora()
             self._work.set()
             self._notify()
             emitted = 0
@@ -183,7 +216,7 @@ class SimEngine:
         request.admitted = trio.current_time()
         # A pooling sequence holds no slot for output: its one step ends with the prefill.
         output_slots = 0 if request.pooling else request.output_tokens
-        request.allocation = self.kv_cache.allocate(request.prompt, output_slots)
+        request.allocation = self.kv_cache.allocate(request.prompt, output_slots, request.lora)
         self.prompt_tokens_total += len(request.prompt)
         self._admitted_prompt_tokens += len(request.prompt)
         self._admitted_cached_tokens += request.allocation.cached_tokens

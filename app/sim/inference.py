@@ -23,6 +23,7 @@ from app.sim.engine import SimEngine
 from app.sim.faults import SimFaults
 from app.sim.generation import stream_sse
 from app.sim.kv_transfer import Leg
+from app.sim.lora import REQUEST_ADAPTER
 from app.sim.openai_format import answering_model, request_error
 from app.sim.settings import SimSettings
 from app.sim.tokens import TextTokenizer, generated_pieces
@@ -54,7 +55,13 @@ class Inference:
         return parse_json_object(await self.read_body(exchange))
 
     def model(self, payload: dict[str, Any]) -> str:
-        return answering_model(payload, self.settings)
+        """The name the answer carries; a loaded LoRA adapter's name also sets the adapter
+        this task's request runs under (lora.py's REQUEST_ADAPTER), anything else the base."""
+        requested = payload.get("model")
+        lora = self.engine.lora
+        adapter = lora.get(requested) if lora is not None and isinstance(requested, str) else None
+        REQUEST_ADAPTER.set(None if adapter is None else adapter.tag)
+        return answering_model(payload, self.settings) if adapter is None else adapter.name
 
     async def stream(
         self,

@@ -4,7 +4,9 @@ The GPU's KV memory is `num_blocks` blocks of `block_size` tokens. A full block 
 tokens is identified by a chained hash: block i's hash covers block i-1's hash and its own
 tokens, so a block can only be reused behind the very same prefix. A running sequence holds its
 blocks; when it finishes, its hashed blocks stay cached but become free for reuse, and the
-least recently freed is evicted first. Usage counts held blocks only, as vLLM's
+least recently freed is evicted first. A sequence under a LoRA adapter starts its chain from
+the adapter's name (vLLM puts the name in each block's extra keys), so the same tokens under
+another adapter, or under none, never share a block. Usage counts held blocks only, as vLLM's
 `kv_cache_usage_perc` does.
 
 Given `on_events`, the cache tells what it stores and evicts as vLLM's KV events do
@@ -15,6 +17,7 @@ the simulated backend publishes them (`kv_publisher.py`).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,10 +39,23 @@ def external_hash(block_hash: int) -> bytes:
     return block_hash.to_bytes(8, "big", signed=True)
 
 
-def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+@dataclass(frozen=True)
+class LoraTag:
+    """The LoRA adapter a sequence runs under, as its KV blocks are keyed and told."""
+
+    name: str
+    lora_int_id: int
+
+    @property
+    def chain_seed(self) -> int:
+        # A digest, not hash(): string hashes are salted per process.
+        return int.from_bytes(hashlib.blake2b(self.name.encode(), digest_size=8).digest(), "big")
+
+
+def chained_block_hashes(tokens: Sequence[int], block_size: int, seed: int = 0) -> list[int]:
     """One hash per full block; a partial last block is never cached."""
     hashes: list[int] = []
-    previous = 0
+    previous = seed
     for start in range(0, len(tokens) - block_size + 1, block_size):
         # Tuple hashes of ints are not salted, so they agree across processes.
         previous = hash((previous, *tokens[start : start + block_size]))
@@ -81,13 +97,15 @@ class PrefixKVCache:
     def usage(self) -> float:
         return self.used_blocks / self.num_blocks
 
-    def allocate(self, prompt: Sequence[int], output_tokens: int) -> KVAllocation:
+    def allocate(
+        self, prompt: Sequence[int], output_tokens: int, lora: LoraTag | None = None
+    ) -> KVAllocation:
         """Hold blocks for a sequence's prompt and output, reusing its cached prefix.
 
         When memory is short the sequence gets what is free and the rest is simply not
         cached: the sim models time, and a sequence never waits for KV space.
         """
-        hashes = chained_block_hashes(prompt, self.block_size)
+        hashes = chained_block_hashes(prompt, self.block_size, lora.chain_seed if lora else 0)
         # vLLM recomputes at least the last prompt token to get logits, so a prompt made
         # only of cached blocks still leaves its final block to compute.
         hit_blocks = self._cached_prefix_blocks(
@@ -102,7 +120,7 @@ class PrefixKVCache:
             block_hash = hashes[position]
             shared = self._block_by_hash.get(block_hash)
             if shared is not None:
-                self._stored(prompt, hashes, run_start, position)
+                self._stored(prompt, hashes, run_start, position, lora)
                 run_start = position + 1
                 self._hold(shared)
                 held.append(shared)
@@ -113,7 +131,7 @@ class PrefixKVCache:
             self._block_hash[fresh] = block_hash
             self._block_by_hash[block_hash] = fresh
             held.append(fresh)
-        self._stored(prompt, hashes, run_start, len(held))
+        self._stored(prompt, hashes, run_start, len(held), lora)
         while len(held) < needed:
             spare = self._take_free_block()
             if spare is None:
@@ -126,19 +144,29 @@ class PrefixKVCache:
         self._tell()
         return KVAllocation(tuple(held), len(prompt), cached_tokens)
 
-    def _stored(self, prompt: Sequence[int], hashes: list[int], start: int, end: int) -> None:
+    def _stored(
+        self,
+        prompt: Sequence[int],
+        hashes: list[int],
+        start: int,
+        end: int,
+        lora: LoraTag | None,
+    ) -> None:
         """Blocks start..end-1 of this prompt were cached just now."""
         if self.on_events is None or start >= end:
             return
         size = self.block_size
+        extra = None if lora is None else (lora.name,)
         self._events.append(
             BlockStored(
                 tuple(external_hash(h) for h in hashes[start:end]),
                 external_hash(hashes[start - 1]) if start else None,
                 tuple(prompt[start * size : end * size]),
                 size,
+                lora_id=None if lora is None else lora.lora_int_id,
                 medium=MEDIUM_GPU,
-                extra_keys=(None,) * (end - start),
+                lora_name=None if lora is None else lora.name,
+                extra_keys=(extra,) * (end - start),
                 group_idx=FULL_ATTENTION_GROUP,
                 kv_cache_spec_kind="full_attention",
             )

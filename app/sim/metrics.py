@@ -23,6 +23,8 @@ Beside each style's own, every style exposes the simulator's disaggregation coun
 `sluice_sim_pd_recomputed_requests_total{reason}`, `sluice_sim_pd_recomputed_tokens_total{reason}`
 and `sluice_sim_pd_transfers_total{role}`, plus their sums over the label under DESIGN.md's
 names (`sim:pd_recomputed_prompts_total`, `sim:pd_transfers_total`): one number a test reads.
+With LoRA on (lora.py), vLLM's `vllm:lora_requests_info` (vllm style) and, in every style, the
+sim's `sim:lora_loads_total`, `sim:lora_reloads_total` and `sim:lora_requests_total{adapter}`.
 
 The engine keeps every number; each style reads them at scrape time.
 """
@@ -48,6 +50,7 @@ from prometheus_client.core import (
 
 from app.sim.engine import SimEngine
 from app.sim.kv_transfer import PdCounters
+from app.sim.lora import LoraRegistry
 from app.sim.observed import Observed
 from app.sim.settings import SimSettings
 
@@ -101,6 +104,16 @@ class _VllmCollector:
         )
         info.add_metric(list(config.values()), 1)
         yield info
+        lora = self._engine.lora
+        if lora is not None:
+            # vLLM's labels, in its order; one series per label set a step ever set (lora.py).
+            labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+            lora_info = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests.", labels=labels
+            )
+            for running, waiting, when in lora.info_series():
+                lora_info.add_metric([str(lora.max_loras), waiting, running], when)
+            yield lora_info
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, documentation, labels=list(self._labels))
@@ -321,6 +334,30 @@ class _PdCollector:
         )
 
 
+class _LoraCollector:
+    def __init__(self, registry: LoraRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        registry = self._registry
+        yield CounterMetricFamily(
+            "sim:lora_loads",
+            "LoRA adapters loaded: --lora-modules and the load endpoints.",
+            value=registry.loads_total,
+        )
+        yield CounterMetricFamily(
+            "sim:lora_reloads",
+            "Adapters evicted from memory that a step loaded again.",
+            value=registry.reloads_total,
+        )
+        requests = CounterMetricFamily(
+            "sim:lora_requests", "Requests the engine ran, by adapter.", labels=["adapter"]
+        )
+        for name, count in registry.requests_by_adapter.items():
+            requests.add_metric([name], count)
+        yield requests
+
+
 class SimMetrics:
     """One exposition per simulated server, so several in one process never mix numbers."""
 
@@ -331,6 +368,8 @@ class SimMetrics:
         style = settings.metrics_style
         pd_registry = CollectorRegistry(auto_describe=False)
         pd_registry.register(_PdCollector(pd or PdCounters()))
+        if engine.lora is not None:
+            pd_registry.register(_LoraCollector(engine.lora))
         if style == "llamacpp":
             self._exposition = lambda: llamacpp_exposition(engine) + generate_latest(pd_registry)
         elif style == "tgi":

@@ -51,11 +51,13 @@ def answering_model(payload: dict[str, Any], settings: SimSettings) -> str:
 
     As vLLM's `OpenAIModelRegistry.check_model`: no `model` means the first served name, any
     other unserved name is `NotFoundError` 404 with `param` "model". A served name is answered
-    under that name, as a LoRA adapter is. With no `--model` the sim answers to any name.
+    under that name, as a LoRA adapter is. With no `--model` the sim answers to any name, unless
+    LoRA is on: then a name that is neither the base model nor a loaded adapter is unknown.
     """
     requested = payload.get("model")
     served = settings.served_models
-    if not settings.models or not isinstance(requested, str) or not requested:
+    strict = settings.models or settings.max_loras
+    if not strict or not isinstance(requested, str) or not requested:
         return served[0]
     if requested not in served:
         raise request_error(

@@ -11,8 +11,9 @@ Endpoints, as vLLM answers them: `POST /v1/chat/completions`, `POST /v1/completi
 (messages_api.py), the pooling endpoints `POST /v1/embeddings`, `/rerank`, `/score`,
 `/classify`, `/pooling` (pooling_endpoints.py), `POST /v1/audio/transcriptions` and
 `/translations` (transcription.py), `POST /tokenize`, `POST /detokenize`, `GET /v1/models`,
-`GET /health`, `GET /metrics`, `GET /version`. An unknown path is FastAPI's
-`{"detail": "Not Found"}` 404 and a known one with another method its 405, as from vLLM
+`GET /health`, `GET /metrics`, `GET /version`; with `--max-loras`, vLLM's LoRA adapter
+endpoints (lora_endpoints.py; SGLang's too with `--metrics-style sglang`). An unknown path
+is FastAPI's `{"detail": "Not Found"}` 404 and a known one with another method its 405, as from vLLM
 (whose exception handler is registered for FastAPI's `HTTPException`, which Starlette's
 routing 404 and 405 are not).
 
@@ -49,6 +50,7 @@ from app.sim.faults import SimFaults
 from app.sim.generation import answer_stream, answer_whole
 from app.sim.inference import MAX_BODY_BYTES, Handler, Inference
 from app.sim.kv_publisher import SimKvPublisher
+from app.sim.lora_endpoints import LoraEndpoints
 from app.sim.messages_api import MessagesEndpoints
 from app.sim.metrics import SimMetrics
 from app.sim.openai_format import (
@@ -108,6 +110,8 @@ class SimServer:
             self.engine.kv_cache.on_events = self.kv_publisher.publish
         self.created = int(time.time())
         self.pd = Disaggregation(settings, self.engine)
+        lora = self.engine.lora
+        self.lora = None if lora is None else LoraEndpoints(settings, lora, self.created)
         self.metrics = SimMetrics(self.engine, settings, self.pd.counters)
         # Every inference endpoint answers through this one: one engine, one set of faults,
         # one preprocessing lock.
@@ -142,6 +146,7 @@ class SimServer:
             "/sim/state": {"GET": self._state},
             "/sim/evict": {"POST": self._evict},
             **self.pd.routes(),
+            **(self.lora.routes() if self.lora else {}),
         }
         if settings.metrics_style in STATED_LIMIT_PATHS:
             self._routes[STATED_LIMIT_PATHS[settings.metrics_style]] = {"GET": self._about}
@@ -207,6 +212,8 @@ class SimServer:
             }
             for name in served
         ]
+        if self.lora is not None:
+            cards += self.lora.model_cards()
         await exchange.respond_json(200, {"object": "list", "data": cards})
 
     async def _health(self, exchange: Exchange) -> None:
@@ -306,6 +313,7 @@ class SimServer:
                 "held_transfers": len(self.pd.held),
                 "bootstrap_port": self.pd.bootstrap_port,
             },
+            "lora": None if self.engine.lora is None else self.engine.lora.state(),
             "traceparents": list(self.traceparents),
             "kv_events": None
             if self.kv_publisher is None

@@ -26,7 +26,14 @@ NUMERIC_RANGES: Ranges = (
         "must be at least 1",
     ),
     (
-        ("prefill_overhead", "prefill_per_token", "inter_token_latency", "kv_transfer_per_token"),
+        (
+            "prefill_overhead",
+            "prefill_per_token",
+            "inter_token_latency",
+            "kv_transfer_per_token",
+            "max_loras",
+            "lora_load_time",
+        ),
         lambda value: value >= 0,
         "must not be negative",
     ),
@@ -87,6 +94,16 @@ class SimSettings(ServerSettings):
     # How long held KV waits to be taken (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT), and how
     # long an sglang decode waits for its room.
     kv_transfer_timeout: float = 30.0
+    # LoRA adapters (lora.py): how many one batch may run, vLLM's `--max-loras`; 0 turns LoRA
+    # off (vLLM without `--enable-lora`: no adapter endpoints, no adapter metric).
+    max_loras: int = 0
+    # Adapters whose weights stay in memory, vLLM's `--max-cpu-loras` (None: max_loras); a
+    # step running one evicted since pays `lora_load_time` again.
+    max_cpu_loras: int | None = None
+    # NAME=PATH adapters loaded at start, vLLM's `--lora-modules`.
+    lora_modules: tuple[str, ...] = ()
+    # What loading one adapter's weights takes, seconds.
+    lora_load_time: float = 0.2
     # Faults.
     error_rate: float = 0.0
     hang: bool = False
@@ -98,6 +115,17 @@ class SimSettings(ServerSettings):
     def served_models(self) -> tuple[str, ...]:
         """The names /v1/models lists; the first one names the model in metrics."""
         return self.models or (DEFAULT_MODEL,)
+
+    @property
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        """`--lora-modules` as (name, path) pairs, as vLLM's NAME=PATH form reads."""
+        pairs = []
+        for module in self.lora_modules:
+            name, sep, path = module.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"--lora-modules {module!r}: expected NAME=PATH")
+            pairs.append((name.strip(), path.strip()))
+        return tuple(pairs)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -119,3 +147,16 @@ class SimSettings(ServerSettings):
             )
         if self.time_factor_under_load < 1.0:
             raise ValueError("--time-factor-under-load must be at least 1")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if not self.max_loras and (self.lora_modules or self.max_cpu_loras is not None):
+            raise ValueError("--lora-modules and --max-cpu-loras need --max-loras (LoRA is off)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM's LoRAConfig refuses the same.
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError("--lora-modules names an adapter twice")
+        if set(names) & set(self.served_models):
+            raise ValueError("--lora-modules names an adapter after a served model")
