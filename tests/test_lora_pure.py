@@ -181,9 +181,9 @@ def test_the_fleet_file_names_adapters(tmp_path: Path) -> None:
         AdapterConfig("sql", "/a/sql"),
         AdapterConfig("chat", "/a/chat", BASE),
     )
-    for bad in ('sql = 3\n', 'sql = { path = "/a", size = 2 }\n', 'sql = ""\n'):
+    for bad in ("sql = 3\n", 'sql = { path = "/a", size = 2 }\n', 'sql = ""\n'):
         fleet.write_text("[adapters]\n" + bad)
-        with pytest.raises(ConfigError, match="adapters.sql"):
+        with pytest.raises(ConfigError, match=r"adapters\.sql"):
             read_config(str(fleet))
 
 

@@ -10,10 +10,11 @@ The rules:
   none) and takes traffic; among them, those with a free adapter slot first, then the least
   loaded, ties broken by rendezvous hashing on the adapter's name so replicas pick alike.
 - An engine is full when it lists `capacity` adapters: its reported `max_lora`, or, once it
-  refused a load while holding others, as many as it held then. A full engine unloads its
-  least recently used adapter first: one not in its modelled slots (adapters.py) before
-  those that are, the slots' oldest first. Only adapters of the table are unloaded (Sluice
-  can load them back), never one whose own load is in flight.
+  refused a load while holding others, as many as it held then. When every engine of the
+  base is full, the least recently used adapter of them all is unloaded first: one not in
+  its engine's modelled slots (adapters.py) before those that are, the slots' oldest first.
+  Only adapters of the table are unloaded (Sluice can load them back), never one whose own
+  load is in flight.
 - A failed attempt is tried again after `BACKOFF_S * 2**(attempt-1)` seconds, on another
   engine of the base if there is one, at most `MAX_ATTEMPTS` times in all; a refusal of an
   engine that held adapters is taken for "full": its capacity is learnt, and the retry on it
@@ -74,6 +75,11 @@ def rendezvous_order(adapter: str, backends: Sequence[Backend]) -> list[Backend]
     return sorted(backends, key=score)
 
 
+def _last_used(backend: Backend, adapter: str) -> float:
+    last = backend.adapters.last_used(adapter)
+    return -math.inf if last is None else last
+
+
 class AdapterLedger:
     def __init__(self, table: Sequence[AdapterConfig]) -> None:
         self.table: Mapping[str, AdapterConfig] = {a.name: a for a in table}
@@ -118,10 +124,10 @@ class AdapterLedger:
         free = [b for b in order if len(b.adapters.parents) < self.capacity(b)]
         if free:
             return Placement(min(free, key=lambda b: b.load), None)
-        for backend in sorted(order, key=lambda b: b.load):
-            victim = self.victim(backend)
-            if victim is not None:
-                return Placement(backend, victim)
+        victims = [(b, victim) for b in order if (victim := self.victim(b)) is not None]
+        if victims:  # the coldest adapter of them all goes
+            backend, victim = min(victims, key=lambda bv: _last_used(*bv))
+            return Placement(backend, victim)
         return Placement(min(order, key=lambda b: b.load), None)  # let it say why not
 
     def victim(self, backend: Backend) -> str | None:
