@@ -1,9 +1,10 @@
 """LoRA adapters through a real Sluice in front of simulated engines over HTTP: requests for an
-adapter go to the engine whose slots hold it, the next adapter to an engine with a free slot;
-with `--lora-load-on-demand`, concurrent first requests for an adapter no engine lists load it
-once and are all answered, a full engine unloads its least recently used adapter first, an
-SGLang engine's refusal when full is learnt and answered by an unload, and a load that cannot
-succeed is an OpenAI-shaped 503 after its retries."""
+adapter go to the engine whose slots hold it, the next adapter to an engine with a free slot
+(the dashboard's backend rows show them); with `--lora-load-on-demand`, concurrent first
+requests for an adapter no engine lists load it once and are all answered, a full engine
+unloads its least recently used adapter first, an SGLang engine's refusal when full is learnt
+and answered by an unload, and a load that cannot succeed is an OpenAI-shaped 503 after its
+retries."""
 
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ async def test_adapter_requests_keep_to_the_engine_that_holds_the_adapter(
     assert other.status_code == 200 and other.headers["x-sluice-backend"] != holder
     metrics = (await client.get(running.proxy_url + "/metrics")).text
     assert 'sluice_lora_routes_total{tier="resident"} 6.0' in metrics
+    snapshot = (await client.get(running.dashboard_url + "/api/snapshot")).json()
+    rows = {row["url"]: row["adapters"] for row in snapshot["backends"]}
+    assert rows[holder]["listed"] == ["a", "b"] and rows[holder]["max_lora"] == 1
+    assert rows[holder]["resident"] == ["a"]
 
 
 async def test_concurrent_first_requests_load_an_adapter_once(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from app.fleet.engine_metrics import samples
 
@@ -74,6 +74,15 @@ def adapter_parents(cards: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     }
 
 
+class AdaptersBlock(TypedDict):
+    """A backend's LoRA adapters in the dashboard's snapshot."""
+
+    listed: list[str]  # what its /v1/models lists as adapters
+    resident: list[str]  # what its slots are believed to hold, least recently used first
+    waiting: list[str]  # adapters its engine queues requests for
+    max_lora: int | None  # adapters one batch may run, as its engine reports
+
+
 @dataclass
 class Residency:
     """One engine's adapters: what it lists, what its slots hold (modelled), what it queues."""
@@ -119,6 +128,14 @@ class Residency:
 
     def last_used(self, adapter: str) -> float | None:
         return self._slots.get(adapter)
+
+    def snapshot(self) -> AdaptersBlock:
+        return {
+            "listed": sorted(self.parents),
+            "resident": list(self._slots),
+            "waiting": sorted(self.waiting),
+            "max_lora": self.max_lora,
+        }
 
     def tier(self, adapter: str) -> Tier:
         """How well it suits a request for `adapter` (the lora-affinity scorer's order)."""

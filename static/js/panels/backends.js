@@ -70,6 +70,16 @@ function roleTag(b, disaggregated) {
   return el("span", { class: `role-tag role-${b.role}`, dataset: { role: b.role } }, `${b.role}${port}`);
 }
 
+// Its LoRA adapters, when it has any: those its slots hold, of max_lora; all it lists in
+// the title.
+function adaptersTag(b) {
+  const a = b.adapters;
+  if (!a || !a.listed.length) return null;
+  const slots = a.max_lora === null ? "" : ` · ${a.resident.length}/${a.max_lora}`;
+  const title = `LoRA adapters listed: ${a.listed.join(", ")}\nin its slots: ${a.resident.join(", ") || "none"}`;
+  return el("span", { class: "role-tag", title, dataset: { field: "adapters" } }, `LoRA ${a.resident.join(",") || "-"}${slots}`);
+}
+
 function backendRow(b, model, disaggregated = false) {
   const traffic = b.traffic || {};
   const engine = b.engine || {};
@@ -78,7 +88,7 @@ function backendRow(b, model, disaggregated = false) {
   const state = !serving ? (b.healthy ? "held back" : "down") : b.saturated ? `saturated (${b.saturated})` : "up";
   const saturatedTitle = b.saturated ? "its engine has no room now: new requests are held at the proxy" : null;
   return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "", role: b.role } }, [
-    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated)]),
+    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated), adaptersTag(b)]),
     el("td", { class: serving ? (b.saturated ? "warn" : "up") : "down", title: b.last_error || saturatedTitle }, state),
     el("td", { class: breaker === "closed" ? "" : "down" }, breaker),
     el("td", { class: "num" }, count(b.inflight)),
