@@ -184,6 +184,7 @@ class Sluice:
                 gate.saturated(backend),
                 queued_ours(backend, now),
                 held_with_room.get(backend.url, 0.0),
+                backend.adapters.snapshot(),
             )
             for row, backend in zip(rows, self.pool.backends, strict=True)
         ]

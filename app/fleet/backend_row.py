@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from app.fleet.adapters import AdaptersBlock
 from app.fleet.engine_metrics import EngineBlock
 from app.fleet.room import RoomSnapshot
 
@@ -39,4 +38,3 @@ class BackendRow(TypedDict):
     last_error: str | None
     tokenizer: str  # not required, unchecked, checking, verified, refused
     tokenizer_detail: str | None
-    adapters: AdaptersBlock  # its LoRA adapters

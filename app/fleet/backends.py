@@ -495,7 +495,6 @@ class BackendPool:
                 "last_error": b.last_error,
                 "tokenizer": b.tokenizer_state,
                 "tokenizer_detail": b.tokenizer_detail,
-                "adapters": b.adapters.snapshot(),
             }
             for b in self.backends
         ]
