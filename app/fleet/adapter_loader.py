@@ -19,6 +19,7 @@ success.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -70,14 +71,15 @@ class AdapterLoader:
         self.ledger = AdapterLedger(table)
         self._landed: dict[str, trio.Event] = {}  # by adapter: its current flight is over
         self._flavours: dict[str, Flavour] = {}  # by backend id: whose paths it answered
-        self._nursery: trio.Nursery | None = None
+        self._takeoffs, self._flights = trio.open_memory_channel[Flight](math.inf)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The loads' own nursery: they outlive the request that started them."""
+        """Each flight in a task of this loader's, not of the request that started it: a
+        client that leaves does not cut a load the others wait for."""
         async with trio.open_nursery() as nursery:
-            self._nursery = nursery
             task_status.started()
-            await trio.sleep_forever()
+            async for flight in self._flights:
+                nursery.start_soon(self._fly, flight)
 
     async def ready(self, model: str | None) -> None:
         """Return once `model` can be routed: at once for any model but an adapter of the
@@ -90,9 +92,8 @@ class AdapterLoader:
             return
         flight = ledger.begin(model)
         if flight is not None:
-            assert self._nursery is not None, "AdapterLoader.run must be started first"
             self._landed[model] = trio.Event()
-            self._nursery.start_soon(self._fly, flight)
+            self._takeoffs.send_nowait(flight)
         flight, landed = ledger.flights[model], self._landed[model]
         with trio.move_on_after(self.wait_timeout):
             await landed.wait()
