@@ -2,7 +2,8 @@
 engine's modelled slots and the affinity tiers (the lora-affinity scorer's order), the
 candidates cut to the best tier, the on-demand ledger (one flight per adapter, where a load
 goes, which adapter a full engine unloads, retries and giving up), the fleet file's
-`[adapters]` table, and an adapter's context window taken from its base."""
+`[adapters]` table, and an adapter's context window, tokenizer and template taken from its
+base."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from pathlib import Path
 import pytest
 
 from app.cli.config_file import read_config
-from app.config import AdapterConfig
+from app.cli.rooms import RoomMetrics, preprocess_settings
+from app.config import AdapterConfig, ModelConfig, Settings
 from app.errors import ConfigError
 from app.fleet.adapter_ledger import MAX_ATTEMPTS, AdapterLedger, Placement
 from app.fleet.adapters import LoraReport, Residency, adapter_parents, read_lora
 from app.fleet.backends import Backend
 from app.fleet.catalog import ModelCatalog
+from app.preprocess.pipeline import Preprocessor
 from app.routing.adapter_affinity import best_tier, is_adapter
+from tests.fakes import write_word_tokenizer
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 INFO = "vllm:lora_requests_info"
@@ -197,3 +201,14 @@ def test_an_adapter_has_its_base_models_window_and_card() -> None:
     cards = {c["id"]: c for c in catalog.cards(directory, [backend], 0.0, None)}
     assert cards["sql"]["parent"] == BASE and cards[BASE]["parent"] is None
     assert cards["chat"]["parent"] == BASE  # loadable, though no engine has it yet
+
+
+def test_an_adapter_of_the_table_is_prepared_as_its_base(tmp_path: Path) -> None:
+    words = str(write_word_tokenizer(tmp_path / "words", ["lora"]))
+    settings = Settings(
+        models=(ModelConfig("w", ("http://b:1",), tokenizer=words),),
+        adapters=(AdapterConfig("w-sql", "/a/sql", "w"), AdapterConfig("any", "/a/any")),
+    )
+    preps = Preprocessor(preprocess_settings(settings), RoomMetrics.create().preprocess).preps
+    assert preps.for_model("w-sql") is preps.for_model("w")
+    assert preps.for_model("any") is preps.default
