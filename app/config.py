@@ -20,7 +20,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from app.discovery_targets import check_discovery
-from app.models import MAX_MODELS
+from app.models import MAX_MODELS, AdapterConfig
 
 Policy = Literal["cache_aware", "consistent_hash", "power_of_two", "round_robin", "random"]
 TokenizeMode = Literal["offload", "inline"]
@@ -254,6 +254,10 @@ class Settings(ServerSettings):
     # (the fleet's tables) name their own backends.
     backends: tuple[str, ...] = ()
     models: tuple[ModelConfig, ...] = ()
+    # LoRA adapters (the fleet file's `[adapters]`): with lora_load_on_demand, a request for
+    # one no engine has loaded loads it on an engine of its base (app/fleet/adapter_loader.py).
+    adapters: tuple[AdapterConfig, ...] = ()
+    lora_load_on_demand: bool = False
     # Disaggregated serving: prefill engines ("URL" or "URL=BOOTSTRAP_PORT"), decode engines,
     # the protocol they speak, and the uncached prompt tokens above which a request takes
     # two hops rather than one (fewer cost more in the hop than they save: see app/README.md).
@@ -302,10 +306,9 @@ class Settings(ServerSettings):
     # the replay sockets that fill sequence gaps, in the same form.
     kv_events: tuple[str, ...] = ()
     kv_events_replay: tuple[str, ...] = ()
-    # Discovery (app/discovery_targets.py): engines found beside those named above, by DNS
-    # names re-resolved every discover_interval seconds (sooner when their TTL says) and by a
-    # Kubernetes watch; one that leaves takes no new request and has drain_timeout seconds
-    # to finish those it has.
+    # Discovery (app/discovery_targets.py): engines found by DNS names (looked up every
+    # discover_interval s, sooner as their TTL says) and a Kubernetes watch; one that leaves
+    # takes no new request and has drain_timeout s to finish those it has.
     discover_dns: tuple[str, ...] = ()
     dns_server: str | None = None
     discover_k8s: str | None = None
@@ -393,6 +396,8 @@ class Settings(ServerSettings):
         for url in self.backends:
             check_backend_url(url)
         check_fleet(self.models)
+        if self.lora_load_on_demand and not self.adapters:
+            raise ValueError("--lora-load-on-demand needs an [adapters] table in --config")
         if self.max_inflight_per_backend is not None and self.max_inflight_per_backend < 1:
             raise ValueError("--max-inflight-per-backend must be at least 1 (leave it out: none)")
         if not 0.0 < self.max_kv_usage <= 1.0:

@@ -112,3 +112,20 @@ def model_not_found(requested: str) -> ClientError:
         "model_not_found",
         status=404,
     )
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A LoRA adapter Sluice may load on demand (the fleet file's `[adapters]` table): the
+    name clients send, where its engine finds its weights, and the base model it applies to
+    (None: any engine's)."""
+
+    name: str
+    path: str
+    base: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name.strip() or not self.path.strip():
+            raise ValueError("an adapter needs a name and a path")
+        if self.base is not None and not self.base.strip():
+            raise ValueError(f"adapter {self.name!r}: base must not be empty")

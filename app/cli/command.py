@@ -81,6 +81,9 @@ HELP: dict[str, str] = {
     "tokenize_mode": "offload (threads, fallback, saturation policy) or inline (naive baseline)",
     "saturation": "what a request does when threads and fallback are busy",
     "forward": "passthrough: forward the JSON body; tokens: send token ids to the backend",
+    "lora_load_on_demand": "load a LoRA adapter of the fleet file's [adapters] on an engine of "
+    "its base when a request names it and no engine has it loaded; least recently used "
+    "adapters are unloaded to make room",
     "health_check_path": "path probed on each backend (404 there falls back to /v1/models)",
     "first_byte_timeout": "seconds to wait for a backend's response headers",
     "idle_timeout": "seconds allowed between two chunks of a streamed response",
@@ -372,6 +375,7 @@ def parse(
     except ConfigError as exc:
         raise ConfigExit(f"sluice: {exc}") from None
     known: dict[str, Any] = {"models": file_values.get("models", ())}
+    known["adapters"] = file_values.get("adapters", ())
     if args.command == "demo" and known["models"]:
         raise ConfigExit(
             "sluice demo: the demo makes its own models; give [[models]] to `sluice serve`"

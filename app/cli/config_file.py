@@ -11,6 +11,10 @@
     max_model_len = 65536               # else --max-model-len, or the backends' own
     aliases = ["chat-default"]          # other names clients may send for it
 
+    [adapters]                          # LoRA adapters, loaded with --lora-load-on-demand
+    sql-lora = "/adapters/sql"          # name = where the engine finds its weights
+    chat-lora = { path = "/adapters/chat", base = "deepseek-v4" }  # only on that base
+
     [[models]]                          # disaggregated: prefill and decode engines
     name = "deepseek-v4-pd"
     backends = [
@@ -33,6 +37,7 @@ from typing import Any
 
 from app.config import BackendRole, ModelConfig
 from app.errors import ConfigError
+from app.models import AdapterConfig
 
 PATH_KEYS = ("tokenizer", "chat_template", "api_keys")
 MODEL_KEYS = frozenset(f.name for f in fields(ModelConfig))
@@ -55,7 +60,30 @@ def read_config(path: str | None) -> dict[str, Any]:
             values[key] = _near(base, values[key])
     if "models" in values:
         values["models"] = read_models(values["models"], base)
+    if "adapters" in values:
+        values["adapters"] = read_adapters(values["adapters"])
     return values
+
+
+def read_adapters(table: Any) -> tuple[AdapterConfig, ...]:
+    """`[adapters]`: `name = "path"`, or `name = { path = "...", base = "model" }`. A path
+    is the engine's, not this file's: it is passed on as written."""
+    if not isinstance(table, dict):
+        raise ConfigError("--config: adapters must be a table, written [adapters]")
+    adapters = []
+    for name, value in table.items():
+        where = f"--config adapters.{name}"
+        entry = {"path": value} if isinstance(value, str) else value
+        if not isinstance(entry, dict) or set(entry) - {"path", "base"}:
+            raise ConfigError(f"{where}: expected a path, or a table with path and base")
+        path, base = entry.get("path"), entry.get("base")
+        if not isinstance(path, str) or not (base is None or isinstance(base, str)):
+            raise ConfigError(f"{where}: path and base must be strings")
+        try:
+            adapters.append(AdapterConfig(name, path, base))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return tuple(adapters)
 
 
 def read_models(tables: Any, base: Path) -> tuple[ModelConfig, ...]:

@@ -35,6 +35,7 @@ from app.dashboard.serving import serve_dashboard
 from app.dashboard.snapshot import Snapshot, backend_view
 from app.epp.door import EppDoor
 from app.epp.processor import EndpointPicker
+from app.fleet.adapter_loader import AdapterLoader
 from app.fleet.catalog import ModelCatalog, configured_backends
 from app.fleet.discoverer import Discoverer
 from app.fleet.health import HealthChecker
@@ -97,8 +98,11 @@ class Sluice:
             configured=configured_backends(settings.models),
             roles=backend_roles(settings),
         )
-        self.catalog = ModelCatalog(settings.models, settings.max_model_len)
+        loadable = settings.adapters if settings.lora_load_on_demand else ()
+        self.catalog = ModelCatalog(settings.models, settings.max_model_len, loadable)
         self.router = Router(router_settings(settings), self.pool, self.metrics.routing)
+        # Made once running: it loads through the watchers' client.
+        self.adapter_loader: AdapterLoader | None = None
         self.decider = Decider(self.router, self.pool)
         self.policy = self.router.policy
         self.budget_sync: BudgetSync | None = None
@@ -182,6 +186,7 @@ class Sluice:
                 gate.saturated(backend),
                 queued_ours(backend, now),
                 held_with_room.get(backend.url, 0.0),
+                backend.adapters.snapshot(),
             )
             for row, backend in zip(rows, self.pool.members, strict=True)
         ]
@@ -270,6 +275,16 @@ class Sluice:
         )
         self.discoverer = discoverer
         await nursery.start(discoverer.run, discovery_sources(settings))
+        if settings.lora_load_on_demand:
+            self.adapter_loader = AdapterLoader(
+                self.pool,
+                client,
+                settings.adapters,
+                self.metrics.fleet,
+                wait_timeout=settings.admission_timeout,
+            )
+            await nursery.start(self.adapter_loader.run)
+            self.decider.adapters = self.adapter_loader
         await nursery.start(self.router.run)
         for subscriber in self.kv_subscribers.values():
             await nursery.start(subscriber.run)

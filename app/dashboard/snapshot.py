@@ -16,6 +16,7 @@ from typing import NotRequired, TypedDict
 from app.budgets.shared import SharedBudgetsSnapshot
 from app.budgets.sync import Notice, RedisBudgetsSnapshot
 from app.dashboard.model_rows import ModelRow
+from app.fleet.adapters import AdaptersBlock
 from app.fleet.backend_row import BackendRow
 from app.fleet.discoverer import SourceRow
 from app.kv_events.subscriber import KvEventsSnapshot
@@ -38,6 +39,7 @@ class BackendView(BackendRow):
     saturated: str | None  # why its engine has no room now (full, kv, ceiling)
     queued: int  # ours that may wait in its engine's queue
     held_with_room_s: float  # requests held while its engine reported room (kept at 0)
+    adapters: AdaptersBlock  # its LoRA adapters
 
 
 def backend_view(
@@ -47,6 +49,7 @@ def backend_view(
     saturated: str | None,
     queued: int,
     held_with_room_s: float,
+    adapters: AdaptersBlock,
 ) -> BackendView:
     return {
         **row,
@@ -55,6 +58,7 @@ def backend_view(
         "saturated": saturated,
         "queued": queued,
         "held_with_room_s": round(held_with_room_s, 6),
+        "adapters": adapters,
     }
 
 

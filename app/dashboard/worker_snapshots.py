@@ -58,6 +58,7 @@ SAME = frozenset(
         "tokens_per_minute",
         "ttft_window_s",
         "max_model_len",
+        "max_lora",
         "base_seconds",
         "budget_seconds",
         "per_char_seconds",

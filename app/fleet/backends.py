@@ -33,6 +33,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from app.config import Role
+from app.fleet.adapters import Residency
 from app.fleet.engine_metrics import EngineLoad
 from app.fleet.room import EngineRoom, Seen
 from app.models import MAX_MODELS
@@ -147,6 +148,7 @@ class Backend:
     tokenizer_detail: str | None = None  # what the last tokenizer check found
     breakers: dict[str, Breaker] = field(default_factory=dict)  # by model, once one failed
     models_version: int = 0  # counts `set_models` calls: whoever derived from them can tell
+    adapters: Residency = field(default_factory=Residency)  # its LoRA adapters (adapters.py)
     id: str = field(init=False)
     endpoint: str = field(init=False)  # `host:port`, as a gateway names it (app/epp/)
     served: frozenset[str] = field(init=False)  # the models whose pools it is in

@@ -4,9 +4,12 @@ passes the backends (and `now` where health matters).
 Served names are the configured models (`[[models]]` tables: served even while all their
 backends are down, which is then a 503, not a 404) and the names unconfigured backends'
 `/v1/models` list (their last list, so a model whose only backend is briefly down is not
-forgotten in between), at most `MAX_MODELS` in all, configured ones first. Aliases come from
-the tables. A model's context window is its table's `max_model_len`, else `--max-model-len`,
-else the smallest `max_model_len` its healthy backends report for it.
+forgotten in between), at most `MAX_MODELS` in all, configured ones first. Adapters Sluice
+may load on demand (`[adapters]` with `--lora-load-on-demand`) are served names too, listed
+while an engine of their base takes traffic. Aliases come from the tables. A model's context
+window is its table's `max_model_len`, else `--max-model-len`, else the smallest
+`max_model_len` its healthy backends report for it; a LoRA adapter's is its base model's
+(engines list adapters without one).
 
 `directory()` is called once per request: it is rebuilt only when a backend's health or
 model list changed since the last call, so a request pays one pass over the backends.
@@ -21,7 +24,7 @@ from typing import Any
 
 from app.config import ModelConfig
 from app.fleet.backends import Backend
-from app.models import MAX_MODELS, ModelDirectory
+from app.models import MAX_MODELS, AdapterConfig, ModelDirectory
 
 log = logging.getLogger("sluice.models")
 
@@ -39,8 +42,15 @@ def configured_backends(models: Sequence[ModelConfig]) -> dict[str, tuple[str, .
 
 
 class ModelCatalog:
-    def __init__(self, models: Sequence[ModelConfig], default_window: int | None) -> None:
+    def __init__(
+        self,
+        models: Sequence[ModelConfig],
+        default_window: int | None,
+        loadable: Sequence[AdapterConfig] = (),
+    ) -> None:
+        """`loadable`: the adapters Sluice loads on demand."""
         self.configured = {model.name: model for model in models}
+        self.loadable = {adapter.name: adapter for adapter in loadable}
         self._aliases = {alias: model.name for model in models for alias in model.aliases}
         self._default_window = default_window
         self._key: tuple[Any, ...] | None = None
@@ -55,7 +65,7 @@ class ModelCatalog:
         return self._directory
 
     def _build(self, backends: Sequence[Backend]) -> ModelDirectory:
-        served = dict.fromkeys(self.configured)
+        served = dict.fromkeys([*self.configured, *self.loadable][:MAX_MODELS])
         for backend in backends:
             if backend.configured is not None:
                 continue
@@ -95,7 +105,20 @@ class ModelCatalog:
             for length in (b.max_model_len_for(name),)
             if length is not None
         ]
-        return min(reported) if reported else None
+        if reported:
+            return min(reported)
+        base = self.base_of(name, backends)
+        return None if base is None or base == name else self._window(base, backends)
+
+    def base_of(self, adapter: str, backends: Sequence[Backend]) -> str | None:
+        """The base model of a LoRA adapter (its engines' cards' `parent`, else its table's
+        `base`); None for a model that is no adapter, or one whose base is any engine's."""
+        for backend in backends:
+            parent = backend.adapters.parents.get(adapter)
+            if parent is not None:
+                return parent
+        table = self.loadable.get(adapter)
+        return table.base if table is not None else None
 
     def cards(
         self,
@@ -109,7 +132,11 @@ class ModelCatalog:
         and `root`: the served name an alias stands for)."""
         cards = []
         for name, target in directory.names_for(allowed):
+            base = self.base_of(target, backends)
             serving = [b for b in backends if target in b.served and b.takes_traffic(now, target)]
+            if not serving and target in self.loadable:
+                serving = [b for b in backends if base is None or base in b.served]
+                serving = [b for b in serving if b.takes_traffic(now, base)]
             if not serving:
                 continue
             own = _card(serving, target)
@@ -120,7 +147,7 @@ class ModelCatalog:
                     "created": own.get("created", self.created),
                     "owned_by": own.get("owned_by", DEFAULT_OWNER),
                     "root": target,
-                    "parent": None,
+                    "parent": base,
                     "max_model_len": directory.windows.get(target),
                 }
             )

@@ -137,6 +137,8 @@ def _store_models(backend: Backend, response: Fetched) -> None:
         return
     data = payload.get("data") if isinstance(payload, dict) else None
     if isinstance(data, list):
-        backend.set_models(
-            [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
-        )
+        cards = [
+            m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+        ]
+        backend.set_models(cards)
+        backend.adapters.listed(cards)

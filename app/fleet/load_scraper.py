@@ -13,7 +13,8 @@ against what was true when it was asked for (`Backend.asking`): when, how many o
 requests were on the backend (what it ran beyond those is others'), whether one of ours
 waited unstarted since the report before. An engine that states its limit (engine_limits.py)
 is asked for it after its first report and after each restart; one that says nothing is
-asked again every `RETRY_UNSUPPORTED` seconds.
+asked again every `RETRY_UNSUPPORTED` seconds. vLLM's `vllm:lora_requests_info` in the same
+text says which LoRA adapters its engine runs (adapters.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import trio
 
 from app.errors import UpstreamError
+from app.fleet.adapters import read_lora
 from app.fleet.backends import Backend
 from app.fleet.engine_limits import LIMIT_PATHS, stated_limit
 from app.fleet.engine_metrics import EngineName, EngineReading, next_load, read_engine
@@ -105,6 +107,8 @@ class LoadScraper:
         except (trio.TooSlowError, UpstreamError):
             return  # the health checker deals with backends that do not answer
         reading = read_engine(response.text) if response.status == 200 else None
+        lora = read_lora(response.text) if reading is not None else None
+        backend.adapters.reported(lora, asked.at)
         if reading is None:
             if backend.id not in self._unsupported_until:
                 log.info(

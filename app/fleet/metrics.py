@@ -1,5 +1,6 @@
-"""The fleet's own metrics: the backends' health as the checks find it, and discovery's
-changes as the sources see them."""
+"""The fleet's own metrics: the backends' health as the checks find it, discovery's changes
+as the sources see them, and the LoRA adapters loaded and unloaded on them
+(adapter_loader.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ class FleetMetrics:
         )
         self.draining = declare.gauge(
             "sluice_backends_draining", "Backends out of the pool whose requests still run"
+        )
+        self.lora_loads = declare.counter(
+            "sluice_lora_loads",
+            "LoRA adapter loads asked of an engine on demand, by outcome (loaded, failed)",
+            ["backend", "outcome"],
+        )
+        self.lora_unloads = declare.counter(
+            "sluice_lora_unloads",
+            "LoRA adapters unloaded to make room for another, by outcome (unloaded, failed)",
+            ["backend", "outcome"],
         )
 
     def forget_backend(self, url: str) -> None:

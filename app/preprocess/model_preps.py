@@ -74,6 +74,10 @@ class ModelPreps:
         self.by_model: dict[str, ModelPrep] = {
             model.name: self._configured(model, default_tokenizer) for model in settings.models
         }
+        for adapter in settings.adapters:  # a LoRA adapter renders and tokenizes as its base
+            base = self.by_model.get(adapter.base or "")
+            if base is not None:
+                self.by_model.setdefault(adapter.name, base)
         self._specs = {name: prep.spec for name, prep in self.by_model.items()}
 
     def _configured(self, model: ModelConfig, default_tokenizer: LoadedTokenizer) -> ModelPrep:

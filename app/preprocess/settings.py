@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.config import ModelConfig, Saturation, TokenizeMode
+from app.models import AdapterConfig
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,7 @@ class PreprocessSettings:
     tokenizer: str | None  # the default tokenizer (--tokenizer); None: the bundled one
     chat_template: str | None
     models: tuple[ModelConfig, ...]  # the fleet's tables: each model's tokenizer and template
+    adapters: tuple[AdapterConfig, ...]  # LoRA adapters: each prepared as its base model is
     max_model_len: int | None
     tokenize_mode: TokenizeMode
     tokenize_threads: int

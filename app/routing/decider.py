@@ -9,10 +9,11 @@ The proxy (app/proxy/) and the endpoint picker (app/epp/) each turn what arrived
     decider.served_by(decision, backend)       # a fallback served it (a retry, theirs or ours)
     decider.complete(context)                  # the answer ended, with the usage it reported
 
-`decide` takes the prompt's tokens from the key's budget, then asks the router (the gate's
-admission, fair queue and late binding, the routing policy), and orders up to `FALLBACKS`
-other backends of the pool behind the chosen one: those with room first, the least loaded
-first. Only the primary is reserved; whichever endpoint serves the request takes the
+`decide` takes the prompt's tokens from the key's budget, makes sure a LoRA adapter loaded on
+demand is on an engine (`AdapterLoading`, app/fleet/adapter_loader.py), then asks the router
+(the gate's admission, fair queue and late binding, the routing policy), and orders up to
+`FALLBACKS` other backends of the pool behind the chosen one: those with room first, the
+least loaded first. Only the primary is reserved; whichever endpoint serves the request takes the
 reservation over. A refusal is raised (`Refused`: 429 over a budget or shed, 503 nothing to
 serve it); each door answers it in its own protocol through `app.errors.answer_for`.
 """
@@ -20,6 +21,7 @@ serve it); each door answers it in its own protocol through `app.errors.answer_f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -72,10 +74,20 @@ class RequestContext:
     usage: Usage | None = None
 
 
+class AdapterLoading(Protocol):
+    """Loads a LoRA adapter no engine has, before its request is routed."""
+
+    async def ready(self, model: str | None) -> None: ...
+
+
 class Decider:
-    def __init__(self, router: Router, pool: BackendPool) -> None:
+    def __init__(
+        self, router: Router, pool: BackendPool, adapters: AdapterLoading | None = None
+    ) -> None:
+        """`adapters`: with --lora-load-on-demand."""
         self.router = router
         self.pool = pool
+        self.adapters = adapters
 
     async def decide(self, facts: RequestFacts, exclude: tuple[Backend, ...] = ()) -> Decision:
         """A decision reserved on its primary, with its fallbacks. Raises `Refused`."""
@@ -84,6 +96,8 @@ class Decider:
             self.router.admit(
                 facts.admission.tenant, route.model, facts.prompt_tokens, facts.tokens_per_minute
             )
+            if self.adapters is not None:
+                await self.adapters.ready(route.model)
         decision = await self.router.choose(route, exclude, facts.admission)
         if decision is None:
             raise no_backend(route.model, self.pool.tokenizer_refusals())

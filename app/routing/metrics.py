@@ -172,6 +172,12 @@ class RoutingMetrics(AdmissionMetrics):
             "sluice_route_index_blocks",
             "(backend, block) entries in the prefix index",
         )
+        self.lora_routes = declare.counter(
+            "sluice_lora_routes",
+            "Requests for a LoRA adapter routed, by the best affinity tier among the engines "
+            "with room (resident, free-slot, queued, none)",
+            ["tier"],
+        )
 
     def forget_backend(self, url: str) -> None:
         """A backend left the pool: drop its per-backend series (requests_total stays)."""

@@ -3,9 +3,10 @@
 Everything is per model pool: `admit` applies the tokens-per-minute limit of the request's (API
 key, model) before anything is forwarded. `choose` goes through the pool's gate (gate.py): the
 policy chooses among the backends of the request's model that take traffic and whose engines
-have room, or the request is held, unrouted, until one has (fairly across API keys), or is
-refused with `Overloaded` (a 429). The chosen backend's in-flight count and pending prompt
-tokens are reserved at once (no await in between, so two requests never both take the last
+have room (for a LoRA adapter, those of the best affinity tier: adapter_affinity.py), or the
+request is held, unrouted, until one has (fairly across API keys), or is refused with
+`Overloaded` (a 429). The chosen backend's in-flight count and pending prompt tokens are
+reserved at once (no await in between, so two requests never both take the last
 room); `started` says its answer's first byte came (the engine runs it: it left the engine's
 queue, and a held request may take its place there); `release` gives the reservation back,
 lets held requests of the backend's pools leave, and
@@ -32,6 +33,7 @@ from app.fleet.discovery import API_SOURCE
 from app.fleet.pool import BackendPool
 from app.fleet.saturation import queued_ours
 from app.models import NO_MODEL
+from app.routing.adapter_affinity import best_tier, is_adapter
 from app.routing.admission import ANYONE, Admission
 from app.routing.block_index import BLOCK_SIZE, ROOT_HASH, chain_hashes
 from app.routing.cache_aware import CacheAware, CacheAwareSnapshot
@@ -252,7 +254,14 @@ class Router:
                 self._chain_queued.set()
 
     def _route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
-        decision = self._reserve(self.policy.choose(candidates, request), request)
+        model = request.model
+        if model is not None and is_adapter(model, candidates):
+            candidates, tier = best_tier(candidates, model)
+            self.metrics.lora_routes.labels(tier=tier).inc()
+            decision = self._reserve(self.policy.choose(candidates, request), request)
+            decision.backend.adapters.used((model,), trio.current_time())
+        else:
+            decision = self._reserve(self.policy.choose(candidates, request), request)
         if self._cache_aware is not None and self._cache_aware.pending:
             self._chain_queued.set()
         return decision

@@ -30,6 +30,7 @@ NAMES = (
     "epp",
     "pd",
     "discovery",
+    "lora",
 )
 
 

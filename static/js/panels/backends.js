@@ -80,6 +80,16 @@ function sourceTag(b) {
   return el("span", { class: "source-tag", dataset: { source: b.source }, title }, b.source);
 }
 
+// Its LoRA adapters, when it has any: those its slots hold, of max_lora; all it lists in
+// the title.
+function adaptersTag(b) {
+  const a = b.adapters;
+  if (!a || !a.listed.length) return null;
+  const slots = a.max_lora === null ? "" : ` · ${a.resident.length}/${a.max_lora}`;
+  const title = `LoRA adapters listed: ${a.listed.join(", ")}\nin its slots: ${a.resident.join(", ") || "none"}`;
+  return el("span", { class: "role-tag", title, dataset: { field: "adapters" } }, `LoRA ${a.resident.join(",") || "-"}${slots}`);
+}
+
 function backendRow(b, model, disaggregated = false) {
   const traffic = b.traffic || {};
   const engine = b.engine || {};
@@ -92,7 +102,7 @@ function backendRow(b, model, disaggregated = false) {
   const saturatedTitle = b.saturated ? "its engine has no room now: new requests are held at the proxy" : null;
   const drainTitle = draining ? `left the pool ${seconds(b.draining_for)} ago: no new request, its own finish` : null;
   return el("tr", { dataset: { backend: b.url, model: model ?? "", saturated: b.saturated ?? "", role: b.role, draining: draining ? "1" : "" } }, [
-    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated), sourceTag(b)]),
+    el("td", { class: "mono", title: (b.models || []).join(", ") }, [b.url, roleTag(b, disaggregated), adaptersTag(b), sourceTag(b)]),
     el("td", { class: draining || (serving && b.saturated) ? "warn" : serving ? "up" : "down", title: drainTitle || b.last_error || saturatedTitle }, state),
     el("td", { class: breaker === "closed" ? "" : "down" }, breaker),
     el("td", { class: "num" }, count(b.inflight)),
