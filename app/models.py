@@ -1,5 +1,6 @@
-"""Which served model a request names. Pure, picklable, no Trio: render worker processes
-resolve the model of a body they parse, with the same function the event loop uses.
+"""Which served model a request names, and the LoRA adapters a fleet file names
+(`AdapterConfig`). Pure, picklable, no Trio: render worker processes resolve the model of a
+body they parse, with the same function the event loop uses.
 
 A `ModelDirectory` is what the proxy knows at one moment: the names its backends serve
 (configured tables, and what unconfigured backends' `/v1/models` list), the aliases clients
