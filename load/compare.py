@@ -17,12 +17,14 @@ limit): requests per second and CPU per request, medians over the rounds, and th
 each round's ratio this/REV. With `--replicas WORKLOADS`, routing across replicas instead
 (compare_replicas.py).
 
-With `--bench NAME` (streams, overhead, hardening), that scenario instead, its own workload,
-measurement and tables: its Sluice variant (`sluice`; hardening's `offload`) started twice,
-from this checkout and from REV's tree (`sluice@REV`), taking turns with the variants a ratio
-needs (direct) in alternating rounds (at least 2), peers, floors and hardening's `inline`
-left out; `--quick`, `--rounds`, `--proxy-arg` and the scenario's own options as in `bench`.
-Printed: the scenario's tables with both versions, then each figure this/REV.
+With `--bench NAME` (streams, overhead, hardening, longprompts), that scenario instead, its
+own workload, measurement and tables: its Sluice variant (`sluice`; hardening's `offload`)
+started twice, from this checkout and from REV's tree (`sluice@REV`), taking turns with the
+variants a ratio needs (direct) in alternating rounds (at least 2), peers, floors and
+hardening's `inline` left out; `--quick`, `--rounds`, `--proxy-arg` and the scenario's own
+options as in `bench`. Printed: the scenario's tables with both versions, then each figure
+this/REV (longprompts': per shape req/s, CPU and loop-thread CPU per request, /health p99 and
+max, blocking stall time per request: its check that a change added no loop stalls).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 import trio
 
 from load import bench, client, compare_replicas, drive, harness
+from load.bench.longprompts import BLOCKING, stall_ms_per_request
 from load.bench.overhead import Samples
 from load.bench.replicas import WORKLOADS
 from load.harness import REPO, Table
@@ -46,7 +49,12 @@ from load.stats import Ranged, ranged
 
 PROBE_TICKS = "sluice_event_loop_lag_seconds_count"
 # The scenarios `--bench` runs, and the name of the Sluice variant each starts per version.
-BENCHES = {"streams": "sluice", "overhead": "sluice", "hardening": "offload"}
+BENCHES = {
+    "streams": "sluice",
+    "overhead": "sluice",
+    "hardening": "offload",
+    "longprompts": "sluice",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -289,20 +297,28 @@ def figure(what: str, this: Any, rev: Any, better: str) -> list[Any]:
     return [what, this, rev, ratio, better]
 
 
+def keyed(
+    where: str, mine: dict[str, Any], theirs: dict[str, Any], keys: tuple[tuple[str, str, str], ...]
+) -> list[list[Any]]:
+    """A row per (key, what, better) of two summaries: `where: what`, both, this/REV."""
+    return [figure(f"{where}: {what}", mine[k], theirs[k], better) for k, what, better in keys]
+
+
+STREAMS_KEYS = (
+    ("tokens_per_s", "tokens/s", "higher"),
+    ("cpu_ms_per_1000_tokens", "CPU ms per 1,000 tokens", "lower"),
+    ("cpu_share_of_core", "CPU share of a core", "lower"),
+    ("gap_p99_ms", "gap p99 ms", "lower"),
+    ("health_p99_ms", "/health p99 ms (worst round)", "lower"),
+    ("health_worst_ms", "/health max ms", "lower"),
+    ("errors", "errors", "lower"),
+)
+
+
 def streams_figures(result: dict[str, Any], this: str, rev: str) -> list[list[Any]]:
     rows = []
     for count, targets in result["streams"].items():
-        mine, theirs = targets[this], targets[rev]
-        for key, what, better in (
-            ("tokens_per_s", "tokens/s", "higher"),
-            ("cpu_ms_per_1000_tokens", "CPU ms per 1,000 tokens", "lower"),
-            ("cpu_share_of_core", "CPU share of a core", "lower"),
-            ("gap_p99_ms", "gap p99 ms", "lower"),
-            ("health_p99_ms", "/health p99 ms (worst round)", "lower"),
-            ("health_worst_ms", "/health max ms", "lower"),
-            ("errors", "errors", "lower"),
-        ):
-            rows.append(figure(f"{count} streams: {what}", mine[key], theirs[key], better))
+        rows += keyed(f"{count} streams", targets[this], targets[rev], STREAMS_KEYS)
     return rows
 
 
@@ -366,8 +382,33 @@ def hardening_figures(result: dict[str, Any], this: str, rev: str) -> list[list[
     return rows
 
 
+LONGPROMPTS_KEYS = (
+    ("requests_per_s", "requests/s", "higher"),
+    ("cpu_ms_per_request", "CPU ms/request", "lower"),
+    ("loop_ms_per_request", "loop thread CPU ms/request", "lower"),
+    ("health_p99_ms", "/health p99 ms (median)", "lower"),
+    ("health_max_ms", "/health max ms", "lower"),
+    ("errors", "errors", "lower"),
+)
+
+
+def longprompts_figures(result: dict[str, Any], this: str, rev: str) -> list[list[Any]]:
+    rows = []
+    for shape, blob in result["shapes"].items():
+        summary = blob["summary"]
+        rows += keyed(shape, summary[this], summary[rev], LONGPROMPTS_KEYS)
+        blocking = {
+            v: sum(stall_ms_per_request(blob["rounds"], v).get(BLOCKING, {}).values())
+            for v in (this, rev)
+        }
+        what = f"{shape}: blocking stalls ms/request"
+        rows.append(figure(what, blocking[this], blocking[rev], "lower"))
+    return rows
+
+
 FIGURES = {
     "streams": streams_figures,
     "overhead": overhead_figures,
     "hardening": hardening_figures,
+    "longprompts": longprompts_figures,
 }

@@ -2,18 +2,21 @@
 unique from its first characters on, at about the size it claims (a 3,000-message
 conversation too); the stall seconds Sluice exports by stage and cause are read back from
 its /metrics text and differenced between two scrapes; its tables give Sluice's throughput
-over direct's round by round and the pooled stall time per request by stage; and one round
-against a real `sluice serve` measures throughput, CPU, the loop thread's CPU and /health."""
+over direct's round by round and the pooled stall time per request by stage (under
+`compare REV --bench longprompts` each version's, and each figure this/REV read off a recorded
+result); and one round against a real `sluice serve` measures throughput, CPU, the loop
+thread's CPU and /health."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 from app.cli.rooms import RoomMetrics
-from load import harness
+from load import compare, harness
 from load.bench import longprompts
 from load.bench.longprompts import SHAPES, Shape, Target
 from load.processes import Stack
@@ -76,6 +79,43 @@ def test_tables_give_the_ratio_by_round_and_stalls_per_request_over_all_rounds()
     assert (row[7], row[10], row[11]) == (3.0 / 0.79, 11.0, "4.0 / 11.0")  # max: the worst
     assert row[12] == 11.0  # (50 + 150 + 20) ms over 20 requests
     assert stages.rows == [["app.x:f", 10.0], ["(gil-wait, any stage)", 1.0]]
+
+
+def test_compared_versions_each_get_their_rows_and_stage_columns() -> None:
+    rows = [
+        round_row("direct", 1, 4.0, {}),
+        round_row("sluice", 1, 3.0, {"blocking": {"app.x:f": 0.05}}),
+        {**round_row("sluice", 1, 2.0, {}), "variant": "sluice@REV"},
+    ]
+    result = {"rounds": 1, "clients": 8, "shapes": {"8k": longprompts.summarize(rows)}}
+
+    main, stages = longprompts.tables(result)
+    assert [(row[0], row[4].value) for row in main.rows] == [
+        ("8k (sluice)", 0.75), ("8k (sluice@REV)", 0.5)
+    ]  # fmt: skip
+    assert stages.headers == ["stage", "8k (sluice)", "8k (sluice@REV)"]
+    assert stages.rows == [["app.x:f", 5.0, 0.0]]
+
+
+def test_compare_reads_each_shapes_figures_off_a_recorded_result() -> None:
+    """The reference result's Sluice rounds stand in for REV's, with twice the stalls."""
+    path = Path(longprompts.__file__).parent.parent / "reference" / "longprompts.json"
+    result = json.loads(path.read_text())["result"]
+    for name, blob in result["shapes"].items():
+        theirs = [
+            {**r, "variant": "sluice@REV",
+             "stall_s": {c: {s: 2 * v for s, v in st.items()} for c, st in r["stall_s"].items()}}
+            for r in blob["rounds"] if r["variant"] == "sluice"
+        ]  # fmt: skip
+        result["shapes"][name] = longprompts.summarize(blob["rounds"] + theirs)
+
+    rows = compare.FIGURES["longprompts"](result, "sluice", "sluice@REV")
+    by_figure = {row[0]: row for row in rows}
+    assert len(rows) == 7 * len(result["shapes"]) and all(len(row) == 5 for row in rows)
+    per_s = by_figure["40k: requests/s"]
+    assert per_s[1] == per_s[2] and per_s[3:] == ["1.000", "higher"]
+    stalls = by_figure["8k: blocking stalls ms/request"]
+    assert stalls[1] > 0 and stalls[3:] == ["0.500", "lower"]
 
 
 async def test_one_round_measures_a_running_sluice() -> None:

@@ -4,7 +4,8 @@ One simulated GPU that prefills as a GPU does (`--prefill-per-token 0.00004` s a
 word: the sim counts words, ~0.57 a DeepSeek token, so ~44k tokens/s; plus
 `--prefill-overhead 0.02` s a request; 16-token answers), its window (200,000) and KV cache
 wide enough for 8 prompts of 128k tokens at once, and in front of it, taking turns by round,
-`direct` (the GPU itself) and `sluice` (`sluice serve`, default flags but the same window).
+`direct` (the GPU itself) and `sluice` (`sluice serve`, default flags but the same window;
+under `python -m load compare REV --bench longprompts` also REV's, `sluice@REV`).
 Each round and shape, 8 closed-loop clients send a fixed number of unique chats each: one
 user message of ~8k, ~32k, ~40k or ~128k tokens, or a conversation of 3,000 short messages;
 each starts with a random nonce (then prose from load/corpus.txt), so no prefix is shared and
@@ -184,23 +185,34 @@ async def one_round(target: Target, bodies: Sequence[bytes]) -> dict[str, Any]:
     }
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians by target, Sluice's req/s over direct's by round, and the stall seconds of
-    all rounds per request (stalls are rare events: pooled, not a median of mostly zeros)."""
-    sluice = [r for r in rows if r["variant"] == "sluice"]
-    requests = sum(r["requests"] - r["errors"] for r in sluice) or 1
+def over_direct(rows: list[dict[str, Any]], variant: str) -> list[float]:
+    """`variant`'s req/s over direct's in the same round: median, low, high."""
+    return [1 + c / 100 for c in paired_change(rows, "requests_per_s", variant, "direct")]
+
+
+def stall_ms_per_request(rows: list[dict[str, Any]], variant: str) -> dict[str, dict[str, float]]:
+    """{cause: {stage: ms}}: `variant`'s stall time of all rounds per request (stalls are
+    rare events: pooled, not a median of mostly zeros)."""
+    own = [r for r in rows if r["variant"] == variant]
+    requests = sum(r["requests"] - r["errors"] for r in own) or 1
     stalls: dict[str, dict[str, float]] = {}
-    for row in sluice:
+    for row in own:
         for cause, stages in row["stall_s"].items():
             for stage, seconds in stages.items():
                 by_stage = stalls.setdefault(cause, {})
                 by_stage[stage] = by_stage.get(stage, 0.0) + seconds * 1e3 / requests
-    change = paired_change(rows, "requests_per_s", "sluice", "direct")
+    return stalls
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians by target; this checkout's Sluice (`sluice`) over direct by round and its
+    stalls per request (another version's, when comparing, are read off the rounds)."""
+    sluice = [r for r in rows if r["variant"] == "sluice"]
     counted = [r["prompt_tokens"] for r in sluice if not math.isnan(r["prompt_tokens"])]
     return {
         "summary": by_group(rows, "variant", COLUMNS, ("health_max_ms",)),
-        "sluice_over_direct": [1 + c / 100 for c in change],
-        "stall_ms_per_request": stalls,
+        "sluice_over_direct": over_direct(rows, "sluice"),
+        "stall_ms_per_request": stall_ms_per_request(rows, "sluice"),
         "prompt_tokens": round(statistics.mean(counted)) if counted else None,
         "rounds": rows,
     }
@@ -210,10 +222,12 @@ async def measure(bench: Bench) -> dict[str, Any]:
     rounds = bench.rounds(1, 3)
     shapes = [s for s in SHAPES if bench.pick(s.quick_per_client, s.per_client)]
     sim = await bench.stack.sim(*SIM_FLAGS)
-    proxy = await bench.stack.proxy(sim, *WINDOW)
-    for url in (sim, proxy):
+    proxies = await bench.proxies("sluice", sim, *WINDOW)  # and sluice@REV when comparing
+    for url in (sim, *proxies.values()):
         await harness.wait_healthy(url)
-    targets = {"direct": Target(sim, None), "sluice": await idle(proxy, bench.stack.pids[proxy])}
+    targets = {"direct": Target(sim, None)}
+    for variant, url in proxies.items():
+        targets[variant] = await idle(url, bench.stack.pids[url])
     corpus = Corpus.default()
     result: dict[str, Any] = {"rounds": rounds, "clients": CLIENTS, "shapes": {}}
     for shape in shapes:
@@ -235,22 +249,35 @@ def per_10k_tokens(ms: float, tokens: float | None) -> float | None:
     return ms / tokens * 10_000 if tokens else None
 
 
+def sluices(blob: dict[str, Any]) -> dict[str, str]:
+    """{Sluice variant: its label beside a shape's name}: the shape's alone for one Sluice,
+    with the variant's name when two versions are compared."""
+    variants = [v for v in blob["summary"] if v != "direct"]
+    return {v: f" ({v})" if len(variants) > 1 else "" for v in variants}
+
+
+def main_row(label: str, blob: dict[str, Any], variant: str) -> list[Any]:
+    direct, sluice = blob["summary"]["direct"], blob["summary"][variant]
+    tokens = blob["prompt_tokens"]
+    stalls = stall_ms_per_request(blob["rounds"], variant)
+    stalled = sum((sum(v.values()) for v in stalls.values()), 0.0)
+    return [
+        label, f"{tokens:,}" if tokens else None, with_range(direct, "requests_per_s"),
+        with_range(sluice, "requests_per_s"), Ranged(*over_direct(blob["rounds"], variant)),
+        with_range(sluice, "cpu_ms_per_request"), with_range(sluice, "loop_ms_per_request"),
+        per_10k_tokens(sluice["loop_ms_per_request"], tokens),
+        with_range(sluice, "health_p50_ms"), with_range(sluice, "health_p99_ms"),
+        sluice["health_max_ms"],
+        f"{direct['health_p99_ms']:.1f} / {direct['health_max_ms']:.1f}", stalled,
+        direct["errors"] + sluice["errors"],
+    ]  # fmt: skip
+
+
 def main_table(result: dict[str, Any]) -> Table:
     rows = []
     for name, blob in result["shapes"].items():
-        direct, sluice = blob["summary"]["direct"], blob["summary"]["sluice"]
-        tokens = blob["prompt_tokens"]
-        stalled = sum((sum(v.values()) for v in blob["stall_ms_per_request"].values()), 0.0)
-        rows.append(
-            [name, f"{tokens:,}" if tokens else None, with_range(direct, "requests_per_s"),
-             with_range(sluice, "requests_per_s"), Ranged(*blob["sluice_over_direct"]),
-             with_range(sluice, "cpu_ms_per_request"), with_range(sluice, "loop_ms_per_request"),
-             per_10k_tokens(sluice["loop_ms_per_request"], tokens),
-             with_range(sluice, "health_p50_ms"), with_range(sluice, "health_p99_ms"),
-             sluice["health_max_ms"],
-             f"{direct['health_p99_ms']:.1f} / {direct['health_max_ms']:.1f}", stalled,
-             direct["errors"] + sluice["errors"]]
-        )  # fmt: skip
+        for variant, label in sluices(blob).items():
+            rows.append(main_row(name + label, blob, variant))
     return Table(
         f"{result['clients']} closed-loop clients, unique chats on a GPU's timing; medians of "
         f"{result['rounds']} alternating round(s) (range); x direct: Sluice's req/s over "
@@ -276,7 +303,11 @@ def stage_rows(stalls: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def stage_table(result: dict[str, Any]) -> Table:
-    shapes = {n: stage_rows(b["stall_ms_per_request"]) for n, b in result["shapes"].items()}
+    shapes = {
+        name + label: stage_rows(stall_ms_per_request(blob["rounds"], variant))
+        for name, blob in result["shapes"].items()
+        for variant, label in sluices(blob).items()
+    }
     names = sorted(
         {n for rows in shapes.values() for n in rows},
         key=lambda n: (n.startswith("("), -sum(rows.get(n, 0.0) for rows in shapes.values())),
