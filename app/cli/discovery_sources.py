@@ -4,10 +4,25 @@ discoverer (app/fleet/discoverer.py)."""
 from __future__ import annotations
 
 from app.config import Settings
+from app.discovery_targets import K8sTarget, LabelSelector
 from app.fleet.discoverer import Source
+from app.fleet.k8s_source import K8sSource
+from app.fleet.k8s_watch import PodRules
 
 
 def discovery_sources(settings: Settings) -> list[Source]:
     """One source per `--discover-dns` name and one for `--discover-k8s`."""
     sources: list[Source] = []
+    if settings.discover_k8s is not None:
+        sources.append(K8sSource(K8sTarget.parse(settings.discover_k8s), k8s_rules(settings)))
     return sources
+
+
+def k8s_rules(settings: Settings) -> PodRules:
+    """How a discovered pod becomes an engine: its port and role."""
+    prefill, decode = settings.discover_k8s_prefill, settings.discover_k8s_decode
+    return PodRules(
+        settings.discover_k8s_port,
+        LabelSelector.parse(prefill) if prefill else None,
+        LabelSelector.parse(decode) if decode else None,
+    )

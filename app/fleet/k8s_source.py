@@ -1,0 +1,163 @@
+"""`--discover-k8s`: the pods of a namespace matching a label selector, listed and watched
+through the Kubernetes API; the reflector (app/fleet/k8s_watch.py) decides, this module
+only asks and reads.
+
+Design rules:
+1. Credentials and the server come from lightkube's `KubeConfig`: in a pod, the service
+   account (its token file re-read when the API answers 401, as the kubelet rotates it; its
+   CA); elsewhere `$KUBECONFIG` or ~/.kube/config. Its httpx client (Trio-capable through
+   anyio) carries the requests. lightkube's own `watch` is not used: it backs off with
+   `asyncio.sleep` (not under Trio), cannot ask for bookmarks, and after a 410 resumes
+   from "now" instead of relisting; and it decodes every pod into models, which 1,000 pods
+   make a loop stall.
+2. A watch's bytes are read as they come and every complete line in them is applied before
+   the whole set is published once: a burst of events is one sighting, not one per pod.
+3. A watch asks the server to end it after `WATCH_S` (with jitter, as client-go does, so
+   replicas do not reconnect together), and gives up on a connection silent for
+   `WATCH_S` + `SILENT_GRACE_S`: bookmarks keep a healthy one talking.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+import httpx2
+import trio
+from lightkube import KubeConfig
+from lightkube.config.client_adapter import AsyncClient, ConnectionParams
+
+from app.discovery_targets import K8sTarget
+from app.fleet.discoverer import SourceReport
+from app.fleet.k8s_watch import (
+    GONE,
+    LIST_PAGE,
+    Decision,
+    ListPage,
+    PodRules,
+    Reflector,
+    Wait,
+    Watch,
+)
+
+WATCH_S = 300
+SILENT_GRACE_S = 30.0
+REQUEST_TIMEOUT_S = 10.0
+
+
+def kube_client(config: KubeConfig | None = None) -> httpx2.AsyncClient:
+    """An HTTP client for the API server `config` names (default: in-cluster, else the
+    kubeconfig), its credentials and CA applied to every request."""
+    single = (config or KubeConfig.from_env()).get()
+    assert single is not None, "the kubeconfig names no current context"
+    params = ConnectionParams(timeout=httpx2.Timeout(REQUEST_TIMEOUT_S))
+    return AsyncClient(single, params)
+
+
+class K8sSource:
+    """The discovery source of one `--discover-k8s NAMESPACE/SELECTOR`."""
+
+    def __init__(
+        self,
+        target: K8sTarget,
+        rules: PodRules,
+        client: Callable[[], httpx2.AsyncClient] = kube_client,
+    ) -> None:
+        self.name = target.source
+        self.target = target
+        self.rules = rules
+        self._client = client
+        self._path = f"/api/v1/namespaces/{target.namespace}/pods"
+
+    async def run(self, report: SourceReport) -> None:
+        reflector = Reflector(self.rules)
+        async with self._client() as client:
+            decision: Decision = reflector.start()
+            while True:
+                if isinstance(decision, Wait):
+                    await trio.sleep(decision.seconds)
+                    decision = decision.then
+                if isinstance(decision, ListPage):
+                    decision = await self._list(client, reflector, decision, report)
+                else:
+                    decision = await self._watch(client, reflector, decision, report)
+                _publish(reflector, report)
+
+    async def _list(
+        self,
+        client: httpx2.AsyncClient,
+        reflector: Reflector,
+        page: ListPage,
+        report: SourceReport,
+    ) -> Decision:
+        params: dict[str, Any] = {"labelSelector": self.target.selector, "limit": LIST_PAGE}
+        if page.continue_token is not None:
+            params["continue"] = page.continue_token
+        try:
+            answer = await client.get(self._path, params=params)
+        except httpx2.HTTPError as exc:
+            report.failed(f"list: {type(exc).__name__}: {exc}")
+            return reflector.failed(None)
+        if answer.status_code != 200:
+            report.failed(f"list: HTTP {answer.status_code}: {answer.text[:200]}")
+            return reflector.failed(answer.status_code)
+        return reflector.listed(answer.json())
+
+    async def _watch(
+        self,
+        client: httpx2.AsyncClient,
+        reflector: Reflector,
+        watch: Watch,
+        report: SourceReport,
+    ) -> Decision:
+        seconds = int(WATCH_S * (1 + random.random()))
+        params: dict[str, str | int] = {
+            "labelSelector": self.target.selector,
+            "watch": "true",
+            "resourceVersion": watch.resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": seconds,
+        }
+        timeout = httpx2.Timeout(REQUEST_TIMEOUT_S, read=seconds + SILENT_GRACE_S)
+        try:
+            async with client.stream("GET", self._path, params=params, timeout=timeout) as answer:
+                if answer.status_code != 200:
+                    body = (await answer.aread()).decode(errors="replace")
+                    if answer.status_code != GONE:  # routine: the version aged out
+                        report.failed(f"watch: HTTP {answer.status_code}: {body[:200]}")
+                    return reflector.failed(answer.status_code)
+                decision = await _follow(answer, reflector, report)
+        except (httpx2.HTTPError, ValueError) as exc:  # ValueError: a line that is not JSON
+            report.failed(f"watch: {type(exc).__name__}: {exc}")
+            return reflector.failed(None)
+        if isinstance(decision, Wait):
+            report.failed(f"watch: an ERROR event (retried after {decision.seconds:.1f}s)")
+        if decision is not None:
+            return decision
+        return reflector.closed()
+
+
+async def _follow(
+    answer: httpx2.Response, reflector: Reflector, report: SourceReport
+) -> Decision | None:
+    """Apply the watch's events as they come; the decision that ended it, or None when
+    the server ended it cleanly."""
+    pending = b""
+    async for chunk in answer.aiter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            decision = reflector.event(json.loads(line))
+            if decision is not None:
+                return decision
+        _publish(reflector, report)
+    return None
+
+
+def _publish(reflector: Reflector, report: SourceReport) -> None:
+    endpoints = reflector.change()
+    if endpoints is not None:
+        report.sighting(endpoints)
