@@ -29,6 +29,7 @@ NAMES = (
     "longprompts",
     "epp",
     "pd",
+    "discovery",
 )
 
 
