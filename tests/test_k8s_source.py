@@ -15,6 +15,7 @@ import trio
 from lightkube import KubeConfig
 
 from app.discovery_targets import K8sTarget
+from app.errors import ConfigError
 from app.fleet import k8s_watch
 from app.fleet.discoverer import SourceReport
 from app.fleet.discovery import Endpoint
@@ -68,8 +69,8 @@ async def run_source(
     path.write_text(kubeconfig(api, NS))
     if token is not None:
         path.write_text(path.read_text().replace(api.token, token))
-    config = KubeConfig.from_file(path)
-    source = K8sSource(TARGET, PodRules(8000), lambda: kube_client(config))
+    client = kube_client(KubeConfig.from_file(path))
+    source = K8sSource(TARGET, PodRules(8000), client)
     recorder = Recorder()
     nursery.start_soon(source.run, cast(SourceReport, recorder))
     return recorder
@@ -159,6 +160,14 @@ async def test_a_refused_token_is_reported_and_nothing_published(tmp_path: Path)
         await recorder.until(lambda r: len(r.failures) >= 2)
         assert "HTTP 401" in recorder.failures[0] and recorder.sightings == []
         nursery.cancel_scope.cancel()
+
+
+def test_no_credentials_is_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="no Kubernetes credentials"):
+        kube_client()
 
 
 def test_in_cluster_credentials_come_from_the_service_account(

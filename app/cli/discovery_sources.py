@@ -6,7 +6,7 @@ from __future__ import annotations
 from app.config import Settings
 from app.discovery_targets import K8sTarget, LabelSelector
 from app.fleet.discoverer import Source
-from app.fleet.k8s_source import K8sSource
+from app.fleet.k8s_source import K8sSource, kube_client
 from app.fleet.k8s_watch import PodRules
 
 
@@ -14,7 +14,8 @@ def discovery_sources(settings: Settings) -> list[Source]:
     """One source per `--discover-dns` name and one for `--discover-k8s`."""
     sources: list[Source] = []
     if settings.discover_k8s is not None:
-        sources.append(K8sSource(K8sTarget.parse(settings.discover_k8s), k8s_rules(settings)))
+        target = K8sTarget.parse(settings.discover_k8s)
+        sources.append(K8sSource(target, k8s_rules(settings), kube_client()))
     return sources
 
 

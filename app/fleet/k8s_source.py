@@ -12,24 +12,27 @@ Design rules:
    make a loop stall.
 2. A watch's bytes are read as they come and every complete line in them is applied before
    the whole set is published once: a burst of events is one sighting, not one per pod.
-3. A watch asks the server to end it after `WATCH_S` (with jitter, as client-go does, so
+3. The client (its kubeconfig or token and CA read, its TLS context and HTTP modules
+   loaded: ~50 ms) is made once at start-up, before the proxy serves, and kept.
+4. A watch asks the server to end it after `WATCH_S` (with jitter, as client-go does, so
    replicas do not reconnect together), and gives up on a connection silent for
    `WATCH_S` + `SILENT_GRACE_S`: bookmarks keep a healthy one talking.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Callable
 from typing import Any
 
 import httpx2
+import msgspec
 import trio
+from lightkube import ConfigError as LightkubeConfigError
 from lightkube import KubeConfig
 from lightkube.config.client_adapter import AsyncClient, ConnectionParams
 
 from app.discovery_targets import K8sTarget
+from app.errors import ConfigError
 from app.fleet.discoverer import SourceReport
 from app.fleet.k8s_watch import (
     GONE,
@@ -40,6 +43,8 @@ from app.fleet.k8s_watch import (
     Reflector,
     Wait,
     Watch,
+    decode_event,
+    decode_list,
 )
 
 WATCH_S = 300
@@ -49,22 +54,21 @@ REQUEST_TIMEOUT_S = 10.0
 
 def kube_client(config: KubeConfig | None = None) -> httpx2.AsyncClient:
     """An HTTP client for the API server `config` names (default: in-cluster, else the
-    kubeconfig), its credentials and CA applied to every request."""
-    single = (config or KubeConfig.from_env()).get()
-    assert single is not None, "the kubeconfig names no current context"
-    params = ConnectionParams(timeout=httpx2.Timeout(REQUEST_TIMEOUT_S))
-    return AsyncClient(single, params)
+    kubeconfig), its credentials and CA applied to every request; a ConfigError when
+    there are none."""
+    try:
+        single = (config or KubeConfig.from_env()).get()
+        if single is None:
+            raise ConfigError("the kubeconfig names no current context")
+        return AsyncClient(single, ConnectionParams(timeout=httpx2.Timeout(REQUEST_TIMEOUT_S)))
+    except (LightkubeConfigError, OSError, KeyError) as exc:
+        raise ConfigError(f"--discover-k8s: no Kubernetes credentials: {exc}") from None
 
 
 class K8sSource:
     """The discovery source of one `--discover-k8s NAMESPACE/SELECTOR`."""
 
-    def __init__(
-        self,
-        target: K8sTarget,
-        rules: PodRules,
-        client: Callable[[], httpx2.AsyncClient] = kube_client,
-    ) -> None:
+    def __init__(self, target: K8sTarget, rules: PodRules, client: httpx2.AsyncClient) -> None:
         self.name = target.source
         self.target = target
         self.rules = rules
@@ -72,29 +76,28 @@ class K8sSource:
         self._path = f"/api/v1/namespaces/{target.namespace}/pods"
 
     async def run(self, report: SourceReport) -> None:
-        reflector = Reflector(self.rules)
-        async with self._client() as client:
-            decision: Decision = reflector.start()
-            while True:
-                if isinstance(decision, Wait):
-                    await trio.sleep(decision.seconds)
-                    decision = decision.then
-                if isinstance(decision, ListPage):
-                    decision = await self._list(client, reflector, decision, report)
-                else:
-                    decision = await self._watch(client, reflector, decision, report)
-                _publish(reflector, report)
+        reflector, client = Reflector(self.rules), self._client
+        decision: Decision = reflector.start()
+        while True:
+            if isinstance(decision, Wait):
+                await trio.sleep(decision.seconds)
+                decision = decision.then
+            if isinstance(decision, ListPage):
+                decision = await self._list(client, reflector, decision, report)
+            else:
+                decision = await self._watch(client, reflector, decision, report)
+            await _publish(reflector, report)
 
     async def _list(
         self,
         client: httpx2.AsyncClient,
         reflector: Reflector,
-        page: ListPage,
+        ask: ListPage,
         report: SourceReport,
     ) -> Decision:
         params: dict[str, Any] = {"labelSelector": self.target.selector, "limit": LIST_PAGE}
-        if page.continue_token is not None:
-            params["continue"] = page.continue_token
+        if ask.continue_token is not None:
+            params["continue"] = ask.continue_token
         try:
             answer = await client.get(self._path, params=params)
         except httpx2.HTTPError as exc:
@@ -103,7 +106,12 @@ class K8sSource:
         if answer.status_code != 200:
             report.failed(f"list: HTTP {answer.status_code}: {answer.text[:200]}")
             return reflector.failed(answer.status_code)
-        return reflector.listed(answer.json())
+        try:
+            page = decode_list(answer.content)
+        except msgspec.DecodeError as exc:
+            report.failed(f"list: not a PodList: {exc}")
+            return reflector.failed(None)
+        return reflector.listed(page)
 
     async def _watch(
         self,
@@ -129,7 +137,7 @@ class K8sSource:
                         report.failed(f"watch: HTTP {answer.status_code}: {body[:200]}")
                     return reflector.failed(answer.status_code)
                 decision = await _follow(answer, reflector, report)
-        except (httpx2.HTTPError, ValueError) as exc:  # ValueError: a line that is not JSON
+        except (httpx2.HTTPError, msgspec.DecodeError) as exc:
             report.failed(f"watch: {type(exc).__name__}: {exc}")
             return reflector.failed(None)
         if isinstance(decision, Wait):
@@ -150,14 +158,15 @@ async def _follow(
         for line in lines:
             if not line.strip():
                 continue
-            decision = reflector.event(json.loads(line))
+            decision = reflector.event(*decode_event(line))
             if decision is not None:
                 return decision
-        _publish(reflector, report)
+        await _publish(reflector, report)
     return None
 
 
-def _publish(reflector: Reflector, report: SourceReport) -> None:
-    endpoints = reflector.change()
-    if endpoints is not None:
+async def _publish(reflector: Reflector, report: SourceReport) -> None:
+    """Every change, in slices of joins with the loop's other work between them."""
+    while (endpoints := reflector.change()) is not None:
         report.sighting(endpoints)
+        await trio.lowlevel.checkpoint()

@@ -20,6 +20,12 @@ Design rules:
    SGLang bootstrap port is the annotation `sluice.io/bootstrap-port`.
 5. At most `MAX_DISCOVERED` engines (the first by pod name): a selector that matches a
    whole cluster by mistake must not make thousands of backends health-checked at once.
+   And at most `JOIN_SLICE` new ones a sighting: each join adds a backend and starts its
+   health check, so 1,000 pods listed at once were one 130 ms step of the loop; in slices
+   (the source yields between them) each is a few ms.
+6. Pods are decoded (msgspec) into the few fields read here, not into dicts of everything:
+   a 1,000-pod list is ~10x less CPU and its objects are untracked by the garbage collector,
+   whose full collections otherwise grew with each page parsed (seen: 17-24 ms).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from app.config import Role
 from app.discovery_targets import LabelSelector
@@ -38,10 +45,72 @@ MODELS_ANNOTATION = "sluice.io/models"
 BOOTSTRAP_ANNOTATION = "sluice.io/bootstrap-port"
 LIST_PAGE = 100  # pods a list page carries: each page is parsed in well under a millisecond
 MAX_DISCOVERED = 1024
+JOIN_SLICE = 50
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 30.0
 
-Pod = dict[str, Any]
+
+class Condition(msgspec.Struct, frozen=True, gc=False):
+    type: str = ""
+    status: str = ""
+
+
+class PodStatus(msgspec.Struct, frozen=True, gc=False):
+    podIP: str | None = None
+    conditions: tuple[Condition, ...] = ()
+
+
+class PodMeta(msgspec.Struct, frozen=True, gc=False):
+    name: str = ""
+    resourceVersion: str = ""
+    deletionTimestamp: str | None = None
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+
+class Pod(msgspec.Struct, frozen=True, gc=False):
+    metadata: PodMeta = PodMeta()
+    status: PodStatus = PodStatus()
+
+
+class ListMeta(msgspec.Struct, frozen=True, gc=False):
+    resourceVersion: str = ""
+    continue_token: str | None = msgspec.field(default=None, name="continue")
+
+
+class PodList(msgspec.Struct, frozen=True, gc=False):
+    metadata: ListMeta = ListMeta()
+    items: tuple[Pod, ...] = ()
+
+
+class Status(msgspec.Struct, frozen=True, gc=False):
+    """What an ERROR event carries."""
+
+    code: int | None = None
+
+
+class WatchEvent(msgspec.Struct, frozen=True, gc=False):
+    type: str = ""
+    object: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+_LIST = msgspec.json.Decoder(PodList)
+_EVENT = msgspec.json.Decoder(WatchEvent)
+_POD = msgspec.json.Decoder(Pod)
+_STATUS = msgspec.json.Decoder(Status)
+
+
+def decode_list(body: bytes) -> PodList:
+    """A PodList page; a msgspec.DecodeError (a ValueError) if it is not one."""
+    return _LIST.decode(body)
+
+
+def decode_event(line: bytes) -> tuple[str, Pod | Status]:
+    """One watch event: its type and object (a Status for an ERROR)."""
+    event = _EVENT.decode(line)
+    if event.type == "ERROR":
+        return event.type, _STATUS.decode(event.object)
+    return event.type, _POD.decode(event.object)
 
 
 @dataclass(frozen=True)
@@ -61,8 +130,7 @@ class PodRules:
 
 
 def _ready(pod: Pod) -> bool:
-    conditions = pod.get("status", {}).get("conditions") or ()
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
 
 
 def _port(text: str | None, default: int | None) -> int | None:
@@ -73,12 +141,11 @@ def _port(text: str | None, default: int | None) -> int | None:
 
 def endpoint_of(pod: Pod, rules: PodRules) -> Endpoint | None:
     """The engine `pod` is now, or None while it must take no request."""
-    meta = pod.get("metadata", {})
-    ip = pod.get("status", {}).get("podIP")
-    if not ip or meta.get("deletionTimestamp") or not _ready(pod):
+    meta, ip = pod.metadata, pod.status.podIP
+    if not ip or meta.deletionTimestamp or not _ready(pod):
         return None
-    annotations: dict[str, str] = meta.get("annotations") or {}
-    role = rules.role_of(meta.get("labels") or {})
+    annotations = meta.annotations
+    role = rules.role_of(meta.labels)
     port = _port(annotations.get(PORT_ANNOTATION), rules.port)
     host = f"[{ip}]" if ":" in ip else ip
     listed = annotations.get(MODELS_ANNOTATION)
@@ -130,34 +197,31 @@ class Reflector:
     def start(self) -> Decision:
         return ListPage()
 
-    def listed(self, body: dict[str, Any]) -> Decision:
-        """A page of the list (a PodList) arrived."""
-        meta = body.get("metadata", {})
+    def listed(self, page: PodList) -> Decision:
+        """A page of the list arrived."""
         if self._listing is None:
-            self._listing, self._list_version = {}, str(meta.get("resourceVersion", ""))
-        for pod in body.get("items") or ():
-            self._listing[pod["metadata"]["name"]] = endpoint_of(pod, self.rules)
-        token = meta.get("continue") or None
-        if token is not None:
+            self._listing, self._list_version = {}, page.metadata.resourceVersion
+        for pod in page.items:
+            self._listing[pod.metadata.name] = endpoint_of(pod, self.rules)
+        token = page.metadata.continue_token
+        if token:
             return ListPage(token)
         self.pods, self._listing = self._listing, None
         self.resource_version, self.synced, self.failures = self._list_version, True, 0
         return Watch(self._list_version)
 
-    def event(self, event: dict[str, Any]) -> Decision | None:
+    def event(self, kind: str, obj: Pod | Status) -> Decision | None:
         """A watch event arrived: None to keep reading, else the watch is over."""
-        kind, obj = event.get("type"), event.get("object") or {}
-        if kind == "ERROR":
-            return self.failed(obj.get("code"))
-        version = obj.get("metadata", {}).get("resourceVersion")
+        if isinstance(obj, Status):
+            return self.failed(obj.code)
         if kind in ("ADDED", "MODIFIED"):
-            self.pods[obj["metadata"]["name"]] = endpoint_of(obj, self.rules)
+            self.pods[obj.metadata.name] = endpoint_of(obj, self.rules)
         elif kind == "DELETED":
-            self.pods.pop(obj["metadata"]["name"], None)
+            self.pods.pop(obj.metadata.name, None)
         elif kind != "BOOKMARK":
             return None  # a type this reflector does not know: skipped, as client-go does
-        if version:
-            self.resource_version = str(version)
+        if obj.metadata.resourceVersion:
+            self.resource_version = obj.metadata.resourceVersion
         self.failures = 0
         return None
 
@@ -185,11 +249,18 @@ class Reflector:
         return tuple(e for _, e in ready[:MAX_DISCOVERED])
 
     def change(self) -> tuple[Endpoint, ...] | None:
-        """The whole set if it changed since the last call (and a list was read), else None."""
+        """The set to publish if it changed since the last call (and a list was read), else
+        None: every engine published before that is still seen, and at most `JOIN_SLICE`
+        new ones; call again until None."""
         if not self.synced:
             return None
         now = self.endpoints()
-        if self._published is not None and frozenset(now) == self._published:
+        published = self._published or frozenset()
+        if self._published is not None and frozenset(now) == published:
             return None
+        new = [e for e in now if e not in published]
+        if len(new) > JOIN_SLICE:
+            joining = set(new[:JOIN_SLICE])
+            now = tuple(e for e in now if e in published or e in joining)
         self._published = frozenset(now)
         return now
