@@ -13,6 +13,7 @@ HTTP server:
   carrying a Status with code 410;
 - `cut_watches()` breaks every watch mid-stream (no last chunk); a bearer token is checked.
 
+`token` may be changed while it serves, as a service account's is rotated.
 Pods are changed from the test or bench (`add`, `set_ready`, `delete`); a pod's labels do
 not change after it is added.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import trio
 from app.discovery_targets import LabelSelector
 from app.http.exchange import Exchange
 from app.http.server import HttpServer
+from app.http.streams import byte_stream
 
 JSON = [(b"content-type", b"application/json")]
 WATCHER_BUFFER = 100_000
@@ -294,11 +297,26 @@ class KubeApi:
 
 
 @asynccontextmanager
-async def serving(api: KubeApi | None = None) -> AsyncIterator[KubeApi]:
-    """A stand-in listening on 127.0.0.1 (a free port) for as long as the block runs."""
+async def serving(
+    api: KubeApi | None = None, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[KubeApi]:
+    """A stand-in listening on 127.0.0.1 (a free port) for as long as the block runs; over
+    HTTPS with `tls`, as an API server in a cluster is reached."""
     api = api or KubeApi()
+    server = HttpServer(api)
     async with trio.open_nursery() as nursery:
-        api.url = await nursery.start(HttpServer(api).serve, "127.0.0.1", 0, 256)
+        if tls is None:
+            api.url = await nursery.start(server.serve, "127.0.0.1", 0, 256)
+        else:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+            secure = [trio.SSLListener(listener, tls) for listener in listeners]
+
+            async def serve_one(stream: trio.SSLStream[trio.SocketStream]) -> None:
+                await server.serve_connection(byte_stream(stream))
+
+            nursery.start_soon(trio.serve_listeners, serve_one, secure)
+            api.url = f"https://127.0.0.1:{port}"
         yield api
         nursery.cancel_scope.cancel()
 

@@ -6,6 +6,8 @@ in-cluster service-account configuration lightkube reads."""
 
 from __future__ import annotations
 
+import ssl
+import subprocess
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -170,18 +172,43 @@ def test_no_credentials_is_a_configuration_error(
         kube_client()
 
 
-def test_in_cluster_credentials_come_from_the_service_account(
+def service_account(directory: Path, token: str) -> tuple[Path, ssl.SSLContext]:
+    """A pod's service-account directory (token, namespace, the API server's CA) and the
+    stand-in's TLS context, with a certificate for 127.0.0.1 made by openssl."""
+    directory.mkdir()
+    key, cert = directory / "server.key", directory / "ca.crt"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (directory / "token").write_text(token)
+    (directory / "namespace").write_text(NS)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    return directory, tls
+
+
+async def test_in_cluster_over_tls_and_a_rotated_token_is_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    account = tmp_path / "serviceaccount"
-    account.mkdir()
-    (account / "token").write_text("first")
-    (account / "namespace").write_text(NS)
-    (account / "ca.crt").write_text("")
-    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    config = KubeConfig.from_service_account(account).get()
-    assert config is not None
-    assert config.cluster.server == "https://10.96.0.1:443"
-    assert config.user is not None and config.user.token_file == str(account / "token")
-    assert config.cluster.certificate_auth == str(account / "ca.crt")
+    account, tls = service_account(tmp_path / "serviceaccount", "first")
+    async with serving(KubeApi(token="first"), tls) as api, trio.open_nursery() as nursery:
+        host, port = api.url.removeprefix("https://").split(":")
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", host)
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", port)
+        client = kube_client(KubeConfig.from_service_account(account))
+        recorder = Recorder()
+        source = K8sSource(TARGET, PodRules(8000), client)
+        nursery.start_soon(source.run, cast(SourceReport, recorder))
+        pods(api, "p1")
+        await recorder.sees("10.0.0.1")
+        (account / "token").write_text("second")  # the kubelet rotates it
+        api.token = "second"
+        await api.watching(1)
+        api.cut_watches()  # the next watch carries the old token: 401, read again, retried
+        pods(api, "p2")
+        await recorder.sees("10.0.0.1", "10.0.0.2")
+        assert api.requests["unauthorized"] == 1 and recorder.failures == [recorder.failures[0]]
+        nursery.cancel_scope.cancel()
