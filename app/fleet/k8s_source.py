@@ -5,13 +5,14 @@ only asks and reads.
 Design rules:
 1. Credentials and the server come from lightkube's `KubeConfig`: in a pod, the service
    account (its token file re-read when the API answers 401, as the kubelet rotates it; its
-   CA); elsewhere `$KUBECONFIG` or ~/.kube/config. Its httpx client (Trio-capable through
+   CA); elsewhere `$KUBECONFIG` or ~/.kube/config. Its httpx2 client (Trio-capable through
    anyio) carries the requests. lightkube's own `watch` is not used: it backs off with
    `asyncio.sleep` (not under Trio), cannot ask for bookmarks, and after a 410 resumes
-   from "now" instead of relisting; and it decodes every pod into models, which 1,000 pods
-   make a loop stall.
+   from "now" instead of relisting; and it decodes every field of every pod into its
+   models, where the reflector decodes the few it reads (k8s_watch.py, rule 6).
 2. A watch's bytes are read as they come and every complete line in them is applied before
-   the whole set is published once: a burst of events is one sighting, not one per pod.
+   the set is published: a burst of events is one sighting (or a few: joins come in
+   slices, k8s_watch.py rule 5), not one per pod.
 3. The client (its kubeconfig or token and CA read, its TLS context and HTTP modules
    loaded: ~50 ms) is made once at start-up, before the proxy serves, and kept.
 4. A watch asks the server to end it after `WATCH_S` (with jitter, as client-go does, so
