@@ -27,7 +27,7 @@ import trio
 
 from load.client import FAILURES, call
 
-URL_PATTERN = re.compile(r"(http://127\.0\.0\.1:\d+)")
+URL_PATTERN = re.compile(r"(http://127(?:\.\d+){3}:\d+)")  # any loopback address
 LOG_DIR = Path(tempfile.gettempdir()) / "sluice-load-logs"
 SMG_BIN = Path(os.environ.get("SMG_BIN", "/tmp/venv-smg/bin/smg"))
 LITELLM_BIN = Path(os.environ.get("LITELLM_BIN", "/tmp/venv-litellm/bin/litellm"))

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,10 @@ import trio
 from app.fleet.backends import backend_id
 from app.fleet.k8s_watch import LIST_PAGE, MAX_DISCOVERED, PodRules, Reflector, decode_list
 from load import drive, harness
-from load.arrivals import schedule
-from load.client import CHAT, Pool, Prepared, encode
+from load.client import Pool, Prepared
 from load.harness import Bench, Table
 from load.kube_api import KubeApi, kubeconfig, pod_manifest, serving
-from load.processes import MODEL, cpu_seconds
+from load.processes import cpu_seconds
 
 NS, SELECTOR = "inference", "app=vllm"
 SOURCE = f"k8s:{NS}/{SELECTOR}"
@@ -53,19 +52,8 @@ STEP_S = 1.0
 SIM_TIMING = ("--inter-token-latency", "0.05", "--max-num-seqs", "256")
 BIG_NS, BIG = "big", 1000
 POLL_S = 0.05
+StreamPlan = Callable[[str, float], list[tuple[float, Prepared]]]
 CHANGES = "sluice_discovery_changes_total"
-
-
-def stream_plan(netloc: str, seconds: float) -> list[tuple[float, Prepared]]:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Tell me about the fleet."}],
-        "max_tokens": 20,
-        "stream": True,
-    }
-    prepared = Prepared("stream", True, encode(netloc, "POST", CHAT, json.dumps(body).encode()))
-    seed = random.Random("discovery/k8s").randrange(1 << 30)
-    return [(at, prepared) for at in schedule("poisson", RATE, seconds, seed)]
 
 
 async def changes(proxy: str, change: str) -> float:
@@ -86,13 +74,14 @@ async def until(holds: Any, seconds: float = 30.0) -> float:
     return time.perf_counter() - start
 
 
-async def measure_k8s(bench: Bench) -> dict[str, Any]:
+async def measure_k8s(bench: Bench, plan: StreamPlan) -> dict[str, Any]:
+    """`plan(netloc, seconds)`: the open loop of streams (the DNS part's, the same load)."""
     with tempfile.TemporaryDirectory(prefix="sluice-k8s-") as directory:
         async with serving() as api:
             path = Path(directory) / "kubeconfig"
             path.write_text(kubeconfig(api, NS))
             os.environ["KUBECONFIG"] = str(path)
-            rolling, proxy, urls = await _rolling(bench, api)
+            rolling, proxy, urls = await _rolling(bench, api, plan)
             relist = [await _relist(api, proxy, urls, as_event) for as_event in (True, False)]
             thousand = await _thousand(bench, api)
     return {
@@ -104,7 +93,9 @@ async def measure_k8s(bench: Bench) -> dict[str, Any]:
     }
 
 
-async def _rolling(bench: Bench, api: KubeApi) -> tuple[dict[str, Any], str, dict[str, str]]:
+async def _rolling(
+    bench: Bench, api: KubeApi, plan: StreamPlan
+) -> tuple[dict[str, Any], str, dict[str, str]]:
     stack = bench.stack
     first = await stack.sim("--host", "127.0.0.2", *SIM_TIMING)
     port = first.rsplit(":", 1)[1]
@@ -137,7 +128,7 @@ async def _rolling(bench: Bench, api: KubeApi) -> tuple[dict[str, Any], str, dic
     async with Pool(proxy, timeout=60.0) as pool, trio.open_nursery() as nursery:
         nursery.start_soon(replace, start)
         run = await drive.open_loop(
-            pool, stream_plan(pool.netloc, seconds), start=start, label="discovery k8s"
+            pool, plan(pool.netloc, seconds), start=start, label="discovery k8s"
         )
     records = run.records
     early = sum(
