@@ -35,7 +35,6 @@ from typing import Any
 
 import trio
 
-from app.fleet.backends import backend_id
 from app.fleet.k8s_watch import LIST_PAGE, MAX_DISCOVERED, PodRules, Reflector, decode_list
 from load import drive, harness
 from load.client import Pool, Prepared
@@ -171,14 +170,15 @@ async def _relist(api: KubeApi, proxy: str, urls: dict[str, str], as_event: bool
     wanted = {urls[p["status"]["podIP"]] for (ns, _), p in api.pods.items() if ns == NS}
     seconds = await until(lambda: _backends_are(proxy, wanted))
     samples = await harness.scrape(proxy)
-    found = set(harness.label_values(samples, "sluice_backend_healthy", "backend"))
+    healthy = harness.label_values(samples, "sluice_backend_healthy", "backend")
+    found = {url for url, value in healthy.items() if value == 1}
     return {
         "gone_as": "ERROR event" if as_event else "HTTP 410",
         "converged_s": round(seconds, 3),
         "lists": api.requests["list"] - before["list"],
         "watches": api.requests["watch"] - before["watch"],
         "gone": api.requests["gone"] - before["gone"],
-        "missed": len(found ^ {backend_id(url) for url in wanted}),
+        "missed": len(found ^ wanted),
     }
 
 
@@ -286,7 +286,7 @@ async def _listed(api: KubeApi, lists: int) -> bool:
 async def _backends_are(proxy: str, wanted: set[str]) -> bool:
     samples = await harness.scrape(proxy)
     found = harness.label_values(samples, "sluice_backend_healthy", "backend")
-    return set(found) == {backend_id(url) for url in wanted} and all(v == 1 for v in found.values())
+    return {url for url, value in found.items() if value == 1} == wanted
 
 
 def k8s_targets(part: dict[str, Any]) -> list[str]:
