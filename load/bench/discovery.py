@@ -1,6 +1,6 @@
 """`python -m load bench discovery [--part dns|k8s]`: engines that come and go under traffic,
 as discovery finds them (issue 44). Each part is its own function and its own table; `k8s`
-(a stand-in Kubernetes API server) is load/bench/discovery_k8s.py's.
+(a stand-in Kubernetes API server) is load/discovery_k8s.py's.
 
 `dns`: a real DNS server (Debian's dnsmasq, load/dnsmasq.py) holds one name whose A records
 are 4 simulated engines on 127.0.0.2-5, all on one port; `sluice serve --discover-dns
@@ -31,8 +31,8 @@ import trio
 
 from load import drive, harness
 from load.arrivals import schedule
-from load.bench.discovery_k8s import k8s_table, k8s_targets, measure_k8s
 from load.client import CHAT, Pool, Prepared, encode
+from load.discovery_k8s import k8s_table, k8s_targets, measure_k8s
 from load.dnsmasq import Dnsmasq
 from load.drive import Record
 from load.harness import Bench, Scenario, Table

@@ -1,8 +1,8 @@
-"""`python -m load bench discovery --part k8s`: engines found by a Kubernetes watch come and go
-under streamed traffic (issue 44). No API server can be had here: the stand-in
-(load/kube_api.py) serves the documented list/watch protocol from this process, and
-`sluice serve --discover-k8s inference/app=vllm` reads it through the kubeconfig this bench
-writes ($KUBECONFIG, inherited).
+"""`python -m load bench discovery --part k8s` (run by load/bench/discovery.py): engines found
+by a Kubernetes watch come and go under streamed traffic (issue 44). No API server can be had
+here: the stand-in (load/kube_api.py) serves the documented list/watch protocol from this
+process, and `sluice serve --discover-k8s inference/app=vllm` reads it through the kubeconfig
+this bench writes ($KUBECONFIG, inherited).
 
 1. Rolling replacement: 8 pods (simulated engines on 127.0.0.2-9, one port) under an open
    loop of 50 streams a second (Poisson, ~1 s each). One at a time, a new pod (127.0.0.10-17)
@@ -246,7 +246,7 @@ def list_cpu() -> dict[str, Any]:
             meta["continue"] = str(first + LIST_PAGE)
         items = pods[first : first + LIST_PAGE]
         pages.append(json.dumps({"metadata": meta, "items": items}).encode())
-    worst, total = 0.0, 0.0
+    worst, total, found = 0.0, 0.0, ()
     for _ in range(5):
         reflector = Reflector(PodRules(8000))
         for page in pages:
@@ -255,9 +255,10 @@ def list_cpu() -> dict[str, Any]:
             spent = time.thread_time() - started
             worst, total = max(worst, spent), total + spent
         started = time.thread_time()
-        found = reflector.change()
+        while (published := reflector.change()) is not None:  # in slices of joins
+            found = published
         total += time.thread_time() - started
-        assert found is not None and len(found) == BIG
+        assert len(found) == BIG
     return {
         "bytes": sum(len(p) for p in pages),
         "pages": len(pages),
