@@ -313,6 +313,8 @@ class Settings(ServerSettings):
     dns_server: str | None = None
     discover_k8s: str | None = None
     discover_k8s_port: int = 8000
+    discover_k8s_prefill: str | None = None  # label selectors; a pod matching neither: both
+    discover_k8s_decode: str | None = None
     discover_interval: float = 5.0
     drain_timeout: float = 30.0
 
@@ -439,9 +441,7 @@ class Settings(ServerSettings):
             raise ValueError("--kv-events feeds the prefix index: it needs --policy cache_aware")
         self.kv_event_endpoints()  # every entry checked
         check_roles(self.backend_roles, self.backends)
-        check_discovery(self.discover_dns, self.dns_server, self.discover_k8s)
-        if not 1 <= self.discover_k8s_port <= 65535:
-            raise ValueError("--discover-k8s-port must be a port from 1 to 65535")
+        check_discovery(self)
 
     @property
     def discovers(self) -> bool:

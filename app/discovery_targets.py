@@ -7,6 +7,9 @@ start-up as every flag is (a bad one stops `sluice` with exit status 2). Pure.
 - `--dns-server HOST:PORT`: the resolver asked (default: the system's, /etc/resolv.conf).
 - `--discover-k8s NAMESPACE/LABEL_SELECTOR`: the Ready pods of NAMESPACE whose labels match
   the selector (`app=vllm,tier in (gpu)`), as the Kubernetes API's `labelSelector` reads it.
+  `--discover-k8s-prefill` / `--discover-k8s-decode` are selectors of the same syntax that
+  Sluice matches itself on each pod's labels (`LabelSelector`): one watch, one resource
+  version, so a pod whose role label changes is one event, never two watches' race.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 # RFC 1123 labels; an SRV name's first two labels start with an underscore.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -94,11 +98,88 @@ class K8sTarget:
         return f"k8s:{self.namespace}/{self.selector}"
 
 
-def check_discovery(dns: tuple[str, ...], server: str | None, k8s: str | None) -> None:
+_SELECTOR_TERM = re.compile(
+    r"^\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9][A-Za-z0-9_./-]*)\s*"
+    r"(?:(?P<op>==|=|!=)\s*(?P<value>[A-Za-z0-9_.-]*)"
+    r"|\s(?P<set>in|notin)\s*\((?P<values>[^)]*)\))?\s*$"
+)
+
+
+@dataclass(frozen=True)
+class SelectorTerm:
+    """One requirement: `op` is one of =, !=, in, notin, exists, !exists."""
+
+    key: str
+    op: str
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        value = labels.get(self.key)
+        if self.op == "exists":
+            return value is not None
+        if self.op == "!exists":
+            return value is None
+        if self.op in ("=", "in"):
+            return value in self.values
+        return value not in self.values  # != and notin: an absent key matches, as the API's
+
+
+@dataclass(frozen=True)
+class LabelSelector:
+    """A label selector in the Kubernetes API's string syntax, equality- and set-based:
+    `k=v`, `k==v`, `k!=v`, `k in (a,b)`, `k notin (a,b)`, `k`, `!k`, ANDed by commas."""
+
+    terms: tuple[SelectorTerm, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> LabelSelector:
+        terms: list[SelectorTerm] = []
+        for part in re.split(r",(?![^(]*\))", text):  # commas outside parentheses
+            found = _SELECTOR_TERM.match(part)
+            negated_value = found is not None and found["neg"] and (found["op"] or found["set"])
+            if found is None or not part.strip() or negated_value:
+                raise ValueError(f"label selector {text!r}: cannot read {part.strip()!r}")
+            if found["set"]:
+                values = frozenset(v.strip() for v in found["values"].split(",") if v.strip())
+                terms.append(SelectorTerm(found["key"], found["set"], values))
+            elif found["op"]:
+                op = "!=" if found["op"] == "!=" else "="
+                terms.append(SelectorTerm(found["key"], op, frozenset([found["value"]])))
+            else:
+                terms.append(SelectorTerm(found["key"], "!exists" if found["neg"] else "exists"))
+        return cls(tuple(terms))
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        return all(term.matches(labels) for term in self.terms)
+
+
+class DiscoveryFlags(Protocol):
+    """The settings that name discovery sources (the proxy's `Settings`)."""
+
+    @property
+    def discover_dns(self) -> tuple[str, ...]: ...
+    @property
+    def dns_server(self) -> str | None: ...
+    @property
+    def discover_k8s(self) -> str | None: ...
+    @property
+    def discover_k8s_port(self) -> int: ...
+    @property
+    def discover_k8s_prefill(self) -> str | None: ...
+    @property
+    def discover_k8s_decode(self) -> str | None: ...
+
+
+def check_discovery(flags: DiscoveryFlags) -> None:
     """Every discovery flag parses, or a ValueError says which and why."""
-    for entry in dns:
+    if not 1 <= flags.discover_k8s_port <= 65535:
+        raise ValueError("--discover-k8s-port must be a port from 1 to 65535")
+    for entry in flags.discover_dns:
         DnsTarget.parse(entry)
-    if server is not None:
-        DnsServer.parse(server)
-    if k8s is not None:
-        K8sTarget.parse(k8s)
+    if flags.dns_server is not None:
+        DnsServer.parse(flags.dns_server)
+    if flags.discover_k8s is not None:
+        LabelSelector.parse(K8sTarget.parse(flags.discover_k8s).selector)
+    for selector in (flags.discover_k8s_prefill, flags.discover_k8s_decode):
+        if selector is not None:
+            LabelSelector.parse(selector)

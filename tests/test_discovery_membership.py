@@ -6,6 +6,7 @@ variables, the TOML file), a bad one stopping `sluice` with a line naming it."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -96,9 +97,16 @@ def test_the_other_discovery_flags_parse_and_refuse() -> None:
     )
     assert K8sTarget.parse("ns/app=vllm").source == "k8s:ns/app=vllm"
     assert DnsTarget.parse("x.y:8000").source == "dns:x.y:8000"
-    for bad in (("x",), None, None), ((), "dns.google:53", None), ((), None, "Bad_NS/app=x"):
+    good = Settings(discover_dns=("a.test:80",))
+    for bad in (
+        {"discover_dns": ("x",)},
+        {"dns_server": "dns.google:53"},
+        {"discover_k8s": "Bad_NS/app=x"},
+        {"discover_k8s_port": 0},
+        {"discover_k8s": "ns/app=x", "discover_k8s_prefill": "role in ("},
+    ):
         with pytest.raises(ValueError):
-            check_discovery(*bad)
+            check_discovery(replace(good, **bad))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="--discover-k8s"):
         K8sTarget.parse("ns/")
 

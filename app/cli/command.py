@@ -40,7 +40,11 @@ HELP: dict[str, str] = {
     "discover_k8s": "NAMESPACE/LABEL_SELECTOR: the Ready pods matching it are engines, "
     "followed by a Kubernetes watch (in-cluster service account, else the kubeconfig)",
     "discover_k8s_port": "the port of discovered pods' engines, unless a pod's annotation "
-    "says (default: 8000)",
+    "sluice.io/port says (default: 8000)",
+    "discover_k8s_prefill": "label selector: the discovered pods it matches are prefill "
+    "engines (their annotation sluice.io/bootstrap-port: SGLang's bootstrap port)",
+    "discover_k8s_decode": "label selector: the discovered pods it matches are decode engines; "
+    "a pod neither selector matches does both",
     "discover_interval": "seconds between two lookups of a --discover-dns name, sooner when "
     "its records' TTL says (default: 5)",
     "drain_timeout": "seconds a backend that leaves (record gone, pod not Ready, DELETE "
