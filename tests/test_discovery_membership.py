@@ -1,7 +1,8 @@
 """Discovery's pure parts: what a source's whole set changes in the pool (joins, leaves,
 an engine whose role or models changed, two sources naming one engine, the operator's
 removal), and the flags that name sources, parsed as a user writes them (flags, SLUICE_*
-variables, the TOML file), a bad one stopping `sluice` with a line naming it."""
+variables, the TOML file), a bad one stopping `sluice` with a line naming it; and which
+backends of a fleet of hundreds the dashboard shows a row of."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 
 from app.cli.command import ConfigExit, parse
 from app.config import Settings
+from app.dashboard.snapshot import SHOWN_BACKENDS, shown_backends
 from app.discovery_targets import DnsServer, DnsTarget, K8sTarget, check_discovery
 from app.fleet.discovery import STATIC_SOURCE, Endpoint, Membership
+from app.fleet.pool import BackendPool
 
 A, B, C = (Endpoint(f"http://10.0.0.{n}:8000") for n in (1, 2, 3))
 
@@ -156,3 +159,20 @@ def test_bad_discovery_flags_stop_sluice_naming_the_flag(
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigExit, match=re.escape(words)):
         parse(["serve", *flags])
+
+
+def test_a_fleet_of_hundreds_shows_the_backends_that_matter_and_counts_them_all() -> None:
+    pool = BackendPool((), failures_to_open=1, cooldown=1, probe_path="/health")
+    members = [pool.add(f"http://10.0.0.{n}:8000") for n in range(1, 201)]
+    for backend in members:
+        backend.healthy = True
+    members[7].healthy = False
+    members[150].inflight = 9
+    pool.drain(members[3], now=0.0, timeout=30.0)
+    shown = shown_backends(pool.members, [d.backend for d in pool.draining])
+    assert len(shown) == SHOWN_BACKENDS
+    assert {members[3], members[7], members[150]} <= set(shown)
+    assert shown == [b for b in pool.members if b in set(shown)]  # in the pool's order
+    assert len(pool.members_summary(0.0)) == 200
+    few = pool.members[:10]
+    assert shown_backends(few, []) == few

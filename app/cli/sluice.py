@@ -32,7 +32,7 @@ from app.dashboard.backends_api import BackendControl
 from app.dashboard.feed import DashboardFeed
 from app.dashboard.model_rows import CACHE_COUNTERS, model_rows
 from app.dashboard.serving import serve_dashboard
-from app.dashboard.snapshot import Snapshot, backend_view
+from app.dashboard.snapshot import Snapshot, backend_view, shown_backends
 from app.epp.door import EppDoor
 from app.epp.processor import EndpointPicker
 from app.fleet.adapter_loader import AdapterLoader
@@ -155,7 +155,9 @@ class Sluice:
     def snapshot(self) -> Snapshot:
         now = trio.current_time()
         traffic = self.metrics.traffic
-        rows = self.pool.snapshot(now)
+        members = self.pool.members
+        shown = shown_backends(members, [d.backend for d in self.pool.draining])
+        rows = self.pool.snapshot(now, shown)
         metrics = self.metrics
         codes = counts_by_two_labels(metrics.doors.backend_requests, "backend", "code")
         answered = traffic.backends.snapshot(time.perf_counter())
@@ -163,7 +165,7 @@ class Sluice:
         preps = self.preprocessor.preps
         models = model_rows(
             self.catalog.directory(self.pool.backends),
-            rows,
+            self.pool.members_summary(now) if len(shown) < len(members) else rows,
             preps.describe(),
             preps.default.describe(),
             counts_by_two_labels(metrics.preprocess.requests, "model", "code"),
@@ -188,7 +190,7 @@ class Sluice:
                 held_with_room.get(backend.url, 0.0),
                 backend.adapters.snapshot(),
             )
-            for row, backend in zip(rows, self.pool.members, strict=True)
+            for row, backend in zip(rows, shown, strict=True)
         ]
         held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
         snapshot: Snapshot = {
@@ -197,6 +199,7 @@ class Sluice:
             "policy": self.policy.name,
             "models": models,
             "backends": backends,
+            "backends_total": len(members),
             "routing": self.router.snapshot(),
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),

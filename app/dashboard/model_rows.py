@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from statistics import fmean
 from typing import Literal, NotRequired, TypedDict
 
-from app.fleet.backend_row import BackendRow
+from app.fleet.backend_row import PoolMember
 from app.models import ModelDirectory
 from app.observe.backend_stats import is_error_code, quantile
 from app.observe.request_log import RequestRecord
@@ -105,7 +105,7 @@ def _sum(values: Sequence[int | None]) -> int | None:
     return sum(known) if known else None
 
 
-def pool_summary(model: str, backends: Sequence[BackendRow]) -> ModelPool:
+def pool_summary(model: str, backends: Sequence[PoolMember]) -> ModelPool:
     """Health and load of one model's pool, from its backends' snapshot rows."""
     members = [b for b in backends if model in b["serves"] and b["draining_for"] is None]
     engines = [b["engine"] for b in members if b["engine"] is not None]
@@ -130,7 +130,7 @@ def pool_summary(model: str, backends: Sequence[BackendRow]) -> ModelPool:
 
 def disaggregation_summary(
     model: str,
-    backends: Sequence[BackendRow],
+    backends: Sequence[PoolMember],
     served: Mapping[str, float],
     leg_failures: Mapping[str, float],
     recent: Sequence[RequestRecord],
@@ -162,7 +162,7 @@ def disaggregation_summary(
 
 def model_rows(
     directory: ModelDirectory,
-    backends: Sequence[BackendRow],
+    backends: Sequence[PoolMember],
     described: Mapping[str, ModelDescription],
     default: ModelDescription,
     requests: Mapping[str, Mapping[str, float]],

@@ -70,6 +70,7 @@ SAME = frozenset(
         "load",
         "consecutive_failures",
         "joined_ago",
+        "backends_total",
         "sync_interval_s",
         "replicas",
         # A model's pool, as every worker sees it.

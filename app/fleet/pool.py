@@ -11,10 +11,11 @@ meanwhile, as a new backend that starts clean. Each pool of a model is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from app.config import BackendRole, Role
-from app.fleet.backend_row import BackendRow
+from app.fleet.backend_row import BackendRow, PoolMember
 from app.fleet.backends import (
     ANY_MODEL,
     TRAFFIC_TOKENIZER_STATES,
@@ -201,8 +202,25 @@ class BackendPool:
             if b.healthy and b.tokenizer_state not in TRAFFIC_TOKENIZER_STATES
         }
 
-    def snapshot(self, now: float) -> list[BackendRow]:
-        """The backends in the pool, then those draining."""
+    def members_summary(self, now: float) -> list[PoolMember]:
+        """What each model's pool row sums, of every backend in the pool or draining."""
+        draining = {d.backend: d.since for d in self.draining}
+        return [
+            {
+                "id": b.id,
+                "role": b.role,
+                "healthy": b.healthy,
+                "breakers": {model: b.breaker_state(now, model) for model in b.served},
+                "inflight": b.inflight,
+                "engine": engine_block(b.engine),
+                "serves": list(b.served),
+                "draining_for": None if b not in draining else now - draining[b],
+            }
+            for b in self.members
+        ]
+
+    def snapshot(self, now: float, backends: Sequence[Backend] | None = None) -> list[BackendRow]:
+        """The rows of `backends` (default: those in the pool, then those draining)."""
         draining = {d.backend: d for d in self.draining}
         return [
             {
@@ -239,7 +257,7 @@ class BackendPool:
                 "joined_ago": None if b.joined_at is None else now - b.joined_at,
                 "draining_for": None if b not in draining else now - draining[b].since,
             }
-            for b in self.members
+            for b in (self.members if backends is None else backends)
         ]
 
     @property

@@ -265,6 +265,8 @@ export function createBackendsPanel(root) {
     const draining = backends.filter(isDraining);
     if (draining.length) rows.push(groupRow("left the pool: draining their requests in flight"));
     for (const backend of draining) rows.push(backendRow(backend, null));
+    const total = snapshot.backends_total ?? backends.length;
+    if (total > backends.length) rows.push(groupRow(`showing ${count(backends.length)} of ${count(total)} backends: those draining, down or busiest; each pool's row counts them all`));
     const sources = snapshot.discovery || [];
     discovery.hidden = !sources.length;
     discovery.replaceChildren(el("span", {}, "Discovery: "), ...sources.map(sourceLine));
