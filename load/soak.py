@@ -211,6 +211,8 @@ class Soak:
         door = await open_door(self.stack, self.door, self.plain_backends, *flags)
         self.door_url, self.proxy_url = door.url, door.sluice
         self.proxy = next(p for p in self.stack.processes if p.pid == door.pids[0])
+        if self.fleet == "dns":
+            await self.rollout.ready(self.proxy_url)
         port = self.proxy_url.rsplit(":", 1)[1]
         self.proxy_args = [*flags, "--port", port]
         if self.door == "epp":  # restarted, the picker is where Envoy looks for it

@@ -42,6 +42,7 @@ TRAFFIC_WAIT_S = 30.0  # a joined engine's first request: interval + health chec
 LEAVE_WAIT_S = 10.0  # a removed record -> out of the pool: an interval, with room
 POLL_S = 0.1
 SCRAPE_WAIT_S = 10.0
+HEALTHY = "sluice_backend_healthy"
 REQUESTS = "sluice_backend_requests_total"
 INFLIGHT = "sluice_backend_inflight_requests"
 CHANGES = "sluice_discovery_changes_total"
@@ -95,8 +96,9 @@ def drains(samples: dict[str, float]) -> dict[str, float]:
 
 
 class Rollout:
-    """dnsmasq, the engines behind NAME, and the rollouts; `start` before Sluice, `roll`
-    while the soak runs. The Stack stops dnsmasq and the engines at the end."""
+    """dnsmasq, the engines behind NAME, and the rollouts; `start` before Sluice, `ready`
+    after it, `roll` while the soak runs. The Stack stops dnsmasq and the engines at the
+    end."""
 
     def __init__(self, stack: Stack, sim_flags: Sequence[str], now: Callable[[], float]):
         self.stack = stack
@@ -138,6 +140,18 @@ class Rollout:
         self.urls[address] = url
         self.records.add(address)
         return address
+
+    async def ready(self, proxy: str) -> None:
+        """Back once Sluice found the first engines and takes them (the soak's traffic
+        starts then: a request before is not a rollout's)."""
+        first = self.engines()
+
+        def healthy(samples: dict[str, float]) -> bool:
+            health = label_values(samples, HEALTHY, "backend")
+            return all(health.get(url) == 1 for url in first)
+
+        if not await self.wait(proxy, healthy, TRAFFIC_WAIT_S):
+            raise RuntimeError(f"Sluice did not find {', '.join(first)} through {self.source}")
 
     def engines(self) -> list[str]:
         return [self.urls[address] for address in self.records.serving]
