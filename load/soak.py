@@ -20,7 +20,9 @@ a loss (issue 32: "nothing lost"). `--sim-arg` passes flags to the simulated bac
 small `--max-num-seqs` makes a capacity the machine's CPUs can offer twice over). `--door
 epp` sends it all through a real Envoy asking Sluice as its endpoint picker (load/doors.py);
 `--fleet pd` serves it disaggregated, two prefill and two decode engines, a prefill engine
-the one killed.
+the one killed; `--fleet dns` finds two engines through a real dnsmasq (`--discover-dns`)
+and rolls one over every 3 min instead of the kill, drained before it stops, no window
+excused (load/soak_rollout.py).
 
 `/health` is polled every 5 ms. Every minute a line: requests, errors by kind (expected
 ones, 429s with Retry-After, 4xx for bad input, 502/503 while a backend was down, fast 503s
@@ -61,6 +63,7 @@ from load.soak_report import (
     excuse,
     print_minute,
 )
+from load.soak_rollout import Rollout
 from load.workloads import Request, Workload, completion, workload
 
 DOWN_GRACE_S = 10.0  # after a restart: health check interval (3 s) + breaker cooldown slack
@@ -122,6 +125,7 @@ class Soak:
         self.rng = random.Random(seed)
         self.seed = seed
         self.stack = Stack()
+        self.rollout = Rollout(self.stack, self.sim_flags, self.now)  # --fleet dns
         self.backends: list[str] = []
         self.roles: dict[str, list[str]] = {}  # each backend's role flags (--fleet pd)
         self.plain_backends: list[str] = []  # what the proxy gets as --backend
@@ -188,9 +192,11 @@ class Soak:
 
     async def start_stack(self) -> None:
         """Two engines that do both; or with `--fleet pd`, two prefill engines and two
-        decode engines (vLLM's flow), the second prefill engine the one killed."""
-        roles = PD_ROLES if self.fleet == "pd" else ("both", "both")
-        role_flags: list[str] = []
+        decode engines (vLLM's flow), the second prefill engine the one killed; or with
+        `--fleet dns`, two behind a DNS name, no --backend."""
+        roles = {"pd": PD_ROLES, "dns": ()}.get(self.fleet, ("both", "both"))
+        role_flags = await self.rollout.start() if self.fleet == "dns" else []
+        self.backends += self.rollout.engines()
         for role in roles:
             as_role = [] if role == "both" else ["--role", role]
             url = await self.stack.sim(*self.sim_flags, *as_role)
@@ -205,6 +211,8 @@ class Soak:
         door = await open_door(self.stack, self.door, self.plain_backends, *flags)
         self.door_url, self.proxy_url = door.url, door.sluice
         self.proxy = next(p for p in self.stack.processes if p.pid == door.pids[0])
+        if self.fleet == "dns":
+            await self.rollout.ready(self.proxy_url)
         port = self.proxy_url.rsplit(":", 1)[1]
         self.proxy_args = [*flags, "--port", port]
         if self.door == "epp":  # restarted, the picker is where Envoy looks for it
@@ -454,6 +462,8 @@ class Soak:
                 trio.open_nursery() as nursery,
             ):
                 self.pools = {"heavy": heavy, "light": light}
+                dns = self.fleet == "dns"
+                faults = partial(self.rollout.roll, self.proxy_url) if dns else self.kill_backends
                 nursery.start_soon(self.every_minute)
                 for key in KEYS:
                     nursery.start_soon(self.steady, key)
@@ -465,7 +475,7 @@ class Soak:
                     self.malformed,
                     self.poll_health,
                     self.watch_proxy,
-                    self.kill_backends,
+                    faults,
                 ):
                     nursery.start_soon(job)
                 await trio.sleep_until(self.trio_start + 60.0 * self.minutes + 0.5)

@@ -20,9 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fleet",
-        choices=("aggregated", "pd"),
+        choices=("aggregated", "pd", "dns"),
         default="aggregated",
-        help="two engines that do both, or (pd) two prefill and two decode engines",
+        help="two engines that do both, (pd) two prefill and two decode engines, or (dns) two "
+        "engines behind a DNS name, one replaced in a rolling replacement every 3 min",
     )
     parser.add_argument(
         "--proxy-arg", action="append", default=[], help="extra flag for `sluice serve`"
@@ -50,8 +51,8 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("soak: --minutes must be at least 1")
     if args.rate <= 0 or (args.load is not None and args.load <= 0):
         raise SystemExit("soak: --rate and --load must be above 0")
-    if args.fleet == "pd" and (args.door != "proxy" or args.load is not None):
-        raise SystemExit("soak: --fleet pd goes through the proxy door, at a --rate")
+    if args.fleet != "aggregated" and (args.door != "proxy" or args.load is not None):
+        raise SystemExit(f"soak: --fleet {args.fleet} goes through the proxy door, at a --rate")
     soak = Soak(
         args.minutes,
         args.seed,
