@@ -36,6 +36,8 @@ log = logging.getLogger("sluice.health")
 MODELS_PATH = "/v1/models"
 MODELS_REFRESH_S = 30.0
 IDLE_INTERVALS = 4
+# Probes started in one step of the loop: a fleet of a thousand starts them in slices.
+PROBES_PER_STEP = 50
 
 
 @dataclass(eq=False)
@@ -71,8 +73,10 @@ class HealthChecker:
         for gone in self._models_read_at.keys() - current:
             del self._models_read_at[gone]
         async with trio.open_nursery() as nursery:
-            for backend in self.pool.backends:
+            for n, backend in enumerate(list(self.pool.backends), 1):
                 nursery.start_soon(self.check, backend)
+                if n % PROBES_PER_STEP == 0:  # 1,000 task starts were one 6 ms step
+                    await trio.lowlevel.checkpoint()
 
     async def check(self, backend: Backend) -> None:
         was_healthy = backend.healthy
