@@ -55,6 +55,7 @@ from app.observe.export_metrics import ExportCollector
 from app.observe.kv_event_metrics import KvEventCollector
 from app.observe.loop_monitor import LoopMonitor
 from app.observe.metric_summaries import counts_by_label, counts_by_two_labels, tokenize_summary
+from app.observe.metrics import exposition_in_slices
 from app.observe.tracing import Tracer
 from app.observe.worker_metrics import WorkerInfo
 from app.preprocess.model_preps import check_one_tokenizer
@@ -220,7 +221,7 @@ class Sluice:
         return buckets.snapshot(trio.current_time()) if isinstance(buckets, SharedBudgets) else None
 
     async def metrics_text(self) -> bytes:
-        return self.metrics.render()
+        return await exposition_in_slices(self.metrics.registry)
 
     def kv_event_snapshots(self) -> dict[str, KvEventsSnapshot]:
         now = trio.current_time()

@@ -36,8 +36,11 @@ log = logging.getLogger("sluice.health")
 MODELS_PATH = "/v1/models"
 MODELS_REFRESH_S = 30.0
 IDLE_INTERVALS = 4
-# Probes started in one step of the loop: a fleet of a thousand starts them in slices.
+# Probes started in one step of the loop, and in flight at once: a fleet of a thousand
+# engines, probed all at once, woke a thousand tasks together as their answers came, and the
+# loop ran them all before anything else (25-50 ms late at 1,000 refused connects).
 PROBES_PER_STEP = 50
+PROBES_AT_ONCE = 64
 
 
 @dataclass(eq=False)
@@ -53,6 +56,9 @@ class HealthChecker:
     traffic: TrafficSource = NO_TRAFFIC
     # Backend id -> when its models were read.
     _models_read_at: dict[str, float] = field(default_factory=dict, init=False)
+    _probes: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(PROBES_AT_ONCE), init=False
+    )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Check once so the proxy starts with a true picture, then keep checking."""
@@ -80,7 +86,8 @@ class HealthChecker:
 
     async def check(self, backend: Backend) -> None:
         was_healthy = backend.healthy
-        ok, error = await self._probe(backend)
+        async with self._probes:
+            ok, error = await self._probe(backend)
         read_at = self._models_read_at.get(backend.id)
         due = read_at is None or trio.current_time() - read_at >= MODELS_REFRESH_S
         if ok and backend.probe_path != MODELS_PATH and (due or not was_healthy):

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Self, cast
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, disable_created_metrics
+import trio
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.values import MutexValue
@@ -208,3 +209,25 @@ class LoopMetrics:
             ["stage", "cause"],
             buckets=LOOP_BUCKETS,
         )
+
+
+class _OneCollector:
+    """A registry of one collector, as `generate_latest` reads a registry."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._collector = collector
+
+    def collect(self) -> Iterable[Metric]:
+        return self._collector.collect()
+
+
+async def exposition_in_slices(registry: CollectorRegistry) -> bytes:
+    """`registry`'s Prometheus text, one collector a step of the loop: it grows with the
+    fleet, and 1,000 backends' series in one piece held the loop 25 ms."""
+    parts = []
+    # prometheus_client keeps its collectors there, in registration order (its own collect()
+    # walks the same dict).
+    for collector in list(registry._collector_to_names):
+        parts.append(generate_latest(cast(CollectorRegistry, _OneCollector(collector))))
+        await trio.lowlevel.checkpoint()
+    return b"".join(parts)

@@ -19,12 +19,13 @@ from functools import partial
 from typing import Any
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from app.errors import ClientError
 from app.fleet.tokenizer_check import build_probe
 from app.http.exchange import Exchange
 from app.http.reply import error_reply
+from app.observe.metrics import exposition_in_slices
 from app.preprocess.arrival import Arrival, arrival
 from app.preprocess.endpoints import ENDPOINTS, STORED, STORED_RESPONSES, Endpoint
 from app.preprocess.reception import Reception
@@ -101,7 +102,7 @@ class ProxyApp:
             elif path == "/metrics":
                 content_type = b"text/plain; version=0.0.4; charset=utf-8"
                 headers = [(b"content-type", content_type)]
-                await exchange.respond(200, headers, generate_latest(self.registry))
+                await exchange.respond(200, headers, await exposition_in_slices(self.registry))
             else:
                 await self.models(exchange)
             return
