@@ -53,7 +53,7 @@ class Membership:
     def sighted(self, source: str, endpoints: Iterable[Endpoint]) -> Changes:
         """`source` sees exactly `endpoints` now."""
         before = self._current()
-        found = (replace(e, url=e.url.rstrip("/")) for e in endpoints)
+        found = (replace(e, url=e.url.rstrip("/")) if e.url.endswith("/") else e for e in endpoints)
         self.seen[source] = {e.url: e for e in found}
         after = self._current()
         joins: list[tuple[Endpoint, str]] = []

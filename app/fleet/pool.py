@@ -54,6 +54,9 @@ class BackendPool:
         """`configured`: URL -> the models a configuration names for that backend; `roles`:
         URL -> its role, for those not `both`."""
         self.backends: list[Backend] = []
+        # Each backend in the pool by its id and by its URL: `find` is asked once per join,
+        # and a thousand joins each scanning the pool were quadratic.
+        self._by_key: dict[str, Backend] = {}
         self.draining: list[Draining] = []
         # Whether any backend has a prefill or decode role: only then is a request's way
         # decided between one hop and two (app/routing/disaggregation.py).
@@ -105,11 +108,14 @@ class BackendPool:
             backend.tokenizer_state = "unchecked"
             backend.tokenizer_detail = "not checked yet"
         self.backends.append(backend)
+        self._by_key[backend.id] = self._by_key[backend.url] = backend
         return backend
 
     def drain(self, backend: Backend, now: float, timeout: float) -> None:
         """Out of the pool at once; its requests in flight have `timeout` seconds to end."""
         self.backends.remove(backend)
+        self._by_key.pop(backend.id, None)
+        self._by_key.pop(backend.url, None)
         self.draining.append(Draining(backend, now, now + timeout))
 
     def drained(self, now: float) -> list[Draining]:
@@ -120,11 +126,7 @@ class BackendPool:
         return done
 
     def find(self, id_or_url: str) -> Backend | None:
-        wanted = id_or_url.rstrip("/")
-        for backend in self.backends:
-            if wanted in (backend.id, backend.url):
-                return backend
-        return None
+        return self._by_key.get(id_or_url.rstrip("/"))
 
     def available(
         self, now: float, exclude: tuple[Backend, ...] = (), model: str | None = None
