@@ -6,7 +6,10 @@ backends of a fleet of hundreds the dashboard shows a row of."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -176,3 +179,22 @@ def test_a_fleet_of_hundreds_shows_the_backends_that_matter_and_counts_them_all(
     assert len(pool.members_summary(0.0)) == 200
     few = pool.members[:10]
     assert shown_backends(few, []) == few
+
+
+def test_kubernetes_discovery_without_credentials_stops_sluice_with_one_line(
+    tmp_path: Path,
+) -> None:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")
+    }
+    command = [sys.executable, "-m", "app", "serve", "--discover-k8s", "inference/app=vllm"]
+    ran = subprocess.run(
+        [*command, "--port", "0", "--dashboard-port", "0"],
+        env={**env, "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert ran.returncode == 2
+    assert ran.stderr.strip().splitlines()[-1].startswith("sluice: --discover-k8s: no Kubernetes")

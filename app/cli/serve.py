@@ -133,8 +133,8 @@ def run_until_stopped(
         for failure in _leaves(failed):
             print(f"sluice: {failure}", file=sys.stderr)
             status = worker_exit_status(failure) or 2
-    except* ConfigError as group:  # a bad setting, tokenizer or chat template
-        for exc in group.exceptions:
+    except* ConfigError as group:  # a bad setting, tokenizer, chat template or credentials
+        for exc in _leaves(group):  # raised in a nursery within a nursery, it comes nested
             print(f"sluice: {exc}", file=sys.stderr)
         status = 2
     return status
