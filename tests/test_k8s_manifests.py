@@ -1,4 +1,4 @@
-"""The Kubernetes manifests a user applies (deploy/kubernetes.yaml, and every YAML block of
+"""The Kubernetes manifests a user applies (app/fleet/kubernetes.yaml, and every YAML block of
 README.md) are valid against Kubernetes' own schemas (the `kubernetes-validate` package,
 strict: no unknown field), an InferencePool against its CRD's schema (vendored from the
 Gateway API Inference Extension: tests/inferencepool_schema.yaml; other custom resources,
@@ -21,7 +21,7 @@ from app.config import Settings
 from app.discovery_targets import K8sTarget
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFESTS = ROOT / "deploy" / "kubernetes.yaml"
+MANIFESTS = ROOT / "app" / "fleet" / "kubernetes.yaml"
 KUBERNETES = "1.33.0"
 CUSTOM_RESOURCES = ("keda.sh/v1alpha1",)  # no schema of theirs here
 INFERENCE_POOL = yaml.safe_load((Path(__file__).parent / "inferencepool_schema.yaml").read_text())
