@@ -15,6 +15,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import generate_latest
+
 from app.cli.rooms import RoomMetrics
 from load import compare, harness
 from load.bench import longprompts
@@ -41,10 +43,14 @@ def test_stall_seconds_by_stage_are_read_from_sluices_metrics_and_differenced() 
     metrics = RoomMetrics.create()
     stages = metrics.loop.loop_stall_stage_seconds
     stages.labels("app.routing.block_index:chain_hashes", "blocking").observe(0.02)
-    before = longprompts.stage_seconds(harness.parse_metrics(metrics.render().decode()))
+    before = longprompts.stage_seconds(
+        harness.parse_metrics(generate_latest(metrics.registry).decode())
+    )
     stages.labels("app.routing.block_index:chain_hashes", "blocking").observe(0.03)
     stages.labels("(no stack)", "gil-wait").observe(0.015)
-    after = longprompts.stage_seconds(harness.parse_metrics(metrics.render().decode()))
+    after = longprompts.stage_seconds(
+        harness.parse_metrics(generate_latest(metrics.registry).decode())
+    )
 
     delta = longprompts.stage_delta(before, after)
     assert delta.keys() == {"blocking", "gil-wait"}

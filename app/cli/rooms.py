@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from app.config import SGLANG_BOOTSTRAP_PORT, BackendRole, ServerSettings, Settings
 from app.fleet.metrics import FleetMetrics
@@ -117,6 +117,3 @@ class RoomMetrics:
             TrafficRecorder(),
             PdMetrics(registry),
         )
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -254,14 +254,13 @@ class Router:
                 self._chain_queued.set()
 
     def _route(self, candidates: Sequence[Backend], request: RouteRequest) -> Decision:
-        model = request.model
-        if model is not None and is_adapter(model, candidates):
-            candidates, tier = best_tier(candidates, model)
+        adapter = request.model if is_adapter(request.model, candidates) else None
+        if adapter is not None:
+            candidates, tier = best_tier(candidates, adapter)
             self.metrics.lora_routes.labels(tier=tier).inc()
-            decision = self._reserve(self.policy.choose(candidates, request), request)
-            decision.backend.adapters.used((model,), trio.current_time())
-        else:
-            decision = self._reserve(self.policy.choose(candidates, request), request)
+        decision = self._reserve(self.policy.choose(candidates, request), request)
+        if adapter is not None:
+            decision.backend.adapters.used((adapter,), trio.current_time())
         if self._cache_aware is not None and self._cache_aware.pending:
             self._chain_queued.set()
         return decision
