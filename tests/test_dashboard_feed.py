@@ -30,7 +30,7 @@ class Source:
         self.busy = 0.0
         self.peak = 0.0
 
-    def build(self) -> dict[str, Any]:
+    async def build(self) -> dict[str, Any]:
         self.calls += 1
         if self.calls in self.fail_on:
             raise RuntimeError("a bug in a snapshot")

@@ -153,12 +153,15 @@ class Sluice:
         log.info("saturation policy is now %s", policy)
         self.preprocessor.saturation = policy
 
-    def snapshot(self) -> Snapshot:
+    async def snapshot(self) -> Snapshot:
+        """What the dashboard shows, built in stages with the loop's other work between them:
+        each stage that reads every backend costs ~2-4 ms at 1,000 backends, ~12 ms in all."""
         now = trio.current_time()
         traffic = self.metrics.traffic
         members = self.pool.members
         shown = shown_backends(members, [d.backend for d in self.pool.draining])
         rows = self.pool.snapshot(now, shown)
+        await trio.lowlevel.checkpoint()
         metrics = self.metrics
         codes = counts_by_two_labels(metrics.doors.backend_requests, "backend", "code")
         answered = traffic.backends.snapshot(time.perf_counter())
@@ -178,6 +181,7 @@ class Sluice:
             counts_by_two_labels(metrics.pd.requests, "model", "reason"),
             counts_by_label(metrics.pd.leg_failures, "leg"),
         )
+        await trio.lowlevel.checkpoint()
         kv_events = self.kv_event_snapshots()
         gate = self.router.gate
         held_with_room = self.metrics.routing.admission.held_with_room_s
@@ -193,6 +197,11 @@ class Sluice:
             )
             for row, backend in zip(rows, shown, strict=True)
         ]
+        await trio.lowlevel.checkpoint()
+        routing = self.router.snapshot()
+        await trio.lowlevel.checkpoint()
+        signals = gate.signals()
+        await trio.lowlevel.checkpoint()
         held = {model or NO_MODEL: len(queue) for model, queue in gate.queues.items()}
         snapshot: Snapshot = {
             "time": now,
@@ -201,12 +210,12 @@ class Sluice:
             "models": models,
             "backends": backends,
             "backends_total": len(members),
-            "routing": self.router.snapshot(),
+            "routing": routing,
             "preprocess": self.preprocessor.snapshot(),
             "loop": self.monitor.snapshot(),
             "tokenize": tokenize_summary(self.metrics.preprocess),
             "requests": requests,
-            "admission": self.metrics.routing.admission.snapshot(held, now, gate.signals()),
+            "admission": self.metrics.routing.admission.snapshot(held, now, signals),
             "budgets": self.budgets_snapshot(),
             "notices": self.budget_sync.notices() if self.budget_sync else [],
         }

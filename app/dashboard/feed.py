@@ -48,7 +48,7 @@ MAX_SERIES = 16 + MAX_BACKENDS + MAX_MODELS
 # loop's lag), and the series' points carry their own time.
 QUIET_TICK_S = 5.0
 
-BuildSnapshot = Callable[[], Snapshot]
+BuildSnapshot = Callable[[], Awaitable[Snapshot]]
 # Gauges' maxima since the last call (read once a tick), so that short bursts still show.
 ReadOccupancy = Callable[[], Mapping[str, float]]
 
@@ -258,7 +258,7 @@ class DashboardFeed:
         derives, which a supervisor derives from its workers' sum; `records_after`: the
         request log's records after that seq only). In one piece, under `sluice demo`'s
         traffic, the whole series and log held the loop ~11 ms."""
-        snapshot = self._build()
+        snapshot = await self._build()
         await trio.lowlevel.checkpoint()
         if not counters:
             self._complete(snapshot)
@@ -266,7 +266,7 @@ class DashboardFeed:
         return self._records.serialise(snapshot, records_after)
 
     async def _tick(self) -> None:
-        snapshot = self._build()
+        snapshot = await self._build()
         await trio.lowlevel.checkpoint()
         self._window.push(trio.current_time(), raw_sample(snapshot, self._occupancy()))
         point = {k: _rounded(v) for k, v in derive_point(self._window, snapshot).items()}
@@ -276,7 +276,7 @@ class DashboardFeed:
             self._publish(snapshot)
 
     async def _publish_now(self) -> None:
-        self._publish(self._build())
+        self._publish(await self._build())
 
     def _publish(self, snapshot: Snapshot) -> None:
         """The payload every page gets: what came since the last one."""

@@ -183,7 +183,7 @@ class WorkersView:
             fallback += 1.0 if snapshot.get("preprocess", {}).get("fallback_busy") else 0.0
         return {**totals, "fallback_busy": fallback}
 
-    def snapshot(self) -> Snapshot:
+    async def snapshot(self) -> Snapshot:
         now = time.time()
         live = [self._latest[w.index][1] for w in self.workers if w.index in self._latest]
         # Before any worker answers, only what the supervisor knows itself: the page reads
