@@ -316,8 +316,14 @@ def k8s_targets(part: dict[str, Any]) -> list[str]:
             f"{relist['missed']} missed",
             relist["lists"] >= 1 and relist["missed"] == 0,
         )
+    # A stall is a step (or run of steps) of the loop over 10 ms; the lag probe's histogram
+    # bucket bounds the lateness from above, the OS's scheduling of these 2 cores included.
     worst = max(p["lag_max_ms"] for p in part["thousand"].values())
-    check(f"1,000 pods: the loop's worst lag {worst:g} ms < 10 ms", worst < 10.0)
+    stalls = sum(p["stalls"] for p in part["thousand"].values())
+    check(
+        f"1,000 pods: {stalls:g} loop stalls over 10 ms; worst lag <= {worst:g} ms",
+        stalls == 0 and worst <= 10.0,
+    )
     return lines
 
 
