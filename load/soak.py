@@ -29,8 +29,9 @@ ones, 429s with Retry-After, 4xx for bad input, 502/503 while a backend was down
 with Retry-After shed over `--max-connections`, apart from Sluice's own faults), each key's
 200 / 429 / expected / lost, the worst /health latency, stalls by cause from `/metrics` and
 the proxy's RSS. A proxy that dies is counted, its log kept, and restarted on its port. The
-verdict: crashes, requests lost to Sluice itself, RSS growth from the end of minute 1 to the
-end (targets: 0, 0, <= 10%).
+verdict: crashes, requests lost to Sluice itself, RSS growth besides the tokenizer caches
+(bounded by flags, they fill for minutes) from the end of minute 1 to the end (targets: 0,
+0, <= 10%).
 """
 
 from __future__ import annotations
