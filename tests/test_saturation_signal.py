@@ -7,6 +7,7 @@
   ratio plus every worker's held requests over the room, not a sum of the workers' figures;
 - the dashboard's merge of several workers' snapshots makes the figure again the same way;
 - the fair queue's oldest held request, and the gate's reading of a pool (autojump clock);
+- a disaggregated pool's share saturated by role, at /metrics with the model and role labels;
 - a real Sluice before a simulated GPU of one sequence: at /metrics with the model label, above
   1 while requests are held, 0 again once they are answered.
 """
@@ -19,16 +20,25 @@ import httpx
 import pytest
 import trio
 import trio.testing
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.config import BackendRole
 from app.dashboard.snapshot import Snapshot
 from app.dashboard.worker_snapshots import merge_snapshots
-from app.observe.saturation_signal import ModelSignal, combine, saturation
+from app.fleet.pool import BackendPool
+from app.observe.saturation_signal import (
+    ModelSignal,
+    RoleShare,
+    SaturationCollector,
+    combine,
+    saturation,
+)
 from app.observe.worker_metrics import merge_worker_metrics
 from app.routing.admission import Admission, FairQueue, Held
 from app.routing.decision import RouteRequest
 from tests.conftest import MODEL, StartSim, StartSluice, wait_until
-from tests.gate_fakes import Routes, gate_for, pool_of, reported
+from tests.gate_fakes import Routes, full, gate_for, pool_of, reported
 
 
 def test_the_figure_is_the_share_saturated_plus_held_over_the_room() -> None:
@@ -116,6 +126,56 @@ async def test_the_gate_reads_its_pool_held_requests_and_their_age(
         assert signal.held == 3 and signal.oldest_held_s == pytest.approx(2.0)
         assert signal.saturation == 1.0 + 3 / 2
         nursery.cancel_scope.cancel()
+
+
+async def test_a_disaggregated_pool_reads_each_roles_share_saturated(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    roles = {
+        f"http://{role}-{n}:8000": BackendRole(f"http://{role}-{n}:8000", role)
+        for role in ("prefill", "decode")
+        for n in range(2)
+    }
+    served = {url: ("m",) for url in roles}
+    pool = BackendPool(
+        tuple(roles), failures_to_open=3, cooldown=10.0, probe_path="/health",
+        configured=served, roles=roles,
+    )  # fmt: skip
+    now = trio.current_time()
+    for backend in pool.backends:
+        backend.healthy = True
+        full(backend, 4, at=now)
+        reported(backend, 0, 0, at=now)
+    prefill_0, _, decode_0, decode_1 = pool.backends
+    reported(prefill_0, 4, 2, at=now)  # its own queue is not empty: saturated
+    (signal,) = gate_for(pool, Routes()).signals()
+    assert signal.roles == (RoleShare("decode", 2, 0), RoleShare("prefill", 2, 1))
+    assert signal.engines_saturated_ratio == 0.25
+    decode_0.healthy = decode_1.healthy = False
+    (signal,) = gate_for(pool, Routes()).signals()
+    assert signal.roles == (RoleShare("decode", 0, 0), RoleShare("prefill", 2, 1))
+    assert [share.ratio for share in signal.roles] == [1.0, 0.5]  # no decode engine: 1
+
+
+def test_the_role_shares_are_exported_with_model_and_role_labels() -> None:
+    registry = CollectorRegistry()
+    signal = ModelSignal(
+        "m", 4, 1, 0, 16, 0.0, (RoleShare("decode", 2, 0), RoleShare("prefill", 2, 1))
+    )
+    SaturationCollector(registry).set_function(lambda: [signal])
+    samples = [
+        sample
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+        if sample.name == "sluice_admission_role_engines_saturated_ratio"
+    ]
+    assert {(s.labels["model"], s.labels["role"]): s.value for s in samples} == {
+        ("m", "decode"): 0.0,
+        ("m", "prefill"): 0.5,
+    }
+    plain = ModelSignal("m", 4, 1, 0, 16, 0.0)
+    SaturationCollector(other := CollectorRegistry()).set_function(lambda: [plain])
+    assert b"sluice_admission_role_engines_saturated_ratio{" not in generate_latest(other)
 
 
 def saturation_of(text: str) -> dict[str, float]:

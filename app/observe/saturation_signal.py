@@ -16,6 +16,11 @@ Design rules (app/README.md, *Admission*, says why these and not others):
    and behind on the others', so the largest is the least stale), the held requests summed
    (each worker holds its own), the largest room (the same engines). A mean would halve a
    saturation only one worker has seen yet; a sum would count each engine N times.
+4. A disaggregated model (engines with prefill and decode roles) also gives each role's
+   share of engines saturated, `sluice_admission_role_engines_saturated_ratio{model,role}`:
+   the prefill and decode Deployments scale apart (a role with no engine taking traffic
+   reads 1). Held requests count in the model's figure only: a held request waits for a
+   way through the pool, not for one role.
 """
 
 from __future__ import annotations
@@ -33,7 +38,22 @@ ENGINES_SATURATED = "sluice_admission_engines_saturated_ratio"
 ROOM = "sluice_admission_room"
 OLDEST_HELD = "sluice_admission_oldest_held_seconds"
 HELD = "sluice_admission_held"  # declared with the gate's other metrics (routing/metrics.py)
+ROLE_ENGINES_SATURATED = "sluice_admission_role_engines_saturated_ratio"
 MODEL_LABEL = "model"
+ROLE_LABEL = "role"
+
+
+@dataclass(frozen=True)
+class RoleShare:
+    """A disaggregated model's engines of one role (`prefill`, `decode`, or `both`)."""
+
+    role: str
+    engines: int  # of that role, taking traffic
+    saturated: int
+
+    @property
+    def ratio(self) -> float:
+        return self.saturated / self.engines if self.engines else 1.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +66,7 @@ class ModelSignal:
     held: int  # its requests held at the proxy
     room: int  # sequences its engines run at once (unknown: what each runs now, at least 1)
     oldest_held_s: float  # how long its longest-held request has waited (0: none held)
+    roles: tuple[RoleShare, ...] = ()  # rule 4: a disaggregated model's, by role
 
     @property
     def engines_saturated_ratio(self) -> float:
@@ -133,3 +154,13 @@ class SaturationCollector(ReadAtScrape):
             for signal in signals:
                 family.add_metric([signal.model], value(signal))
             yield family
+        by_role = GaugeMetricFamily(
+            ROLE_ENGINES_SATURATED,
+            "Share of a disaggregated model's engines of one role (prefill, decode, both) "
+            "taking traffic that are saturated: what each role's Deployment scales on",
+            labels=[MODEL_LABEL, ROLE_LABEL],
+        )
+        for signal in signals:
+            for share in signal.roles:
+                by_role.add_metric([signal.model, share.role], share.ratio)
+        yield by_role

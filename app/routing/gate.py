@@ -33,7 +33,7 @@ from app.fleet.pool import BackendPool
 from app.fleet.saturation import queue_allowance, reports_room, saturation
 from app.models import NO_MODEL
 from app.observe.admission_stats import AdmissionStats
-from app.observe.saturation_signal import ModelSignal
+from app.observe.saturation_signal import ModelSignal, RoleShare
 from app.routing.admission import Admission, FairQueue, Held
 from app.routing.decision import Decision, RouteRequest
 from app.routing.refusal import Overloaded, ShedReason
@@ -121,7 +121,8 @@ class Gate:
         models.update(model for model, queue in self.queues.items() if queue)
         signals = []
         for model in sorted(models, key=lambda m: m or ""):
-            engines = [judged[b] for b in self.pool.available(now, (), model)]
+            available = self.pool.available(now, (), model)
+            engines = [judged[b] for b in available]
             queue = self.queues.get(model)
             oldest = queue.oldest_arrival() if queue else None
             signals.append(
@@ -132,9 +133,26 @@ class Gate:
                     len(queue) if queue else 0,
                     sum(room for _, room in engines),
                     0.0 if oldest is None else now - oldest,
+                    self._role_shares(model, available, judged) if self.pool.disaggregated else (),
                 )
             )
         return signals
+
+    def _role_shares(
+        self,
+        model: str | None,
+        available: list[Backend],
+        judged: dict[Backend, tuple[bool, int]],
+    ) -> tuple[RoleShare, ...]:
+        """Each role among the model's engines (taking traffic or not): those taking
+        traffic, and how many of them are saturated."""
+        members = (b for b in self.pool.backends if model is None or model in b.served)
+        counts = {b.role: [0, 0] for b in members}
+        for backend in available:
+            count = counts[backend.role]
+            count[0] += 1
+            count[1] += judged[backend][0]
+        return tuple(RoleShare(role, n, full) for role, (n, full) in sorted(counts.items()))
 
     def _full_for_signal(self, backend: Backend, now: float) -> bool:
         """Saturated for an autoscaler: the gate holds requests back from it, or its engine's
