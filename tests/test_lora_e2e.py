@@ -1,10 +1,10 @@
 """LoRA adapters through a real Sluice in front of simulated engines over HTTP: requests for an
 adapter go to the engine whose slots hold it, the next adapter to an engine with a free slot
 (the dashboard's backend rows show them); with `--lora-load-on-demand`, concurrent first
-requests for an adapter no engine lists load it once and are all answered, a full engine
-unloads its least recently used adapter first, an SGLang engine's refusal when full is learnt
-and answered by an unload, and a load that cannot succeed is an OpenAI-shaped 503 after its
-retries."""
+requests for an adapter no engine lists load it once and are all answered, a hot adapter
+whose engine is full is loaded on one more, a full engine unloads its least recently used
+adapter first, an SGLang engine's refusal when full is learnt and answered by an unload, and
+a load that cannot succeed is an OpenAI-shaped 503 after its retries."""
 
 from __future__ import annotations
 
@@ -99,6 +99,31 @@ async def test_concurrent_first_requests_load_an_adapter_once(
     assert sorted(adapters, key=sorted) == [{"x"}, {"z"}]
     metrics = (await client.get(running.proxy_url + "/metrics")).text
     assert metrics.count('sluice_lora_unloads_total{backend="') == 1
+
+
+async def test_a_hot_adapter_is_loaded_on_one_more_engine_when_its_holder_is_full(
+    start_sim: StartSim, start_sluice: StartSluice, client: httpx.AsyncClient
+) -> None:
+    two_seats = dataclasses.replace(LORA, max_num_seqs=2, inter_token_latency=0.02)
+    sims = [await start_sim(two_seats, seed=i) for i in range(2)]
+    running = await start_sluice(
+        [sim.url for sim in sims], lora_load_on_demand=True, adapters=TABLE
+    )
+    await reported(client, running)
+    assert (await ask(client, running, "x")).status_code == 200
+    assert sorted(sim.app.state()["lora"]["loads"] for sim in sims) == [0, 1]
+    answers: list[httpx.Response] = []
+
+    async def one() -> None:
+        body = {**chat("x"), "max_tokens": 40}
+        answers.append(await client.post(running.proxy_url + "/v1/chat/completions", json=body))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(8):  # four times the holder's seats
+            nursery.start_soon(one)
+    assert [a.status_code for a in answers] == [200] * 8
+    assert [sim.app.state()["lora"]["loads"] for sim in sims] == [1, 1]
+    assert len({a.headers["x-sluice-backend"] for a in answers}) == 2
 
 
 async def test_an_sglang_refusal_when_full_is_answered_by_an_unload(

@@ -1,9 +1,9 @@
 """LoRA adapters without I/O: vLLM's `vllm:lora_requests_info` read off an exposition, an
 engine's modelled slots and the affinity tiers (the lora-affinity scorer's order), the
 candidates cut to the best tier, the on-demand ledger (one flight per adapter, where a load
-goes, which adapter a full engine unloads, retries and giving up), the fleet file's
-`[adapters]` table, and an adapter's context window, tokenizer and template taken from its
-base."""
+goes, which adapter a full engine unloads, retries and giving up, a hot adapter loaded on
+one more engine), the fleet file's `[adapters]` table, and an adapter's context window,
+tokenizer and template taken from its base."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from app.cli.config_file import read_config
 from app.cli.rooms import RoomMetrics, preprocess_settings
 from app.config import ModelConfig, Settings
 from app.errors import ConfigError
-from app.fleet.adapter_ledger import MAX_ATTEMPTS, AdapterLedger, Placement
+from app.fleet.adapter_ledger import MAX_ATTEMPTS, REPLICATE_EVERY_S, AdapterLedger, Placement
 from app.fleet.adapters import LoraReport, Residency, adapter_parents, read_lora
 from app.fleet.backends import Backend
 from app.fleet.catalog import ModelCatalog
@@ -119,6 +119,33 @@ def test_a_load_goes_to_an_engine_of_its_base_with_a_free_slot() -> None:
     ledger.loaded(flight, free)
     assert "sql" in free.served and free.adapters.parents["sql"] == BASE
     assert ledger.ready_on("sql", [full, free], 0.0) == [free]
+
+
+def test_a_hot_adapter_is_loaded_on_one_more_engine_with_room() -> None:
+    ledger = AdapterLedger(TABLE)
+    holder = engine("http://holder:8000", ("sql",))
+    spare = engine("http://spare:8000")
+    no_slot = engine("http://no-slot:8000", ("chat", "x"))
+    backends = [holder, spare, no_slot]
+
+    def room_but_holder(backend: Backend) -> bool:
+        return backend is not holder
+
+    assert ledger.replicate("sql", [holder], backends, 0.0, lambda b: True) is None
+    flight = ledger.replicate("sql", [holder], backends, 0.0, room_but_holder)
+    assert flight is not None and flight.replica_on is spare  # never the engine without a slot
+    assert ledger.replicate("sql", [holder], backends, 0.0, room_but_holder) is None  # in flight
+    ledger.loaded(flight, spare)
+    assert ledger.ready_on("sql", backends, 1.0) == [holder, spare]
+    later = REPLICATE_EVERY_S + 1.0
+    assert ledger.replicate("sql", [holder, spare], backends, 1.0, lambda b: False) is None
+    # Both holders full again, later: the one engine with room has no free slot.
+    assert ledger.replicate("sql", [holder, spare], backends, later, lambda b: b is no_slot) is None
+    other = engine("http://other:8000")
+    flight = ledger.replicate(
+        "sql", [holder, spare], [*backends, other], later, lambda b: b is other
+    )
+    assert flight is not None and flight.replica_on is other
 
 
 def test_a_full_engine_unloads_its_least_recently_used_adapter_of_the_table() -> None:

@@ -19,13 +19,18 @@ The rules:
   engine of the base if there is one, at most `MAX_ATTEMPTS` times in all; a refusal of an
   engine that held adapters is taken for "full": its capacity is learnt, and the retry on it
   unloads one first.
+- A hot adapter is loaded on one more engine (`replicate`) when every engine that lists it
+  is full (the gate holds its requests back) while an engine of its base that does not
+  list it has room and a free slot: one such load at a time per adapter, at most one every
+  `REPLICATE_EVERY_S` (the new engine's share of the traffic shows before the next), one
+  attempt, and never unloading another adapter for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from app.fleet.backends import Backend
@@ -33,6 +38,7 @@ from app.models import AdapterConfig
 
 MAX_ATTEMPTS = 3
 BACKOFF_S = 0.2
+REPLICATE_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class Flight:
     tried: list[Backend] = field(default_factory=list)
     loaded_on: Backend | None = None
     error: str | None = None
+    replica_on: Backend | None = None  # a hot adapter's one more engine (`replicate`)
 
     @property
     def over(self) -> bool:
@@ -86,6 +93,7 @@ class AdapterLedger:
         self.flights: dict[str, Flight] = {}
         # Backend id -> adapters it held when it refused a load (its capacity, learnt).
         self.learnt_capacity: dict[str, int] = {}
+        self.replicated_at: dict[str, float] = {}  # by adapter: its last replica's start
 
     def ready_on(self, adapter: str, backends: Sequence[Backend], now: float) -> list[Backend]:
         """The engines that take `adapter`'s traffic and list it."""
@@ -112,6 +120,39 @@ class AdapterLedger:
         if flight is not None and not flight.over:
             return None
         self.flights[adapter] = flight = Flight(adapter)
+        return flight
+
+    def replicate(
+        self,
+        adapter: str,
+        listing: Sequence[Backend],
+        backends: Sequence[Backend],
+        now: float,
+        has_room: Callable[[Backend], bool],
+    ) -> Flight | None:
+        """A flight loading `adapter` on one more engine, or None: while an engine that
+        lists it (`listing`) has room, a load of it is under way, its last replica is
+        younger than `REPLICATE_EVERY_S`, or no other engine of its base has room and a
+        free slot."""
+        if not listing or any(has_room(b) for b in listing):
+            return None
+        if now - self.replicated_at.get(adapter, -math.inf) < REPLICATE_EVERY_S:
+            return None
+        current = self.flights.get(adapter)
+        if current is not None and not current.over:
+            return None
+        spare = [
+            b
+            for b in self.hosts(adapter, backends, now)
+            if adapter not in b.served
+            and len(b.adapters.parents) < self.capacity(b)
+            and has_room(b)
+        ]
+        if not spare:
+            return None
+        self.replicated_at[adapter] = now
+        target = min(rendezvous_order(adapter, spare), key=lambda b: b.load)
+        self.flights[adapter] = flight = Flight(adapter, replica_on=target)
         return flight
 
     def place(self, flight: Flight, backends: Sequence[Backend], now: float) -> Placement | None:

@@ -1,11 +1,14 @@
 """Loading LoRA adapters on demand, the edge: adapter_ledger.py decides, this carries it out
 over HTTP and tells the ledger how it went.
 
-`ready(model)` is asked before a request for a model is routed: for an adapter of the
-`[adapters]` table that no engine taking its traffic lists, it starts the adapter's one
+`ready(model, has_room)` is asked before a request for a model is routed: for an adapter of
+the `[adapters]` table that no engine taking its traffic lists, it starts the adapter's one
 load (in this loader's own nursery, so a client that leaves does not cut it) and waits for
 it, at most `wait_timeout` seconds; a load that failed or took longer is a 503 in OpenAI's
 shape (`adapter_not_loaded`). Every other request for it meanwhile waits on the same load.
+For one that engines list but none of them has room (`has_room`, the gate's judgement), it
+may start loading it on one more engine (adapter_ledger.py, `replicate`) and does not wait:
+the request is held for the engines that have it, and the new one joins them once loaded.
 
 The engines' endpoints: vLLM `POST /v1/load_lora_adapter` with `{"lora_name",
 "lora_path"}` and `/v1/unload_lora_adapter` with `{"lora_name"}` (a vLLM started with
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import trio
@@ -82,19 +85,23 @@ class AdapterLoader:
             async for flight in self._flights:
                 nursery.start_soon(self._fly, flight)
 
-    async def ready(self, model: str | None) -> None:
+    async def ready(self, model: str | None, has_room: Callable[[Backend], bool]) -> None:
         """Return once `model` can be routed: at once for any model but an adapter of the
         table that no engine lists; for that one, once its load landed. `Refused` (503)
         when the load failed or outlasted `wait_timeout`."""
         ledger = self.ledger
         if model is None or model not in ledger.table:
             return
-        if ledger.ready_on(model, self.pool.backends, trio.current_time()):
+        now = trio.current_time()
+        listing = ledger.ready_on(model, self.pool.backends, now)
+        if listing:
+            replica = ledger.replicate(model, listing, self.pool.backends, now, has_room)
+            if replica is not None:
+                self._take_off(replica)
             return
         flight = ledger.begin(model)
         if flight is not None:
-            self._landed[model] = trio.Event()
-            self._takeoffs.send_nowait(flight)
+            self._take_off(flight)
         flight, landed = ledger.flights[model], self._landed[model]
         with trio.move_on_after(self.wait_timeout):
             await landed.wait()
@@ -103,7 +110,14 @@ class AdapterLoader:
         why = flight.error or f"not loaded within {self.wait_timeout:g}s"
         raise adapter_not_loaded(model, why)
 
+    def _take_off(self, flight: Flight) -> None:
+        self._landed[flight.adapter] = trio.Event()
+        self._takeoffs.send_nowait(flight)
+
     async def _fly(self, flight: Flight) -> None:
+        if flight.replica_on is not None:
+            await self._replicate(flight, flight.replica_on)
+            return
         ledger = self.ledger
         placement = ledger.place(flight, self.pool.backends, trio.current_time())
         if placement is None:
@@ -123,6 +137,23 @@ class AdapterLoader:
                 break
             await trio.sleep(retry.after_s)
             placement = retry.placement
+        self._landed[flight.adapter].set()
+
+    async def _replicate(self, flight: Flight, backend: Backend) -> None:
+        """One attempt on the engine `replicate` chose; a failure waits for the next chance."""
+        failure = await self._attempt(flight.adapter, Placement(backend, None))
+        if failure is None:
+            self.ledger.loaded(flight, backend)
+            log.info(
+                "LoRA adapter %s (hot) loaded on one more engine, %s", flight.adapter, backend.url
+            )
+        else:
+            self.ledger.gave_up(flight, failure[0])
+            log.warning(
+                "loading hot LoRA adapter %s on one more engine failed: %s",
+                flight.adapter,
+                failure[0],
+            )
         self._landed[flight.adapter].set()
 
     async def _attempt(self, adapter: str, placement: Placement) -> tuple[str, bool] | None:

@@ -20,6 +20,7 @@ serve it); each door answers it in its own protocol through `app.errors.answer_f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,7 +78,7 @@ class RequestContext:
 class AdapterLoading(Protocol):
     """Loads a LoRA adapter no engine has, before its request is routed."""
 
-    async def ready(self, model: str | None) -> None: ...
+    async def ready(self, model: str | None, has_room: Callable[[Backend], bool]) -> None: ...
 
 
 class Decider:
@@ -97,12 +98,15 @@ class Decider:
                 facts.admission.tenant, route.model, facts.prompt_tokens, facts.tokens_per_minute
             )
             if self.adapters is not None:
-                await self.adapters.ready(route.model)
+                await self.adapters.ready(route.model, self._has_room)
         decision = await self.router.choose(route, exclude, facts.admission)
         if decision is None:
             raise no_backend(route.model, self.pool.tokenizer_refusals())
         decision.fallbacks = self._fallbacks(decision.backend, route, exclude)
         return decision
+
+    def _has_room(self, backend: Backend) -> bool:
+        return self.router.gate.saturated(backend) is None
 
     def _fallbacks(
         self, primary: Backend, route: RouteRequest, exclude: tuple[Backend, ...]
