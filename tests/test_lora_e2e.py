@@ -115,13 +115,14 @@ async def test_a_hot_adapter_is_loaded_on_one_more_engine_when_its_holder_is_ful
     answers: list[httpx.Response] = []
 
     async def one() -> None:
-        body = {**chat("x"), "max_tokens": 40}
+        body = {**chat("x"), "max_tokens": 40}  # 0.8 s on one of its engine's 2 seats
         answers.append(await client.post(running.proxy_url + "/v1/chat/completions", json=body))
 
     async with trio.open_nursery() as nursery:
-        for _ in range(8):  # four times the holder's seats
+        for _ in range(16):  # 4 a second, where its engine answers 2.5: a queue grows there
             nursery.start_soon(one)
-    assert [a.status_code for a in answers] == [200] * 8
+            await trio.sleep(0.25)
+    assert [a.status_code for a in answers] == [200] * 16
     assert [sim.app.state()["lora"]["loads"] for sim in sims] == [1, 1]
     assert len({a.headers["x-sluice-backend"] for a in answers}) == 2
 

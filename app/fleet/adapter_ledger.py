@@ -20,10 +20,10 @@ The rules:
   engine that held adapters is taken for "full": its capacity is learnt, and the retry on it
   unloads one first.
 - A hot adapter is loaded on one more engine (`replicate`) when every engine that lists it
-  is full (the gate holds its requests back) while an engine of its base that does not
-  list it has room and a free slot: one such load at a time per adapter, at most one every
-  `REPLICATE_EVERY_S` (the new engine's share of the traffic shows before the next), one
-  attempt, and never unloading another adapter for it.
+  is full (the gate holds requests back from it, or it queues them) while an engine of its
+  base that does not list it has room and a free slot: one such load at a time per adapter,
+  at most one every `REPLICATE_EVERY_S` (the new engine's share of the traffic shows before
+  the next), one attempt, and never unloading another adapter for it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ the `[adapters]` table that no engine taking its traffic lists, it starts the ad
 load (in this loader's own nursery, so a client that leaves does not cut it) and waits for
 it, at most `wait_timeout` seconds; a load that failed or took longer is a 503 in OpenAI's
 shape (`adapter_not_loaded`). Every other request for it meanwhile waits on the same load.
-For one that engines list but none of them has room (`has_room`, the gate's judgement), it
-may start loading it on one more engine (adapter_ledger.py, `replicate`) and does not wait:
-the request is held for the engines that have it, and the new one joins them once loaded.
+For one that engines list but none of them has room (`has_room`: the gate holds requests
+back from it, or its engine queues them), it may start loading it on one more engine
+(adapter_ledger.py, `replicate`) and does not wait: the request goes the usual way, and the
+new engine joins the adapter's pool once loaded.
 
 The engines' endpoints: vLLM `POST /v1/load_lora_adapter` with `{"lora_name",
 "lora_path"}` and `/v1/unload_lora_adapter` with `{"lora_name"}` (a vLLM started with

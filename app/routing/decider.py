@@ -106,7 +106,7 @@ class Decider:
         return decision
 
     def _has_room(self, backend: Backend) -> bool:
-        return self.router.gate.saturated(backend) is None
+        return not self.router.gate.full(backend, trio.current_time())
 
     def _fallbacks(
         self, primary: Backend, route: RouteRequest, exclude: tuple[Backend, ...]

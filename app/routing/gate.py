@@ -114,9 +114,7 @@ class Gate:
         model a backend serves, and any for which requests are held. Each backend is judged
         once, whatever the number of models it serves."""
         now = trio.current_time()
-        judged = {
-            b: (self._full_for_signal(b, now), _room_for_signal(b, now)) for b in self.pool.backends
-        }
+        judged = {b: (self.full(b, now), _room_for_signal(b, now)) for b in self.pool.backends}
         models: set[str | None] = {m for b in self.pool.backends for m in b.served}
         models.update(model for model, queue in self.queues.items() if queue)
         signals = []
@@ -154,9 +152,10 @@ class Gate:
             count[1] += judged[backend][0]
         return tuple(RoleShare(role, n, full) for role, (n, full) in sorted(counts.items()))
 
-    def _full_for_signal(self, backend: Backend, now: float) -> bool:
-        """Saturated for an autoscaler: the gate holds requests back from it, or its engine's
-        current report shows its own queue (an engine whose room is unknown queues there)."""
+    def full(self, backend: Backend, now: float) -> bool:
+        """Saturated for an autoscaler (and for spreading a hot LoRA adapter): the gate holds
+        requests back from it, or its engine's current report shows its own queue (an engine
+        whose room is unknown queues there)."""
         queueing = backend.report_current(now) and backend.reported_waiting > 0
         return queueing or self.saturated(backend) is not None
 
