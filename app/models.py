@@ -37,6 +37,12 @@ class ModelDirectory:
     served: frozenset[str] = frozenset()
     aliases: Mapping[str, str] = field(default_factory=dict)  # alias -> served name
     windows: Mapping[str, int] = field(default_factory=dict)  # served name -> context window
+    # A LoRA adapter -> its base model, whose tokenizer and template it is prepared with.
+    bases: Mapping[str, str] = field(default_factory=dict)
+
+    def prepared_as(self, model: str) -> str:
+        """The model whose tokenizer and template `model`'s requests use: an adapter's base."""
+        return self.bases.get(model, model)
 
     @property
     def only(self) -> str | None:

@@ -7,6 +7,7 @@ tokenizer and template taken from its base."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from app.fleet.backends import Backend
 from app.fleet.catalog import ModelCatalog
 from app.models import AdapterConfig
 from app.preprocess.pipeline import Preprocessor
+from app.preprocess.rendering import resolve
+from app.preprocess.request_bodies import parse_request
 from app.routing.adapter_affinity import best_tier, is_adapter
 from tests.fakes import write_word_tokenizer
 
@@ -240,3 +243,23 @@ def test_an_adapter_of_the_table_is_prepared_as_its_base(tmp_path: Path) -> None
     preps = Preprocessor(preprocess_settings(settings), RoomMetrics.create().preprocess).preps
     assert preps.for_model("w-sql") is preps.for_model("w")
     assert preps.for_model("any") is preps.default
+
+
+def test_an_adapter_only_an_engine_lists_is_prepared_as_its_base(tmp_path: Path) -> None:
+    words = str(write_word_tokenizer(tmp_path / "words", ["lora"]))
+    settings = Settings(models=(ModelConfig("w", ("http://b:1",), tokenizer=words),))
+    preps = Preprocessor(preprocess_settings(settings), RoomMetrics.create().preprocess).preps
+    backend = Backend("http://b:1", healthy=True)
+    cards = [card("w"), card("w-sql", "w")]
+    backend.set_models(cards)
+    backend.adapters.listed(cards)
+    directory = ModelCatalog((), None, ()).directory([backend])
+    assert directory.bases == {"w-sql": "w"}
+    assert preps.for_model("w-sql", directory) is preps.for_model("w")
+    assert preps.for_model("w-sql") is preps.default  # without the directory, no base known
+    plan = preps.plan(directory, None)
+    parsed = parse_request(
+        "chat",
+        json.dumps({"model": "w-sql", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    )
+    assert resolve(parsed, "w-sql", plan).spec == preps.for_model("w").spec

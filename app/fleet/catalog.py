@@ -90,7 +90,12 @@ class ModelCatalog:
             window = self._window(name, backends)
             if window is not None:
                 windows[name] = window
-        return ModelDirectory(frozenset(served), dict(self._aliases), windows)
+        bases = {
+            name: base
+            for name in served
+            if (base := self.base_of(name, backends)) is not None and base != name
+        }
+        return ModelDirectory(frozenset(served), dict(self._aliases), windows, bases)
 
     def _window(self, name: str, backends: Sequence[Backend]) -> int | None:
         table = self.configured.get(name)

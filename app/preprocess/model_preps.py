@@ -129,8 +129,15 @@ class ModelPreps:
         """Every distinct spec, to warm the render workers up with."""
         return list(dict.fromkeys(prep.spec for prep in self._preps.values()))
 
-    def for_model(self, model: str | None) -> ModelPrep:
-        return self.default if model is None else self.by_model.get(model, self.default)
+    def for_model(self, model: str | None, models: ModelDirectory | None = None) -> ModelPrep:
+        """`model`'s prep; an adapter's is its base's (`models` knows which), else the
+        default's."""
+        if model is None:
+            return self.default
+        prep = self.by_model.get(model)
+        if prep is None and models is not None:
+            prep = self.by_model.get(models.prepared_as(model))
+        return prep or self.default
 
     def plan(self, models: ModelDirectory | None, allowed: frozenset[str] | None) -> RenderPlan:
         return RenderPlan(

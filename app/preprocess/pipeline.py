@@ -217,7 +217,7 @@ class Preprocessor:
         if rendered is None:
             only = models.only if models is not None else None
             return _bailed_out(only, template_seconds)
-        prep = self.preps.for_model(rendered.model)
+        prep = self.preps.for_model(rendered.model, models)
         if rendered.messages:
             label = rendered.model or NO_MODEL
             self._metrics.template_seconds.labels(model=label).observe(template_seconds)

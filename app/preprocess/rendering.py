@@ -97,7 +97,8 @@ def resolve(parsed: ParsedRequest, model: str | None, plan: RenderPlan) -> Resol
     spec, window = plan.default, plan.window
     rewritten: bytes | None = None
     if model is not None:
-        spec = plan.by_model.get(model, plan.default)
+        as_model = plan.models.prepared_as(model) if plan.models is not None else model
+        spec = plan.by_model.get(model) or plan.by_model.get(as_model, plan.default)
         window = plan.models.windows.get(model) if plan.models is not None else None
         # An upload's form is forwarded as it came: the engine knows its names too.
         if parsed.model != model and parsed.kind != "form":
