@@ -1,9 +1,10 @@
 """LoRA adapters without I/O: vLLM's `vllm:lora_requests_info` read off an exposition, an
 engine's modelled slots and the affinity tiers (the lora-affinity scorer's order), the
-candidates cut to the best tier, the on-demand ledger (one flight per adapter, where a load
-goes, which adapter a full engine unloads, retries and giving up, a hot adapter loaded on
-one more engine), the fleet file's `[adapters]` table, and an adapter's context window,
-tokenizer and template taken from its base."""
+candidates cut to the best tier (or a wait for the adapter's holder rather than a swap
+elsewhere), the on-demand ledger (one flight per adapter, where a load goes, which adapter a
+full engine unloads, retries and giving up, a hot adapter loaded on one more engine), the
+fleet file's `[adapters]` table, and an adapter's context window, tokenizer and template
+taken from its base."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from app.models import AdapterConfig
 from app.preprocess.pipeline import Preprocessor
 from app.preprocess.rendering import resolve
 from app.preprocess.request_bodies import parse_request
-from app.routing.adapter_affinity import best_tier, is_adapter
+from app.routing.adapter_affinity import best_tier, holders_to_wait_for, is_adapter
 from tests.fakes import write_word_tokenizer
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
@@ -98,6 +99,21 @@ def test_a_request_for_an_adapter_goes_to_the_best_tier_only() -> None:
 
 
 TABLE = (AdapterConfig("sql", "/a/sql", BASE), AdapterConfig("chat", "/a/chat"))
+
+
+def test_an_adapter_waits_for_its_holder_rather_than_push_another_out() -> None:
+    holder = engine("http://holder:8000", ("sql", "chat", "x"))
+    holder.adapters.used(("sql",), 1.0)
+    busy_elsewhere = engine("http://other:8000", ("sql", "chat", "x"))
+    busy_elsewhere.adapters.used(("chat", "x"), 1.0)  # both its slots taken by others
+    free = engine("http://free:8000", ("sql", "chat", "x"))
+    everyone = [holder, busy_elsewhere, free]
+    assert holders_to_wait_for("sql", everyone, [busy_elsewhere]) == [holder]
+    assert holders_to_wait_for("sql", everyone, [busy_elsewhere, free]) == []  # a free slot
+    assert holders_to_wait_for("sql", everyone, [holder]) == []  # the holder has room
+    assert holders_to_wait_for(BASE, everyone, [busy_elsewhere]) == []  # no slot needed
+    nobody = [busy_elsewhere, free]
+    assert holders_to_wait_for("sql", nobody, [busy_elsewhere]) == []  # no holder to wait for
 
 
 def test_one_flight_per_adapter_until_it_is_over() -> None:

@@ -24,7 +24,7 @@ the watch on that rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 
 import trio
 
@@ -34,6 +34,7 @@ from app.fleet.saturation import queue_allowance, reports_room, saturation
 from app.models import NO_MODEL
 from app.observe.admission_stats import AdmissionStats
 from app.observe.saturation_signal import ModelSignal, RoleShare
+from app.routing.adapter_affinity import holders_to_wait_for
 from app.routing.admission import Admission, FairQueue, Held
 from app.routing.decision import Decision, RouteRequest
 from app.routing.refusal import Overloaded, ShedReason
@@ -180,6 +181,10 @@ class Gate:
         queue = self.queues.get(model)
         if queue is None or not queue.holds_ahead_of(admission.priority):
             open_ = self.with_room(candidates)
+            holders = holders_to_wait_for(model, candidates, open_) if open_ else []
+            if holders:  # its adapter's holders are full, and a swap elsewhere costs more
+                request = replace(request, only=frozenset(holders))
+                open_ = []
             if open_:
                 decision = self.route(open_, request)
                 self.stats.left(model, admission.tenant, admission.weight, 0.0)
