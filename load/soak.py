@@ -63,6 +63,7 @@ from load.soak_report import (
     Windows,
     excuse,
     print_minute,
+    within,
 )
 from load.soak_rollout import Rollout
 from load.workloads import Request, Workload, completion, workload
@@ -177,11 +178,17 @@ class Soak:
             f" (retry-after {record.retry_after})",
         )
 
-    def account_bad(self, bad: BadInput, status: int | None, error: str | None) -> None:
+    def account_bad(
+        self, bad: BadInput, status: int | None, error: str | None, sent_at: float, shed: bool
+    ) -> None:
+        """`shed`: a 503 that said when to come back; within a connection burst it is the
+        door refusing a connection over --max-connections before reading it, as for any."""
         minute = self.current
         minute.requests += 1
         if status is not None and 400 <= status < 500:
             minute.expected[f"4xx_bad_input:{status}"] += 1
+        elif status == 503 and shed and within(self.shedding, sent_at, self.now()):
+            minute.expected["shed_503"] += 1
         else:
             key = f"bad_input:{bad.name}:{status or error}"
             minute.sluice[key] += 1
@@ -384,11 +391,13 @@ class Soak:
                 index += 1
                 headers = {"content-type": bad.content_type}
                 request = encode(pool.netloc, "POST", bad.path, bad.body, headers)
+                sent_at = self.now()
                 try:
                     reply = await pool.send(request)
-                    self.account_bad(bad, reply.status, None)
+                    shed = "retry-after" in reply.headers
+                    self.account_bad(bad, reply.status, None, sent_at, shed)
                 except FAILURES as exc:
-                    self.account_bad(bad, None, type(exc).__name__)
+                    self.account_bad(bad, None, type(exc).__name__, sent_at, False)
 
     async def poll_health(self) -> None:
         async with Pool(self.proxy_url, timeout=30) as pool:

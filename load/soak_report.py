@@ -25,14 +25,14 @@ def excuse(
     told_when = record.retry_after is not None
     if kind == "http_429" and told_when:
         return "429_retry_after"
-    if kind in when_down and _within(down, record.start, end):
+    if kind in when_down and within(down, record.start, end):
         return f"backend_down:{kind}"
-    if kind == "http_503" and told_when and _within(shedding, record.start, end):
+    if kind == "http_503" and told_when and within(shedding, record.start, end):
         return "shed_503"
     return None
 
 
-def _within(windows: Windows, start: float, end: float) -> bool:
+def within(windows: Windows, start: float, end: float) -> bool:
     return any(start <= w[1] and end >= w[0] for w in windows)
 
 
