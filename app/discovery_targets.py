@@ -178,8 +178,15 @@ def check_discovery(flags: DiscoveryFlags) -> None:
         DnsTarget.parse(entry)
     if flags.dns_server is not None:
         DnsServer.parse(flags.dns_server)
-    if flags.discover_k8s is not None:
-        LabelSelector.parse(K8sTarget.parse(flags.discover_k8s).selector)
-    for selector in (flags.discover_k8s_prefill, flags.discover_k8s_decode):
+    pods = None if flags.discover_k8s is None else K8sTarget.parse(flags.discover_k8s).selector
+    selectors = {
+        "--discover-k8s": pods,
+        "--discover-k8s-prefill": flags.discover_k8s_prefill,
+        "--discover-k8s-decode": flags.discover_k8s_decode,
+    }
+    for flag, selector in selectors.items():
         if selector is not None:
-            LabelSelector.parse(selector)
+            try:
+                LabelSelector.parse(selector)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
